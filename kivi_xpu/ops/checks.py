@@ -1,0 +1,130 @@
+"""Argument validation shared by every implementation of the quantization ops.
+
+Each check raises a ``ValueError`` / ``TypeError`` that names the offending argument and the allowed values,
+so that bad input never reaches a kernel (where it could read out of bounds) and never produces silent garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+META_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def codes_per_byte(bits: int) -> int:
+    """How many quantized codes one uint8 holds (4 for 2-bit, 2 for 4-bit, 1 for 8-bit)."""
+    return 8 // bits
+
+
+def check_bits(bits, name: str = "bits") -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"`{name}` must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def check_group_size(group_size, bits: int, name: str = "group_size") -> None:
+    """A group must be a positive whole number of packed bytes (so groups never share a byte)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"`{name}` must be a positive integer, got {group_size!r}")
+    per = codes_per_byte(bits)
+    if group_size % per != 0:
+        raise ValueError(
+            f"`{name}` must be a multiple of {per} for {bits}-bit codes (whole bytes per group), got {group_size}"
+        )
+
+
+def check_float_tensor(t, name: str, rank: int = 4, dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"`{name}` must have rank {rank} [batch, heads, tokens, head_dim], got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"`{name}` must have dtype in ({_names(dtypes)}), got {t.dtype}")
+
+
+def check_meta_dtype(meta_dtype, name: str = "meta_dtype") -> None:
+    if meta_dtype not in META_DTYPES:
+        raise ValueError(f"`{name}` must be one of ({_names(META_DTYPES)}), got {meta_dtype!r}")
+
+
+def check_quantize_args(x: torch.Tensor, group_size: int, bits: int, meta_dtype, axis: str) -> None:
+    """Checks for ``quantize_keys`` (axis='tokens') and ``quantize_values`` (axis='channels')."""
+    check_float_tensor(x, "x")
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    check_meta_dtype(meta_dtype)
+    dim = 2 if axis == "tokens" else 3
+    if x.shape[dim] % group_size != 0:
+        what = "number of tokens x.shape[2]" if axis == "tokens" else "head_dim x.shape[3]"
+        raise ValueError(f"`group_size` ({group_size}) must divide the {what} ({x.shape[dim]})")
+
+
+def check_dequantize_args(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    num_tokens: int,
+    group_size: int,
+    bits: int,
+    out_dtype,
+    axis: str,
+) -> None:
+    """Checks for ``dequantize_keys`` (axis='tokens') and ``dequantize_values`` (axis='channels').
+
+    The packed buffers may be longer along the token axis than ``num_tokens`` (over-allocated storage);
+    only their first ``num_tokens`` tokens are read.
+    """
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    check_float_tensor(codes, "codes", dtypes=(torch.uint8,))
+    check_float_tensor(scales, "scales", dtypes=META_DTYPES)
+    check_float_tensor(zeros, "zeros", dtypes=META_DTYPES)
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"`out_dtype` must be one of ({_names(FLOAT_DTYPES)}), got {out_dtype!r}")
+    if scales.dtype != zeros.dtype:
+        raise TypeError(f"`scales` and `zeros` must share a dtype, got {scales.dtype} and {zeros.dtype}")
+    if scales.shape != zeros.shape:
+        raise ValueError(f"`scales` and `zeros` must have the same shape, got {tuple(scales.shape)} and {tuple(zeros.shape)}")
+    for t, name in ((codes, "codes"), (scales, "scales"), (zeros, "zeros")):
+        if t.device != codes.device:
+            raise ValueError(f"`{name}` is on {t.device} but `codes` is on {codes.device}: all must share a device")
+        if not t.is_contiguous():
+            raise ValueError(f"`{name}` must be contiguous (packed storage is laid out densely)")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"`num_tokens` must be a non-negative integer, got {num_tokens!r}")
+    per = codes_per_byte(bits)
+    b, h = codes.shape[:2]
+    if scales.shape[:2] != (b, h):
+        raise ValueError(
+            f"`scales` batch/heads {tuple(scales.shape[:2])} do not match `codes` batch/heads {(b, h)}"
+        )
+    if axis == "tokens":
+        if num_tokens % group_size != 0:
+            raise ValueError(f"`num_tokens` ({num_tokens}) must be a multiple of `group_size` ({group_size}) for keys")
+        head_dim = codes.shape[3]
+        need_rows, need_groups = num_tokens // per, num_tokens // group_size
+        if scales.shape[3] != head_dim:
+            raise ValueError(f"`scales` last dim {scales.shape[3]} must equal head_dim {head_dim} (per-channel keys)")
+        if codes.shape[2] < need_rows or scales.shape[2] < need_groups:
+            raise ValueError(
+                f"`num_tokens` ({num_tokens}) exceeds the stored tokens: codes hold {codes.shape[2] * per}, "
+                f"scales hold {scales.shape[2] * group_size}"
+            )
+    else:
+        head_dim = codes.shape[3] * per
+        if head_dim % group_size != 0:
+            raise ValueError(f"`group_size` ({group_size}) must divide head_dim ({head_dim}) for values")
+        if scales.shape[3] != head_dim // group_size:
+            raise ValueError(
+                f"`scales` last dim {scales.shape[3]} must equal head_dim / group_size = {head_dim // group_size}"
+            )
+        if codes.shape[2] < num_tokens or scales.shape[2] < num_tokens:
+            raise ValueError(
+                f"`num_tokens` ({num_tokens}) exceeds the stored tokens: codes hold {codes.shape[2]}, "
+                f"scales hold {scales.shape[2]}"
+            )
