@@ -1,0 +1,311 @@
+"""Transformers glue: :class:`KiviLayer` (one layer's KIVI cache) and :class:`KiviCache` (the ``Cache`` container).
+
+The full-precision residual window stays on the device where the model computes; the packed low-bit
+history lives on the storage device chosen by the backend (the SYCL device when the SYCL kernels are used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
+
+from .algorithm import KiviSettings
+from .ops import KernelBackend, select_backend
+from .storage import PackedHistory, TokenBuffer
+
+
+@dataclass
+class KiviMemoryReport:
+    """Bytes held by a KIVI cache (or one layer of it), against the same tokens stored densely.
+
+    ``code_bytes``, ``meta_bytes`` (scales and zero points) and ``residual_bytes`` (full-precision window)
+    count the tokens actually held; ``allocated_bytes`` counts the storage reserved, including spare
+    capacity for growth. ``dense_bytes`` is what a ``DynamicCache`` would hold for the same tokens in
+    the model dtype.
+    """
+
+    tokens: int = 0
+    code_bytes: int = 0
+    meta_bytes: int = 0
+    residual_bytes: int = 0
+    allocated_bytes: int = 0
+    dense_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.code_bytes + self.meta_bytes + self.residual_bytes
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense bytes / KIVI bytes for the tokens held (``inf`` for an empty cache)."""
+        return self.dense_bytes / self.total_bytes if self.total_bytes else float("inf")
+
+    def __add__(self, other: KiviMemoryReport) -> KiviMemoryReport:
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        summed["tokens"] = max(self.tokens, other.tokens)  # tokens per layer, not a sum over layers
+        return KiviMemoryReport(**summed)
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        return (
+            f"KIVI cache: {self.tokens} tokens, codes {self.code_bytes / mib:.2f} MiB, scales+zeros "
+            f"{self.meta_bytes / mib:.2f} MiB, full-precision residual {self.residual_bytes / mib:.2f} MiB, "
+            f"total {self.total_bytes / mib:.2f} MiB (allocated {self.allocated_bytes / mib:.2f} MiB) vs dense "
+            f"{self.dense_bytes / mib:.2f} MiB: {self.compression_ratio:.2f}x smaller"
+        )
+
+
+class KiviLayer(CacheLayerMixin):
+    """One attention layer's KIVI cache.
+
+    Holds ``n`` tokens as: keys ``[0, R*floor(n/R))`` packed per channel + the rest ``[B, H_kv, n % R, D]`` in
+    full precision; values ``[0, max(0, n - R))`` packed per token + the newest ``min(n, R)`` in full
+    precision (see :mod:`kivi_xpu.algorithm`). ``update`` returns dense ``[B, H_kv, n, D]`` keys and values
+    for attention implementations that need them: the new tokens and the residual window exactly, the
+    quantized history dequantized (a temporary, never kept).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    # A crop that crosses already-quantized groups restores those tokens from their codes (lossy), so a
+    # rollback can leave a trace: not croppable in transformers' strict sense, although `crop` works.
+    is_croppable = False
+
+    def __init__(self, settings: KiviSettings | None = None, backend: KernelBackend | None = None):
+        super().__init__()
+        self.settings = settings if settings is not None else KiviSettings()
+        self.backend = backend if backend is not None else select_backend()
+        self.cumulative_length = 0
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return f"KiviLayer(bits={s.bits}, group_size={s.group_size}, residual_length={s.residual_length})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, key_dim = key_states.shape
+        value_dim = value_states.shape[-1]
+        self.settings.check_head_dim(key_dim)
+        self.settings.check_head_dim(value_dim)
+        storage = self.backend.storage_device(self.device)
+        r = self.settings.residual_length
+        self.key_residual = TokenBuffer(batch, heads, key_dim, self.dtype, self.device, min_rows=r)
+        self.value_residual = TokenBuffer(batch, heads, value_dim, self.dtype, self.device, min_rows=2 * r)
+        kernels = self.backend.kernels
+        self.packed_keys = PackedHistory("keys", self.settings, batch, heads, key_dim, storage, kernels)
+        self.packed_values = PackedHistory("values", self.settings, batch, heads, value_dim, storage, kernels)
+        self.is_initialized = True
+
+    def _dense(self, packed: PackedHistory, residual: TokenBuffer, new: torch.Tensor) -> torch.Tensor:
+        parts = [residual.view(), new]
+        if packed.num_tokens:
+            parts.insert(0, packed.dequantize(self.dtype).to(self.device))
+        return torch.cat(parts, dim=2)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends ``key_states``/``value_states`` ``[B, H_kv, m, D]`` and returns the dense ``[B, H_kv, n, D]``
+        keys and values attention should read (``n`` = tokens held after the update)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.cumulative_length == 0:
+            keys_out, values_out = key_states, value_states  # prefill attends to the exact states
+        else:
+            keys_out = self._dense(self.packed_keys, self.key_residual, key_states)
+            values_out = self._dense(self.packed_values, self.value_residual, value_states)
+        self.key_residual.append(key_states)
+        self.value_residual.append(value_states)
+        self.cumulative_length += key_states.shape[2]
+        self._flush()
+        return keys_out, values_out
+
+    def _flush(self) -> None:
+        """Quantizes what the KIVI rule says must leave the full-precision windows (nothing else)."""
+        n = self.cumulative_length
+        for packed, residual, target in (
+            (self.packed_keys, self.key_residual, self.settings.quantized_key_count(n)),
+            (self.packed_values, self.value_residual, self.settings.quantized_value_count(n)),
+        ):
+            leaving = target - packed.num_tokens
+            if leaving > 0:
+                packed.append(residual.view()[:, :, :leaving])
+                residual.drop_front(leaving)
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        """Drops every stored token; the next ``update`` starts from scratch (shapes may change)."""
+        self.is_initialized = False
+        self.cumulative_length = 0
+        for name in ("key_residual", "value_residual", "packed_keys", "packed_values"):
+            self.__dict__.pop(name, None)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Removes the last ``-tokens_to_remove`` tokens (transformers 5 passes a negative count).
+
+        Tokens that become part of the full-precision windows again under the KIVI rule, but had already
+        been quantized, are restored from their codes: the quantization error they carry stays, and the
+        counts of quantized and full-precision tokens are exactly those of a cache that had never held the
+        removed tokens.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"`crop` takes a negative number of tokens to remove (transformers >= 5), got {tokens_to_remove}"
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        n = max(0, self.cumulative_length + tokens_to_remove)
+        self._truncate(self.packed_keys, self.key_residual, self.settings.quantized_key_count(n), n)
+        self._truncate(self.packed_values, self.value_residual, self.settings.quantized_value_count(n), n)
+        self.cumulative_length = n
+
+    def _truncate(self, packed: PackedHistory, residual: TokenBuffer, target: int, new_length: int) -> None:
+        quantized = packed.num_tokens
+        if target >= quantized:
+            residual.truncate(new_length - quantized)
+            return
+        restored = packed.dequantize(self.dtype, start=target)[:, :, : min(new_length, quantized) - target]
+        kept = residual.view()[:, :, : max(0, new_length - quantized)]
+        window = torch.cat([restored.to(self.device), kept], dim=2)
+        packed.truncate(target)
+        residual.truncate(0)
+        residual.append(window)
+
+    def _select_batch(self, index: torch.Tensor) -> None:
+        for holder in (self.key_residual, self.value_residual, self.packed_keys, self.packed_values):
+            holder.select_batch(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorders every stored tensor (codes included) along the batch."""
+        if self.is_initialized:
+            self._select_batch(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            batch = self.key_residual.batch
+            self._select_batch(torch.arange(batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select_batch(torch.as_tensor(indices, dtype=torch.long))
+
+    def offload(self):
+        raise NotImplementedError("KiviCache does not support offloading: its history is already compressed")
+
+    def prefetch(self):
+        raise NotImplementedError("KiviCache does not support offloading: its history is already compressed")
+
+    def memory_report(self) -> KiviMemoryReport:
+        if not self.is_initialized:
+            return KiviMemoryReport()
+        report = KiviMemoryReport(tokens=self.cumulative_length)
+        for packed, residual in ((self.packed_keys, self.key_residual), (self.packed_values, self.value_residual)):
+            codes, meta = packed.nbytes()
+            report.code_bytes += codes
+            report.meta_bytes += meta
+            report.residual_bytes += residual.nbytes()
+            report.allocated_bytes += packed.allocated_bytes() + residual.allocated_bytes()
+            element = residual.data.element_size()
+            report.dense_bytes += residual.batch * residual.heads * residual.width * self.cumulative_length * element
+        return report
+
+
+def _attention_geometry(config) -> tuple[int, int, int]:
+    """(num_hidden_layers, num_key_value_heads, head_dim) from a (decoder) config, with clear errors."""
+    missing = [f for f in ("num_hidden_layers", "num_attention_heads") if getattr(config, f, None) is None]
+    if missing:
+        raise ValueError(
+            f"`config` ({type(config).__name__}) lacks the attention fields {missing} that KiviCache needs "
+            "(num_hidden_layers, num_attention_heads, and head_dim or hidden_size)"
+        )
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        hidden = getattr(config, "hidden_size", None)
+        if hidden is None:
+            raise ValueError(f"`config` ({type(config).__name__}) has neither `head_dim` nor `hidden_size`")
+        head_dim = hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+class KiviCache(Cache):
+    """A KV cache storing keys and values in ``bits`` bits with the KIVI algorithm.
+
+    Use it like any transformers cache::
+
+        cache = KiviCache(config=model.config, bits=2, group_size=32, residual_length=128)
+        model.generate(**inputs, past_key_values=cache)
+
+    Args:
+        config: the model config (``model.config``). Layer types come from it: full-attention layers get a
+            :class:`KiviLayer`; sliding-window layers keep their small bounded window in full precision
+            (``DynamicSlidingWindowLayer``); layers that reuse another layer's cache get ``DummyLayer``.
+            Without a config, every layer is a :class:`KiviLayer`, created on first use.
+        bits: 2, 4 or 8 bits per stored element.
+        group_size: elements per scale/zero group (tokens for keys, channels for values); divides head_dim.
+        residual_length: tokens kept in full precision; a multiple of ``group_size``.
+        meta_dtype: dtype of the stored scales and zero points (default ``torch.float16``).
+        backend: ``"auto"`` (default: ``$KIVI_XPU_BACKEND`` or SYCL kernels when a SYCL device exists, else the
+            pure-PyTorch reference with one warning), ``"sycl"`` or ``"reference"``.
+        device: SYCL device filter string (e.g. ``"opencl:cpu"``, ``"level_zero:gpu"``), default
+            ``$KIVI_XPU_DEVICE`` or the first GPU, else the first CPU device.
+    """
+
+    def __init__(
+        self,
+        config=None,
+        bits: int = 2,
+        group_size: int = 32,
+        residual_length: int = 128,
+        meta_dtype: torch.dtype = torch.float16,
+        backend: str | None = None,
+        device: str | None = None,
+    ):
+        self.settings = KiviSettings(bits, group_size, residual_length, meta_dtype)
+        self.backend = select_backend(backend, device)
+        if config is None:
+            super().__init__(layer_class_to_replicate=lambda: KiviLayer(self.settings, self.backend))
+            return
+        decoder_config = config.get_text_config(decoder=True)
+        _, _, head_dim = _attention_geometry(decoder_config)
+        self.settings.check_head_dim(head_dim)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(decoder_config)
+        layers = []
+        for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if layer_type == "full_attention":
+                layers.append(KiviLayer(self.settings, self.backend))
+            elif layer_type in ("sliding_attention", "chunked_attention"):
+                layers.append(DynamicSlidingWindowLayer(**kwargs))
+            elif layer_type == "dummy":
+                layers.append(DummyLayer())
+            else:
+                raise ValueError(
+                    f"KiviCache cannot serve layer {index} of type {layer_type!r}: it supports full attention "
+                    "(quantized), sliding/chunked attention (kept dense) and shared-KV layers"
+                )
+        super().__init__(layers=layers)
+
+    def memory_report(self) -> KiviMemoryReport:
+        """Bytes held by the KIVI layers (sliding-window and shared layers are not counted)."""
+        report = KiviMemoryReport()
+        for layer in self.layers:
+            if isinstance(layer, KiviLayer):
+                report = report + layer.memory_report()
+        return report

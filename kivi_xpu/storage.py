@@ -1,0 +1,156 @@
+"""Growable token buffers and the packed key/value history of one cache layer.
+
+Storage grows by amortised chunks (geometric growth), never by concatenating the whole history at every
+step, and a decode step only quantizes the tokens that leave the full-precision window.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+
+from .algorithm import KiviSettings
+from .ops.checks import codes_per_byte
+
+GROWTH_FACTOR = 1.5
+
+
+class TokenBuffer:
+    """A ``[B, H, capacity, X]`` tensor used as a sequence along dim 2, holding rows ``[start, end)``.
+
+    Appends write into spare capacity (growing geometrically when full); dropping rows from the front only
+    moves ``start``, and the live rows are moved back to the front when the buffer runs out of room at its end.
+    """
+
+    def __init__(self, batch: int, heads: int, width: int, dtype: torch.dtype, device, min_rows: int = 1):
+        self.batch, self.heads, self.width = batch, heads, width
+        self.dtype, self.device = dtype, torch.device(device)
+        self.min_rows = max(1, min_rows)
+        self.data = torch.empty(batch, heads, 0, width, dtype=dtype, device=self.device)
+        self.start = self.end = 0
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[2]
+
+    def view(self) -> torch.Tensor:
+        """The live rows, ``[B, H, len, X]`` (a view, not a copy)."""
+        return self.data[:, :, self.start : self.end]
+
+    def _make_room(self, rows: int) -> None:
+        live = len(self)
+        if self.end + rows <= self.capacity:
+            return
+        if live + rows <= self.capacity and self.start >= live:
+            # Enough room once the live rows move to the front, and the move does not overlap itself.
+            self.data[:, :, :live].copy_(self.data[:, :, self.start : self.end])
+        else:
+            new_cap = max(live + rows, math.ceil(self.capacity * GROWTH_FACTOR), self.min_rows)
+            new_cap = math.ceil(new_cap / self.min_rows) * self.min_rows
+            grown = torch.empty(self.batch, self.heads, new_cap, self.width, dtype=self.dtype, device=self.device)
+            grown[:, :, :live].copy_(self.data[:, :, self.start : self.end])
+            self.data = grown
+        self.start, self.end = 0, live
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Appends ``rows`` of shape ``[B, H, n, X]``."""
+        n = rows.shape[2]
+        self._make_room(n)
+        self.data[:, :, self.end : self.end + n].copy_(rows)
+        self.end += n
+
+    def drop_front(self, n: int) -> None:
+        self.start += n
+        if self.start == self.end:
+            self.start = self.end = 0
+
+    def truncate(self, length: int) -> None:
+        """Keeps only the first ``length`` live rows."""
+        self.end = self.start + length
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keeps the batch rows ``index`` (beam reordering, batch selection, repeat-interleave)."""
+        self.data = self.data.index_select(0, index.to(self.device))
+        self.batch = self.data.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes of the live rows."""
+        return len(self) * self.batch * self.heads * self.width * self.data.element_size()
+
+    def allocated_bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class PackedHistory:
+    """The quantized part of one layer's keys or values, on the storage device.
+
+    * ``kind="keys"`` (per-channel): codes ``[B, H, T/P, D]``, scales/zeros ``[B, H, T/G, D]``;
+    * ``kind="values"`` (per-token): codes ``[B, H, T, D/P]``, scales/zeros ``[B, H, T, D/G]``;
+
+    with ``P = 8 // bits`` codes per byte and ``G`` the group size (see :mod:`kivi_xpu.ops.reference`).
+    """
+
+    def __init__(self, kind: str, settings: KiviSettings, batch: int, heads: int, head_dim: int, device, kernels):
+        self.kind, self.settings, self.kernels = kind, settings, kernels
+        per, g, r = codes_per_byte(settings.bits), settings.group_size, settings.residual_length
+        if kind == "keys":
+            # Rows are byte-rows of P tokens (codes) and groups of G tokens (metadata).
+            self.tokens_per_code_row, self.tokens_per_meta_row = per, g
+            code_width, meta_width = head_dim, head_dim
+            self._quantize, self._dequantize = kernels.quantize_keys, kernels.dequantize_keys
+        elif kind == "values":
+            self.tokens_per_code_row = self.tokens_per_meta_row = 1
+            code_width, meta_width = head_dim // per, head_dim // g
+            self._quantize, self._dequantize = kernels.quantize_values, kernels.dequantize_values
+        else:
+            raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
+        # Grow by at least one residual block of tokens at a time.
+        self.codes = TokenBuffer(batch, heads, code_width, torch.uint8, device, r // self.tokens_per_code_row)
+        self.scales = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, r // self.tokens_per_meta_row)
+        self.zeros = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, r // self.tokens_per_meta_row)
+        self.num_tokens = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def buffers(self) -> tuple[TokenBuffer, ...]:
+        return self.codes, self.scales, self.zeros
+
+    def append(self, x: torch.Tensor) -> None:
+        """Quantizes and appends ``x [B, H, n, D]`` (for keys, ``n`` is a multiple of the group size)."""
+        s = self.settings
+        for buf, part in zip(self.buffers(), self._quantize(x.to(self.device), s.group_size, s.bits, s.meta_dtype)):
+            buf.append(part)
+        self.num_tokens += x.shape[2]
+
+    def dequantize(self, out_dtype: torch.dtype, start: int = 0) -> torch.Tensor:
+        """Stored tokens ``[start, T)`` in ``out_dtype``, ``[B, H, T - start, D]`` (``start`` group-aligned for keys)."""
+        s = self.settings
+        codes, scales, zeros = (b.data for b in self.buffers())  # whole buffers: the op reads only what it needs
+        if start:
+            codes = codes[:, :, start // self.tokens_per_code_row :].contiguous()
+            scales = scales[:, :, start // self.tokens_per_meta_row :].contiguous()
+            zeros = zeros[:, :, start // self.tokens_per_meta_row :].contiguous()
+        return self._dequantize(codes, scales, zeros, self.num_tokens - start, s.group_size, s.bits, out_dtype)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keeps the first ``num_tokens`` tokens (group-aligned for keys)."""
+        self.codes.truncate(num_tokens // self.tokens_per_code_row)
+        self.scales.truncate(num_tokens // self.tokens_per_meta_row)
+        self.zeros.truncate(num_tokens // self.tokens_per_meta_row)
+        self.num_tokens = num_tokens
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        for buf in self.buffers():
+            buf.select_batch(index)
+
+    def nbytes(self) -> tuple[int, int]:
+        """(bytes of codes, bytes of scales and zeros) actually holding tokens."""
+        return self.codes.nbytes(), self.scales.nbytes() + self.zeros.nbytes()
+
+    def allocated_bytes(self) -> int:
+        return sum(b.allocated_bytes() for b in self.buffers())

@@ -1,0 +1,28 @@
+import os
+
+import pytest
+import torch
+
+from kivi_xpu.ops import select_backend
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def require_sycl():
+    """Skips a SYCL test when no SYCL backend is available, unless KIVI_XPU_REQUIRE_SYCL=1 (CI), where it fails."""
+    try:
+        return select_backend("sycl")
+    except RuntimeError as err:
+        if os.environ.get("KIVI_XPU_REQUIRE_SYCL") == "1":
+            pytest.fail(f"KIVI_XPU_REQUIRE_SYCL=1 but the SYCL backend is unavailable: {err}")
+        pytest.skip(f"SYCL backend unavailable: {err}")
+
+
+@pytest.fixture(params=["reference", "sycl"])
+def backend_name(request):
+    if request.param == "sycl":
+        require_sycl()
+    return request.param

@@ -1,0 +1,223 @@
+"""KiviLayer / KiviCache: the paper's streaming rule after every step, crop, batch operations, memory,
+validation. Run on the reference backend and, where available, the SYCL backend."""
+
+import random
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig
+
+from kivi_xpu import KiviCache, KiviLayer, KiviSettings
+from kivi_xpu.ops import reference as ref
+from kivi_xpu.ops import select_backend
+
+B, H, D = 2, 3, 64
+
+
+def make_layer(backend_name, bits=2, group_size=16, residual_length=32):
+    return KiviLayer(KiviSettings(bits, group_size, residual_length), select_backend(backend_name))
+
+
+def expected_dense(keys, values, held, settings):
+    """The paper's rule, computed independently: what attention should read when ``held`` tokens were
+    already stored and ``keys/values [B, H, n, D]`` hold every token so far (old and new)."""
+    s = settings
+    qk, qv = s.quantized_key_count(held), s.quantized_value_count(held)
+    k, v = keys.clone(), values.clone()
+    if qk:
+        c, sc, z = ref.quantize_keys(keys[:, :, :qk], s.group_size, s.bits, s.meta_dtype)
+        k[:, :, :qk] = ref.dequantize_keys(c, sc, z, qk, s.group_size, s.bits, keys.dtype)
+    if qv:
+        c, sc, z = ref.quantize_values(values[:, :, :qv], s.group_size, s.bits, s.meta_dtype)
+        v[:, :, :qv] = ref.dequantize_values(c, sc, z, qv, s.group_size, s.bits, values.dtype)
+    return k, v
+
+
+def check_counts(layer, n):
+    s = layer.settings
+    assert layer.get_seq_length() == n
+    assert layer.packed_keys.num_tokens == s.quantized_key_count(n) == n // s.residual_length * s.residual_length
+    assert len(layer.key_residual) == n % s.residual_length
+    assert layer.packed_values.num_tokens == s.quantized_value_count(n) == max(0, n - s.residual_length)
+    assert len(layer.value_residual) == min(n, s.residual_length)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_streaming_rule_after_every_step(backend_name, seed):
+    rng = random.Random(seed)
+    layer = make_layer(backend_name, bits=rng.choice((2, 4, 8)))
+    total = 400
+    keys, values = torch.randn(B, H, total, D), torch.randn(B, H, total, D)
+    n = 0
+    # A prefill of random length, then single-token decode steps with multi-token appends mixed in.
+    sizes = [rng.randint(1, 80)]
+    while sum(sizes) < total:
+        sizes.append(min(total - sum(sizes), rng.choice((1, 1, 1, 1, 2, 5, 37))))
+    for m in sizes:
+        k_out, v_out = layer.update(keys[:, :, n : n + m], values[:, :, n : n + m])
+        k_exp, v_exp = expected_dense(keys[:, :, : n + m], values[:, :, : n + m], n, layer.settings)
+        assert torch.equal(k_out, k_exp) and torch.equal(v_out, v_exp)
+        n += m
+        check_counts(layer, n)
+
+
+def test_prefill_returns_exact_states_and_splits_like_the_paper(backend_name):
+    layer = make_layer(backend_name, residual_length=32)
+    keys, values = torch.randn(B, H, 100, D), torch.randn(B, H, 100, D)
+    k_out, v_out = layer.update(keys, values)
+    assert k_out is keys and v_out is values
+    check_counts(layer, 100)  # keys: 96 quantized + 4 exact; values: 68 quantized + 32 exact
+
+
+def test_crop_of_unquantized_tokens_is_exact(backend_name):
+    # While nothing left the full-precision windows, a crop leaves no trace at all.
+    a, b = make_layer(backend_name, residual_length=32), make_layer(backend_name, residual_length=32)
+    keys, values = torch.randn(B, H, 60, D), torch.randn(B, H, 60, D)
+    a.update(keys[:, :, :20], values[:, :, :20])
+    a.update(keys[:, :, 20:25], values[:, :, 20:25])  # candidate tokens to reject
+    a.crop(-5)
+    b.update(keys[:, :, :20], values[:, :, :20])
+    check_counts(a, 20)
+    for start, stop in ((25, 27), (27, 60)):
+        out_a = a.update(keys[:, :, start:stop], values[:, :, start:stop])
+        out_b = b.update(keys[:, :, start:stop], values[:, :, start:stop])
+        assert torch.equal(out_a[0], out_b[0]) and torch.equal(out_a[1], out_b[1])
+
+
+@pytest.mark.parametrize("remove", [1, 5, 31, 33, 64, 90, 200])
+def test_crop_across_quantized_groups_restores_the_rule(backend_name, remove):
+    layer = make_layer(backend_name, residual_length=32)
+    keys, values = torch.randn(B, H, 130, D), torch.randn(B, H, 130, D)
+    layer.update(keys[:, :, :100], values[:, :, :100])
+    for t in range(100, 130):
+        layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    seen_k, seen_v = layer.update(keys[:, :, :0], values[:, :, :0])  # what attention reads now
+    layer.crop(-remove)
+    n = max(0, 130 - remove)
+    check_counts(layer, n)
+    # The kept tokens read back as before the crop: exact where they were exact, their dequantized
+    # values where they had been quantized (the error stays, nothing else changes).
+    k_now, v_now = layer.update(keys[:, :, :0], values[:, :, :0]) if n else (seen_k[:, :, :0], seen_v[:, :, :0])
+    assert torch.allclose(k_now, seen_k[:, :, :n], atol=1e-6) and torch.allclose(v_now, seen_v[:, :, :n], atol=1e-6)
+    if n:  # it keeps streaming by the rule
+        layer.update(keys[:, :, :40], values[:, :, :40])
+        check_counts(layer, n + 40)
+
+
+def test_crop_rejects_positive_counts(backend_name):
+    layer = make_layer(backend_name)
+    layer.update(torch.randn(B, H, 4, D), torch.randn(B, H, 4, D))
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(2)
+
+
+def test_batch_operations_match_a_cache_built_in_that_order(backend_name):
+    keys, values = torch.randn(3, H, 90, D), torch.randn(3, H, 90, D)
+    perm = torch.tensor([2, 0, 0])
+    a, b = make_layer(backend_name), make_layer(backend_name)
+    a.update(keys[:, :, :80], values[:, :, :80])
+    a.reorder_cache(perm)
+    b.update(keys[perm, :, :80], values[perm, :, :80])
+    out_a, out_b = a.update(keys[perm, :, 80:], values[perm, :, 80:]), b.update(keys[perm, :, 80:], values[perm, :, 80:])
+    assert torch.equal(out_a[0], out_b[0]) and torch.equal(out_a[1], out_b[1])
+
+    a.batch_select_indices(torch.tensor([1, 2]))
+    b.batch_select_indices([1, 2])
+    out_a, out_b = a.update(keys[:2, :, :1], values[:2, :, :1]), b.update(keys[:2, :, :1], values[:2, :, :1])
+    assert torch.equal(out_a[0], out_b[0])
+
+    c = make_layer(backend_name)
+    c.update(keys[:, :, :70], values[:, :, :70])
+    c.batch_repeat_interleave(2)
+    d = make_layer(backend_name)
+    d.update(keys[:, :, :70].repeat_interleave(2, 0), values[:, :, :70].repeat_interleave(2, 0))
+    new_k, new_v = keys[:, :, 70:71].repeat_interleave(2, 0), values[:, :, 70:71].repeat_interleave(2, 0)
+    assert torch.equal(c.update(new_k, new_v)[1], d.update(new_k, new_v)[1])
+
+
+def test_reset_forgets_everything(backend_name):
+    layer = make_layer(backend_name)
+    layer.update(torch.randn(B, H, 70, D), torch.randn(B, H, 70, D))
+    layer.reset()
+    assert layer.get_seq_length() == 0 and not layer.is_initialized
+    k = torch.randn(1, H, 5, 32)  # other batch and head_dim after a reset
+    out, _ = layer.update(k, k)
+    assert out is k and layer.get_seq_length() == 5
+
+
+def test_storage_grows_by_amortised_chunks(backend_name):
+    layer = make_layer(backend_name, residual_length=16)
+    layer.update(torch.randn(1, 1, 16, D), torch.randn(1, 1, 16, D))
+    reallocations, last = 0, None
+    steps = 1000
+    for _ in range(steps):
+        layer.update(torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D))
+        ptr = layer.packed_values.codes.data.data_ptr()
+        reallocations += ptr != last
+        last = ptr
+    # Geometric growth: about log_1.5(1000 / 16) ~ 10 reallocations, not one per step.
+    assert reallocations <= 12
+    assert layer.packed_values.codes.capacity < 2 * (steps + 16)
+
+
+def test_memory_report_for_a_4096_token_llama_cache(backend_name):
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    cache = KiviCache(config=config, bits=2, group_size=32, residual_length=128, backend=backend_name)
+    head_dim = 64
+    for layer_idx in range(2):
+        k = torch.randn(1, 2, 4096, head_dim)
+        cache.update(k, k, layer_idx)
+    report = cache.memory_report()
+    elements = 2 * 2 * 4096 * head_dim  # layers x kv heads x tokens x head_dim, for keys (and again values)
+    assert report.tokens == 4096
+    assert report.dense_bytes == 2 * elements * 4
+    quantized = 2 * 2 * (4096 + 4096 - 128) * head_dim  # keys: all 4096 (4096 % 128 == 0); values: all but 128
+    assert report.code_bytes == quantized * 2 // 8
+    assert report.meta_bytes == quantized // 32 * 2 * 2  # fp16 scale + fp16 zero per group of 32
+    assert report.residual_bytes == 2 * 2 * 128 * head_dim * 4
+    assert report.compression_ratio == pytest.approx(report.dense_bytes / report.total_bytes)
+    assert 9.0 < report.compression_ratio < 9.5  # 3 bits/element + a 128-token fp32 value window
+    assert report.allocated_bytes >= report.total_bytes
+    assert "smaller" in str(report)
+
+
+def test_gqa_is_stored_at_kv_heads():
+    config = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
+    cache = KiviCache(config=config, residual_length=32, backend="reference")
+    cache.update(torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32), 0)
+    assert cache.layers[0].packed_keys.codes.data.shape[1] == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"bits": 3}, "bits"),
+        ({"bits": True}, "bits"),
+        ({"group_size": 0}, "group_size"),
+        ({"group_size": -32}, "group_size"),
+        ({"group_size": 6}, "group_size"),  # not a multiple of 4 codes per byte at 2 bits
+        ({"group_size": 48, "residual_length": 96}, "head_dim"),  # 48 does not divide head_dim 64
+        ({"residual_length": 0}, "residual_length"),
+        ({"residual_length": 100}, "multiple of `group_size`"),
+        ({"meta_dtype": torch.int8}, "meta_dtype"),
+        ({"backend": "cuda"}, "backend"),
+    ],
+)
+def test_constructor_validation(kwargs, match):
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=match):
+        KiviCache(config=config, **kwargs)
+
+
+def test_config_without_attention_fields_is_refused():
+    class NotAnLLM:
+        def get_text_config(self, decoder=True):
+            return self
+
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        KiviCache(config=NotAnLLM())
+
+
+def test_config_attribute_maps_are_understood():
+    cache = KiviCache(config=GPT2Config(n_layer=3, n_head=4, n_embd=128), group_size=32)  # head_dim 32
+    assert len(cache.layers) == 3 and all(isinstance(layer, KiviLayer) for layer in cache.layers)
