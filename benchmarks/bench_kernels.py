@@ -1,0 +1,112 @@
+"""Micro-benchmark of the SYCL kernels: effective bandwidth, compared with ``torch.Tensor.copy_`` and the reference.
+
+For each op and size, the bytes a kernel must move (input read + outputs written) divided by its median time gives
+GB/s; ``vs copy_`` is that bandwidth relative to ``copy_`` moving the same number of bytes (half read, half
+written) in the same run; ``speedup`` is the reference (pure PyTorch) time over the kernel time.
+
+    python benchmarks/bench_kernels.py [--batch 1 4] [--tokens 4096] [--repeats 7] [--device opencl:cpu:0]
+
+Prints a markdown table. Not a test: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kivi_xpu import backend  # noqa: F401  (prepares the SYCL environment before anything loads it)
+from kivi_xpu.ops import reference as ref
+from kivi_xpu.ops.sycl import SyclKernels
+
+
+def median_seconds(fn, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def copy_seconds(num_bytes: int, repeats: int, warmup: int) -> float:
+    """``copy_`` reading and writing ``num_bytes`` in total."""
+    src = torch.empty(num_bytes // 2, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    return median_seconds(lambda: dst.copy_(src), repeats, warmup)
+
+
+def cases(kernels: SyclKernels, x: torch.Tensor, group_size: int, bits: int):
+    """Yields (op name, kernel call, reference call, bytes moved) for the four ops on ``x [B, H, T, D]``."""
+    tokens = x.shape[2]
+    for layout in ("keys", "values"):
+        quantize, dequantize = f"quantize_{layout}", f"dequantize_{layout}"
+        codes, scales, zeros = getattr(ref, quantize)(x, group_size, bits)
+        packed = nbytes(codes, scales, zeros)
+        yield (
+            quantize,
+            lambda q=quantize: getattr(kernels, q)(x, group_size, bits),
+            lambda q=quantize: getattr(ref, q)(x, group_size, bits),
+            nbytes(x) + packed,
+        )
+        args = (codes, scales, zeros, tokens, group_size, bits, x.dtype)
+        yield (
+            dequantize,
+            lambda d=dequantize, a=args: getattr(kernels, d)(*a),
+            lambda d=dequantize, a=args: getattr(ref, d)(*a),
+            packed + nbytes(x),
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--device", default=None, help="SYCL filter string (default: $KIVI_XPU_DEVICE / first GPU / CPU)"
+    )
+    args = parser.parse_args()
+
+    kernels = SyclKernels(args.device)
+    print(
+        f"device: {kernels.device} ({kernels.facts['name']}), torch threads: {torch.get_num_threads()}, "
+        f"kernel compile: {kernels.facts['compile_seconds']:.2f} s\n"
+    )
+    print("| op | B | dtype | bits | MB moved | SYCL ms | SYCL GB/s | vs copy_ | reference ms | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    copy_cache: dict[int, float] = {}
+    for batch in args.batch:
+        for dtype_name in args.dtypes:
+            x = torch.randn(batch, args.heads, args.tokens, args.head_dim).to(getattr(torch, dtype_name))
+            for bits in args.bits:
+                for op, kernel_call, reference_call, moved in cases(kernels, x, args.group_size, bits):
+                    kernel_s = median_seconds(kernel_call, args.repeats, args.warmup)
+                    reference_s = median_seconds(reference_call, max(3, args.repeats // 2), 1)
+                    if moved not in copy_cache:
+                        copy_cache[moved] = copy_seconds(moved, args.repeats, args.warmup)
+                    copy_s = copy_cache[moved]
+                    print(
+                        f"| {op} | {batch} | {dtype_name} | {bits} | {moved / 1e6:.1f} | {kernel_s * 1e3:.2f} | "
+                        f"{moved / kernel_s / 1e9:.2f} | {copy_s / kernel_s:.2f} | {reference_s * 1e3:.2f} | "
+                        f"{reference_s / kernel_s:.1f}x |",
+                        flush=True,
+                    )
+
+
+if __name__ == "__main__":
+    main()

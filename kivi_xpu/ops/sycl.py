@@ -1,0 +1,147 @@
+"""Host wrappers of the SYCL kernels, with exactly the signatures and semantics of :mod:`.reference`.
+
+The module-level functions run on the default SYCL device (``$KIVI_XPU_DEVICE``, else the first GPU, else the
+first CPU device; chosen once per process); :class:`SyclKernels` binds the same four ops to another device.
+Arguments are validated by the same checks as the reference, outputs are allocated here on the input's device and
+filled by ``kivi_xpu._C``, which waits for each kernel to finish.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import backend
+from .checks import check_dequantize_args, check_quantize_args, codes_per_byte
+
+
+class SyclKernels:
+    """The four ops on one SYCL device (a dpctl filter string such as ``opencl:cpu:0``)."""
+
+    def __init__(self, device: str | None = None):
+        runtime = backend.get_runtime(device)
+        self._C = runtime.module
+        self.device = runtime.device
+        self.facts = runtime.facts
+
+    def _check_reachable(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Refuses memory the SYCL device cannot dereference (the extension re-checks XPU pointers precisely)."""
+        for name, t in tensors.items():
+            if t.device.type == "cpu":
+                if not self.facts["usm_system_allocations"]:
+                    raise ValueError(
+                        f"`{name}` is a CPU tensor but SYCL device {self.device} ({self.facts['name']}) cannot access "
+                        "host memory: move it to that device"
+                    )
+            elif t.device.type != "xpu":
+                raise ValueError(f"`{name}` is on {t.device}, which SYCL device {self.device} cannot access")
+
+    def _quantize(self, launch, x, group_size, bits, meta_dtype, axis):
+        check_quantize_args(x, group_size, bits, meta_dtype, axis=axis)
+        self._check_reachable({"x": x})
+        x = x.contiguous()
+        b, h, t, d = x.shape
+        per = codes_per_byte(bits)
+        if axis == "tokens":
+            codes_shape, meta_shape = (b, h, t // per, d), (b, h, t // group_size, d)
+        else:
+            codes_shape, meta_shape = (b, h, t, d // per), (b, h, t, d // group_size)
+        codes = torch.empty(codes_shape, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(meta_shape, dtype=meta_dtype, device=x.device)
+        zeros = torch.empty(meta_shape, dtype=meta_dtype, device=x.device)
+        if x.numel() > 0:
+            launch(self.device, x, codes, scales, zeros, group_size, bits)
+        return codes, scales, zeros
+
+    def quantize_keys(self, x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
+        """``x [B, H, T, D]`` -> codes uint8 ``[B, H, T * bits / 8, D]``, scales/zeros ``[B, H, T / G, D]``."""
+        return self._quantize(self._C.quantize_keys, x, group_size, bits, meta_dtype, "tokens")
+
+    def quantize_values(self, x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
+        """``x [B, H, T, D]`` -> codes uint8 ``[B, H, T, D * bits / 8]``, scales/zeros ``[B, H, T, D / G]``."""
+        return self._quantize(self._C.quantize_values, x, group_size, bits, meta_dtype, "channels")
+
+    def _dequantize(self, launch, codes, scales, zeros, num_tokens, group_size, bits, out_dtype, axis):
+        check_dequantize_args(codes, scales, zeros, num_tokens, group_size, bits, out_dtype, axis=axis)
+        self._check_reachable({"codes": codes, "scales": scales, "zeros": zeros})
+        b, h, _, packed = codes.shape
+        head_dim = packed if axis == "tokens" else packed * codes_per_byte(bits)
+        out = torch.empty((b, h, num_tokens, head_dim), dtype=out_dtype, device=codes.device)
+        if out.numel() > 0:
+            launch(self.device, codes, scales, zeros, out, num_tokens, group_size, bits)
+        return out
+
+    def dequantize_keys(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        num_tokens: int,
+        group_size: int,
+        bits: int,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """First ``num_tokens`` tokens of ``codes [B, H, >=N*bits/8, D]``, ``scales``/``zeros`` ``[B, H, >=N/G, D]``
+        -> ``[B, H, N, D]`` in ``out_dtype``."""
+        return self._dequantize(
+            self._C.dequantize_keys, codes, scales, zeros, num_tokens, group_size, bits, out_dtype, "tokens"
+        )
+
+    def dequantize_values(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        num_tokens: int,
+        group_size: int,
+        bits: int,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """First ``num_tokens`` tokens of ``codes [B, H, >=N, D*bits/8]``, ``scales``/``zeros`` ``[B, H, >=N, D/G]``
+        -> ``[B, H, N, D]`` in ``out_dtype``."""
+        return self._dequantize(
+            self._C.dequantize_values, codes, scales, zeros, num_tokens, group_size, bits, out_dtype, "channels"
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def default_kernels() -> SyclKernels:
+    """The ops on the default device, initialised (and the kernels compiled) on first use."""
+    return SyclKernels()
+
+
+def quantize_keys(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
+    """See :func:`kivi_xpu.ops.reference.quantize_keys`."""
+    return default_kernels().quantize_keys(x, group_size, bits, meta_dtype)
+
+
+def quantize_values(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
+    """See :func:`kivi_xpu.ops.reference.quantize_values`."""
+    return default_kernels().quantize_values(x, group_size, bits, meta_dtype)
+
+
+def dequantize_keys(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    num_tokens: int,
+    group_size: int,
+    bits: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """See :func:`kivi_xpu.ops.reference.dequantize_keys`."""
+    return default_kernels().dequantize_keys(codes, scales, zeros, num_tokens, group_size, bits, out_dtype)
+
+
+def dequantize_values(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    num_tokens: int,
+    group_size: int,
+    bits: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """See :func:`kivi_xpu.ops.reference.dequantize_values`."""
+    return default_kernels().dequantize_values(codes, scales, zeros, num_tokens, group_size, bits, out_dtype)

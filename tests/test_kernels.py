@@ -1,0 +1,278 @@
+"""SYCL kernels (kivi_xpu._C through kivi_xpu.ops.sycl) against the pure-PyTorch reference.
+
+Codes and metadata must be bit-identical to the reference (the kernels are built with precise fp32 division and
+round half to even); dequantized values too (no fma contraction). Skipped only when the extension or a SYCL device
+is genuinely missing, and then FAILS instead if ``KIVI_XPU_REQUIRE_SYCL=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kivi_xpu import backend
+from kivi_xpu.ops import reference as ref
+
+BITS = (2, 4, 8)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REQUIRED = os.environ.get("KIVI_XPU_REQUIRE_SYCL") == "1"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    try:
+        from kivi_xpu.ops.sycl import SyclKernels
+
+        return SyclKernels()
+    except (RuntimeError, ImportError) as error:
+        if REQUIRED:
+            pytest.fail(f"KIVI_XPU_REQUIRE_SYCL=1 but the SYCL kernels are unavailable: {error}")
+        pytest.skip(f"SYCL kernels unavailable: {error}")
+
+
+def assert_identical(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Same shape, dtype and values, NaN where the reference has NaN."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def make_input(shape, dtype, kind: str = "normal") -> torch.Tensor:
+    if kind == "normal":
+        # Channel-wise spread like real keys: some channels carry outliers.
+        x = torch.randn(shape) * torch.empty(shape[-1]).uniform_(0.1, 8.0)
+    elif kind == "ties":
+        # Half-integer grid: many (x - zero) / scale land exactly on k + 0.5, exercising round-half-to-even.
+        x = torch.randint(0, 16, shape).float() * 0.5
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+def check_quantize(kernels, op: str, x: torch.Tensor, group_size: int, bits: int, meta_dtype) -> None:
+    expected = getattr(ref, op)(x, group_size, bits, meta_dtype)
+    actual = getattr(kernels, op)(x, group_size, bits, meta_dtype)
+    for name, a, e in zip(("codes", "scales", "zeros"), actual, expected, strict=True):
+        assert_identical(a, e, f"{op} {name}")
+
+
+def check_dequantize(kernels, op: str, codes, scales, zeros, num_tokens, group_size, bits, out_dtype) -> None:
+    args = (codes, scales, zeros, num_tokens, group_size, bits, out_dtype)
+    assert_identical(getattr(kernels, op)(*args), getattr(ref, op)(*args), op)
+
+
+# ---- correctness against the reference --------------------------------------------------------------------------
+
+KEY_SHAPES = [(32, 64, 32), (64, 128, 32), (96, 80, 16), (1024 + 32, 128, 32), (128, 64, 64), (256, 128, 128)]
+
+
+@pytest.mark.parametrize("tokens,head_dim,group_size", KEY_SHAPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_keys_match_reference_shapes(kernels, tokens, head_dim, group_size, bits):
+    x = make_input((2, 3, tokens, head_dim), torch.float32)
+    check_quantize(kernels, "quantize_keys", x, group_size, bits, torch.float16)
+    codes, scales, zeros = ref.quantize_keys(x, group_size, bits)
+    check_dequantize(kernels, "dequantize_keys", codes, scales, zeros, tokens, group_size, bits, torch.float32)
+
+
+VALUE_SHAPES = [(1, 64, 32), (31, 80, 16), (33, 128, 32), (129, 128, 64), (1025, 128, 128)]
+
+
+@pytest.mark.parametrize("tokens,head_dim,group_size", VALUE_SHAPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_values_match_reference_shapes(kernels, tokens, head_dim, group_size, bits):
+    x = make_input((2, 3, tokens, head_dim), torch.float32)
+    check_quantize(kernels, "quantize_values", x, group_size, bits, torch.float16)
+    codes, scales, zeros = ref.quantize_values(x, group_size, bits)
+    check_dequantize(kernels, "dequantize_values", codes, scales, zeros, tokens, group_size, bits, torch.float32)
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("meta_dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+def test_every_dtype_combination(kernels, x_dtype, meta_dtype, bits, kind):
+    x = make_input((2, 2, 64, 80), x_dtype, kind)
+    layouts = (("quantize_keys", "dequantize_keys", 32), ("quantize_values", "dequantize_values", 16))
+    for quantize, dequantize, group_size in layouts:
+        check_quantize(kernels, quantize, x, group_size, bits, meta_dtype)
+        codes, scales, zeros = getattr(ref, quantize)(x, group_size, bits, meta_dtype)
+        for out_dtype in DTYPES:
+            check_dequantize(kernels, dequantize, codes, scales, zeros, 64, group_size, bits, out_dtype)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_round_half_to_even_at_exact_ties(kernels, bits):
+    """Inputs whose (x - zero) / scale is exactly k + 0.5: rint (half to even) and round (half away) differ."""
+    x = make_input((2, 2, 64, 80), torch.float32, "ties")
+    groups = x.reshape(2, 2, 2, 32, 80)
+    low, high = groups.amin(3, keepdim=True), groups.amax(3, keepdim=True)
+    ratio = (groups - low) / ((high - low) / ((1 << bits) - 1))
+    assert ((ratio - ratio.floor()) == 0.5).sum() > 100  # the case under test really occurs
+    check_quantize(kernels, "quantize_keys", x, 32, bits, torch.float32)
+
+
+def test_known_value_packs_to_228(kernels):
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    codes, scales, zeros = kernels.quantize_values(x.view(1, 1, 1, 4), 4, 2)
+    assert codes.item() == 228 and scales.item() == 1.0 and zeros.item() == 1.0
+    assert torch.equal(kernels.dequantize_values(codes, scales, zeros, 1, 4, 2), x.view(1, 1, 1, 4))
+    codes, scales, zeros = kernels.quantize_keys(x.view(1, 1, 4, 1), 4, 2)
+    assert codes.item() == 228 and scales.item() == 1.0 and zeros.item() == 1.0
+    assert torch.equal(kernels.dequantize_keys(codes, scales, zeros, 4, 4, 2), x.view(1, 1, 4, 1))
+
+
+def special_values_input() -> torch.Tensor:
+    """[1, 2, 64, 32]: constant groups, NaN / +-Inf groups, a fully NaN group, fp16-overflowing and tiny groups."""
+    x = torch.randn(1, 2, 64, 32)
+    x[0, 0, :32, 0] = 3.25  # constant group (keys)
+    x[0, 0, 5, 1] = float("nan")
+    x[0, 0, 40, 2] = float("inf")
+    x[0, 0, 41, 3] = float("-inf")
+    x[0, 1, :32, 4] = float("nan")  # whole group NaN
+    x[0, 1, 32:, 5] = torch.linspace(-7e4, 7e4, 32)  # overflows float16 scale/zero
+    x[0, 1, :32, 6] = torch.linspace(0, 1e-6, 32)  # float16 subnormal / zero scale
+    x[0, 1, 7, :] = 0.0  # constant token (values)
+    return x
+
+
+@pytest.mark.parametrize("meta_dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_special_values(kernels, meta_dtype, bits):
+    x = special_values_input()
+    for quantize, dequantize in (("quantize_keys", "dequantize_keys"), ("quantize_values", "dequantize_values")):
+        check_quantize(kernels, quantize, x, 32, bits, meta_dtype)
+        codes, scales, zeros = getattr(kernels, quantize)(x, 32, bits, meta_dtype)
+        check_dequantize(kernels, dequantize, codes, scales, zeros, 64, 32, bits, torch.float32)
+    codes, scales, _ = kernels.quantize_keys(x, 32, bits, meta_dtype)
+    assert scales[0, 1, 0, 4].isnan() and scales[0, 0, 0, 0] == 0  # whole-NaN group, constant group
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_from_overallocated_buffers(kernels, bits):
+    capacity, num_tokens, group_size = 256, 96, 32
+    x = make_input((2, 3, capacity, 64), torch.float32)
+    for quantize, dequantize in (("quantize_keys", "dequantize_keys"), ("quantize_values", "dequantize_values")):
+        codes, scales, zeros = getattr(ref, quantize)(x, group_size, bits, torch.bfloat16)
+        for out_dtype in DTYPES:
+            check_dequantize(kernels, dequantize, codes, scales, zeros, num_tokens, group_size, bits, out_dtype)
+            check_dequantize(kernels, dequantize, codes, scales, zeros, 0, group_size, bits, out_dtype)
+
+
+def test_empty_inputs_return_empty_outputs(kernels):
+    for shape in ((2, 3, 0, 64), (0, 3, 32, 64)):
+        x = torch.empty(shape)
+        for op in ("quantize_keys", "quantize_values"):
+            for a, e in zip(getattr(kernels, op)(x, 32, 2), getattr(ref, op)(x, 32, 2), strict=True):
+                assert a.shape == e.shape and a.dtype == e.dtype
+
+
+def test_module_functions_use_default_device(kernels):
+    from kivi_xpu.ops import sycl
+
+    x = make_input((1, 2, 64, 64), torch.float16)
+    for a, e in zip(sycl.quantize_keys(x, 32, 2), ref.quantize_keys(x, 32, 2), strict=True):
+        assert_identical(a, e, "module-level quantize_keys")
+    assert sycl.default_kernels().device == kernels.device
+
+
+# ---- bad input: Python exceptions naming the argument, never a crash --------------------------------------------
+
+
+def test_bad_quantize_arguments(kernels):
+    x = torch.randn(1, 2, 64, 64)
+    with pytest.raises(TypeError, match="`x`"):
+        kernels.quantize_keys(x.to(torch.int32), 32, 2)
+    with pytest.raises(ValueError, match="`x`"):
+        kernels.quantize_keys(x[0], 32, 2)
+    with pytest.raises(ValueError, match="`group_size`"):
+        kernels.quantize_keys(x, 48, 2)
+    with pytest.raises(ValueError, match="`group_size`"):
+        kernels.quantize_values(x, 6, 2)
+    with pytest.raises(ValueError, match="`bits`"):
+        kernels.quantize_values(x, 32, 3)
+    with pytest.raises(ValueError, match="`x`"):
+        kernels.quantize_keys(torch.empty(1, 2, 64, 64, device="meta"), 32, 2)
+
+
+def test_bad_dequantize_arguments(kernels):
+    codes, scales, zeros = kernels.quantize_keys(torch.randn(1, 2, 64, 64), 32, 2)
+    with pytest.raises(ValueError, match="`codes` must be contiguous"):
+        kernels.dequantize_keys(codes.transpose(2, 3), scales, zeros, 64, 32, 2)
+    with pytest.raises(ValueError, match="`scales` and `zeros`"):
+        kernels.dequantize_keys(codes, scales, zeros[:, :, :1], 64, 32, 2)
+    with pytest.raises(ValueError, match="`num_tokens`"):
+        kernels.dequantize_keys(codes, scales, zeros, 96, 32, 2)
+    with pytest.raises(ValueError, match="`scales`"):
+        kernels.dequantize_values(codes, scales, zeros, 64, 32, 2)
+    with pytest.raises(TypeError, match="`codes`"):
+        kernels.dequantize_keys(codes.float(), scales, zeros, 64, 32, 2)
+
+
+def test_extension_checks_direct_calls(kernels):
+    """The C++ side re-checks everything, so a direct call with bad tensors raises too."""
+    C, device = kernels._C, kernels.device
+    x = torch.randn(1, 2, 64, 64)
+    codes = torch.empty(1, 2, 16, 64, dtype=torch.uint8)
+    scales, zeros = torch.empty(1, 2, 2, 64, dtype=torch.float16), torch.empty(1, 2, 2, 64, dtype=torch.float16)
+    C.quantize_keys(device, x, codes, scales, zeros, 32, 2)  # the valid call, for contrast
+    out = torch.empty(1, 2, 64, 64)
+    q_keys, dq_keys, dq_values = C.quantize_keys, C.dequantize_keys, C.dequantize_values
+    bad_calls = [
+        (ValueError, "`codes` must have shape", lambda: C.quantize_keys(device, x, codes[:, :1], scales, zeros, 32, 2)),
+        (ValueError, "`x` must be contiguous", lambda: q_keys(device, x.transpose(2, 3), codes, scales, zeros, 32, 2)),
+        (TypeError, "`x`", lambda: C.quantize_keys(device, x.double(), codes, scales, zeros, 32, 2)),
+        (TypeError, "`scales` and `zeros`", lambda: C.quantize_keys(device, x, codes, scales, zeros.float(), 32, 2)),
+        (ValueError, "`bits`", lambda: C.quantize_keys(device, x, codes, scales, zeros, 32, 5)),
+        (ValueError, "`group_size`", lambda: C.quantize_values(device, x, codes, scales, zeros, 0, 2)),
+        (ValueError, "`num_tokens`", lambda: C.dequantize_keys(device, codes, scales, zeros, out, 128, 32, 2)),
+        (ValueError, "`num_tokens`", lambda: C.dequantize_keys(device, codes, scales, zeros, out, -32, 32, 2)),
+        (ValueError, "`out` must have shape", lambda: dq_keys(device, codes, scales, zeros, out[:1, :1], 64, 32, 2)),
+        (TypeError, "`codes` must be uint8", lambda: dq_values(device, codes.char(), scales, zeros, out, 64, 32, 2)),
+        (ValueError, "not initialised", lambda: C.quantize_keys("level_zero:gpu:9", x, codes, scales, zeros, 32, 2)),
+    ]
+    for error, message, call in bad_calls:
+        with pytest.raises(error, match=message):
+            call()
+
+
+def test_unknown_device_filter_names_the_argument(kernels):
+    from kivi_xpu.ops.sycl import SyclKernels
+
+    with pytest.raises(ValueError, match="`device`='level_zero:gpu:7'.*available: .*" + kernels.device):
+        SyclKernels("level_zero:gpu:7")
+    with pytest.raises(ValueError, match="`filter`: no SYCL device matches 'opencl:gpu:5'"):
+        kernels._C.init("opencl:gpu:5")
+
+
+def test_backend_selection(kernels, monkeypatch):
+    monkeypatch.setenv(backend.BACKEND_ENV, "reference")
+    assert backend.select().name == "reference"
+    monkeypatch.setenv(backend.BACKEND_ENV, "sycl")
+    selection = backend.select()
+    assert selection.name == "sycl" and selection.sycl_device == kernels.device
+    monkeypatch.setenv(backend.BACKEND_ENV, "gpu-please")
+    with pytest.raises(ValueError, match=backend.BACKEND_ENV):
+        backend.select()
+    monkeypatch.setenv(backend.BACKEND_ENV, "auto")
+    monkeypatch.setenv(backend.DEVICE_ENV, "opencl:accelerator:3")
+    with pytest.raises(ValueError, match=backend.DEVICE_ENV):
+        backend.select()
+    monkeypatch.delenv(backend.DEVICE_ENV)
+    facts = backend.info()
+    assert facts["kernels_compiled"] and facts["device"] == kernels.device and facts["compile_seconds"] >= 0
+
+
+def test_clean_interpreter_exit(kernels):
+    """Kernels and queues live until exit: the interpreter must still exit with status 0."""
+    script = (
+        "import torch, kivi_xpu.ops.sycl as s\n"
+        "c, sc, z = s.quantize_keys(torch.randn(1, 1, 32, 8), 32, 2)\n"
+        "assert s.dequantize_keys(c, sc, z, 32, 32, 2).shape == (1, 1, 32, 8)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
