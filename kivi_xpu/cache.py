@@ -18,7 +18,7 @@ from transformers.cache_utils import (
 )
 
 from .algorithm import KiviSettings
-from .ops import KernelBackend, select_backend
+from .backend import Selection, select
 from .storage import PackedHistory, TokenBuffer
 
 
@@ -79,10 +79,10 @@ class KiviLayer(CacheLayerMixin):
     # rollback can leave a trace: not croppable in transformers' strict sense, although `crop` works.
     is_croppable = False
 
-    def __init__(self, settings: KiviSettings | None = None, backend: KernelBackend | None = None):
+    def __init__(self, settings: KiviSettings | None = None, backend: Selection | None = None):
         super().__init__()
         self.settings = settings if settings is not None else KiviSettings()
-        self.backend = backend if backend is not None else select_backend()
+        self.backend = backend if backend is not None else select()
         self.cumulative_length = 0
 
     def __repr__(self) -> str:
@@ -279,7 +279,7 @@ class KiviCache(Cache):
         device: str | None = None,
     ):
         self.settings = KiviSettings(bits, group_size, residual_length, meta_dtype)
-        self.backend = select_backend(backend, device)
+        self.backend = select(backend, device)
         if config is None:
             super().__init__(layer_class_to_replicate=lambda: KiviLayer(self.settings, self.backend))
             return
@@ -288,7 +288,7 @@ class KiviCache(Cache):
         self.settings.check_head_dim(head_dim)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(decoder_config)
         layers = []
-        for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
             if layer_type == "full_attention":
                 layers.append(KiviLayer(self.settings, self.backend))
             elif layer_type in ("sliding_attention", "chunked_attention"):

@@ -7,6 +7,7 @@ step, and a decode step only quantizes the tokens that leave the full-precision 
 from __future__ import annotations
 
 import math
+
 import torch
 
 from .algorithm import KiviSettings
@@ -123,12 +124,13 @@ class PackedHistory:
     def append(self, x: torch.Tensor) -> None:
         """Quantizes and appends ``x [B, H, n, D]`` (for keys, ``n`` is a multiple of the group size)."""
         s = self.settings
-        for buf, part in zip(self.buffers(), self._quantize(x.to(self.device), s.group_size, s.bits, s.meta_dtype)):
+        parts = self._quantize(x.to(self.device), s.group_size, s.bits, s.meta_dtype)
+        for buf, part in zip(self.buffers(), parts, strict=True):
             buf.append(part)
         self.num_tokens += x.shape[2]
 
     def dequantize(self, out_dtype: torch.dtype, start: int = 0) -> torch.Tensor:
-        """Stored tokens ``[start, T)`` in ``out_dtype``, ``[B, H, T - start, D]`` (``start`` group-aligned for keys)."""
+        """Stored tokens ``[start, T)`` as ``[B, H, T - start, D]`` (``start`` group-aligned for keys)."""
         s = self.settings
         codes, scales, zeros = (b.data for b in self.buffers())  # whole buffers: the op reads only what it needs
         if start:

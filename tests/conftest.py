@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from kivi_xpu.ops import select_backend
+from kivi_xpu.backend import select
 
 
 @pytest.fixture(autouse=True)
@@ -14,7 +14,7 @@ def _seed():
 def require_sycl():
     """Skips a SYCL test when no SYCL backend is available, unless KIVI_XPU_REQUIRE_SYCL=1 (CI), where it fails."""
     try:
-        return select_backend("sycl")
+        return select("sycl")
     except RuntimeError as err:
         if os.environ.get("KIVI_XPU_REQUIRE_SYCL") == "1":
             pytest.fail(f"KIVI_XPU_REQUIRE_SYCL=1 but the SYCL backend is unavailable: {err}")

@@ -8,14 +8,14 @@ import torch
 from transformers import GPT2Config, LlamaConfig
 
 from kivi_xpu import KiviCache, KiviLayer, KiviSettings
+from kivi_xpu.backend import select
 from kivi_xpu.ops import reference as ref
-from kivi_xpu.ops import select_backend
 
 B, H, D = 2, 3, 64
 
 
 def make_layer(backend_name, bits=2, group_size=16, residual_length=32):
-    return KiviLayer(KiviSettings(bits, group_size, residual_length), select_backend(backend_name))
+    return KiviLayer(KiviSettings(bits, group_size, residual_length), select(backend_name))
 
 
 def expected_dense(keys, values, held, settings):
@@ -118,7 +118,10 @@ def test_batch_operations_match_a_cache_built_in_that_order(backend_name):
     a.update(keys[:, :, :80], values[:, :, :80])
     a.reorder_cache(perm)
     b.update(keys[perm, :, :80], values[perm, :, :80])
-    out_a, out_b = a.update(keys[perm, :, 80:], values[perm, :, 80:]), b.update(keys[perm, :, 80:], values[perm, :, 80:])
+    out_a, out_b = (
+        a.update(keys[perm, :, 80:], values[perm, :, 80:]),
+        b.update(keys[perm, :, 80:], values[perm, :, 80:]),
+    )
     assert torch.equal(out_a[0], out_b[0]) and torch.equal(out_a[1], out_b[1])
 
     a.batch_select_indices(torch.tensor([1, 2]))

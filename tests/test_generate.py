@@ -94,8 +94,13 @@ def test_sampling_runs_across_many_flushes(model, backend_name):
     ids = torch.randint(0, VOCAB, (2, 70))
     cache = kivi(model, backend_name, residual_length=32)
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=True, top_k=20,
-        max_new_tokens=200, min_new_tokens=200,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        do_sample=True,
+        top_k=20,
+        max_new_tokens=200,
+        min_new_tokens=200,
     )
     assert out.shape == (2, 270)
     assert cache.get_seq_length() == 269

@@ -39,7 +39,10 @@ def test_round_trip_error_within_half_a_step(bits, meta_dtype):
     torch.manual_seed(bits)
     x = torch.randn(3, 2, 64, 96) * 3 + 1
     g = 32
-    for quant, dequant, dim in ((ref.quantize_keys, ref.dequantize_keys, 2), (ref.quantize_values, ref.dequantize_values, 3)):
+    for quant, dequant, dim in (
+        (ref.quantize_keys, ref.dequantize_keys, 2),
+        (ref.quantize_values, ref.dequantize_values, 3),
+    ):
         codes, scales, zeros = quant(x, g, bits, meta_dtype)
         assert scales.dtype == meta_dtype and zeros.dtype == meta_dtype
         y = dequant(codes, scales, zeros, x.shape[2], g, bits, torch.float32)

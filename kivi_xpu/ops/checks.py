@@ -89,7 +89,9 @@ def check_dequantize_args(
     if scales.dtype != zeros.dtype:
         raise TypeError(f"`scales` and `zeros` must share a dtype, got {scales.dtype} and {zeros.dtype}")
     if scales.shape != zeros.shape:
-        raise ValueError(f"`scales` and `zeros` must have the same shape, got {tuple(scales.shape)} and {tuple(zeros.shape)}")
+        raise ValueError(
+            f"`scales` and `zeros` must have the same shape, got {tuple(scales.shape)} and {tuple(zeros.shape)}"
+        )
     for t, name in ((codes, "codes"), (scales, "scales"), (zeros, "zeros")):
         if t.device != codes.device:
             raise ValueError(f"`{name}` is on {t.device} but `codes` is on {codes.device}: all must share a device")
@@ -100,9 +102,7 @@ def check_dequantize_args(
     per = codes_per_byte(bits)
     b, h = codes.shape[:2]
     if scales.shape[:2] != (b, h):
-        raise ValueError(
-            f"`scales` batch/heads {tuple(scales.shape[:2])} do not match `codes` batch/heads {(b, h)}"
-        )
+        raise ValueError(f"`scales` batch/heads {tuple(scales.shape[:2])} do not match `codes` batch/heads {(b, h)}")
     if axis == "tokens":
         if num_tokens % group_size != 0:
             raise ValueError(f"`num_tokens` ({num_tokens}) must be a multiple of `group_size` ({group_size}) for keys")
