@@ -82,7 +82,8 @@ def _describe(devices: list[dict[str, str]]) -> str:
 
 def select_device(device: str | None = None) -> str:
     """Canonical filter string of the SYCL device to use: ``device``, else ``$KIVI_XPU_DEVICE``, else the first
-    GPU, else the first CPU device. Raises ValueError naming the argument if the filter matches no device."""
+    GPU when torch has XPU support, else the first CPU device. Raises ValueError naming the argument if the filter
+    matches no device."""
     import dpctl
 
     requested, source = (device, "device") if device is not None else (os.environ.get(DEVICE_ENV), DEVICE_ENV)
@@ -95,7 +96,9 @@ def select_device(device: str | None = None) -> str:
                 f"`{source}`={requested!r} matches no SYCL device ({error}); available: {available}"
             ) from None
     devices = dpctl.get_devices()
-    for wanted in ("gpu", "cpu"):
+    # A GPU only helps when torch can allocate on it (an XPU build of torch); otherwise the CPU device.
+    preferred = ("gpu", "cpu") if hasattr(torch, "xpu") and torch.xpu.is_available() else ("cpu", "gpu")
+    for wanted in preferred:
         for d in devices:
             if d.device_type.name == wanted:
                 return d.filter_string
@@ -180,6 +183,11 @@ def select(backend: str | None = None, device: str | None = None) -> Selection:
         return Selection("reference", reference, None, f"{BACKEND_ENV}/backend is 'reference'")
     try:
         runtime = get_runtime(device)
+        if not runtime.facts["usm_system_allocations"] and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            raise RuntimeError(
+                f"SYCL device {runtime.device} ({runtime.facts['name']}) cannot read host memory and this torch "
+                "build has no XPU support to allocate on it: install an XPU build of torch, or pick a CPU device"
+            )
     except ValueError:
         raise  # a device the user named does not exist: never silently ignored
     except (RuntimeError, ImportError) as error:

@@ -122,23 +122,28 @@ class KiviLayer(CacheLayerMixin):
         else:
             keys_out = self._dense(self.packed_keys, self.key_residual, key_states)
             values_out = self._dense(self.packed_values, self.value_residual, value_states)
-        self.key_residual.append(key_states)
-        self.value_residual.append(value_states)
         self.cumulative_length += key_states.shape[2]
-        self._flush()
+        n = self.cumulative_length
+        self._store(self.packed_keys, self.key_residual, key_states, self.settings.quantized_key_count(n))
+        self._store(self.packed_values, self.value_residual, value_states, self.settings.quantized_value_count(n))
         return keys_out, values_out
 
-    def _flush(self) -> None:
-        """Quantizes what the KIVI rule says must leave the full-precision windows (nothing else)."""
-        n = self.cumulative_length
-        for packed, residual, target in (
-            (self.packed_keys, self.key_residual, self.settings.quantized_key_count(n)),
-            (self.packed_values, self.value_residual, self.settings.quantized_value_count(n)),
-        ):
-            leaving = target - packed.num_tokens
-            if leaving > 0:
-                packed.append(residual.view()[:, :, :leaving])
-                residual.drop_front(leaving)
+    @staticmethod
+    def _store(packed: PackedHistory, residual: TokenBuffer, new: torch.Tensor, quantized_target: int) -> None:
+        """Appends ``new`` tokens and quantizes exactly what the KIVI rule says must leave the full-precision
+        window (oldest first). New tokens that leave at once go straight to the packed store, so a long prefill
+        never passes through (and never inflates) the residual buffer."""
+        leaving = quantized_target - packed.num_tokens
+        from_residual = min(max(leaving, 0), len(residual))
+        from_new = max(leaving, 0) - from_residual
+        if from_residual and from_new:
+            packed.append(torch.cat([residual.view(), new[:, :, :from_new]], dim=2))
+        elif from_residual:
+            packed.append(residual.view()[:, :, :from_residual])
+        elif from_new:
+            packed.append(new[:, :, :from_new])
+        residual.drop_front(from_residual)
+        residual.append(new[:, :, from_new:])
 
     def get_seq_length(self) -> int:
         return self.cumulative_length

@@ -13,7 +13,8 @@ import torch
 from .algorithm import KiviSettings
 from .ops.checks import codes_per_byte
 
-GROWTH_FACTOR = 1.5
+# Capacity grows by 25% (at least one residual block): amortised O(1) copies per token, at most ~20% slack.
+GROWTH_FACTOR = 1.25
 
 
 class TokenBuffer:
