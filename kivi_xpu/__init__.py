@@ -3,8 +3,12 @@
 # `backend` first: it points the SYCL runtime at its OpenCL CPU device and kernel cache before anything loads it.
 from . import backend  # noqa: F401, I001
 from .algorithm import KiviSettings
+from .attention import register as _register_attention
+from .attention import use_fused_attention
 from .cache import KiviCache, KiviLayer, KiviMemoryReport
+
+_register_attention()  # attn_implementation="kivi" works as soon as kivi_xpu is imported
 
 __version__ = "0.1.0"
 
-__all__ = ["KiviCache", "KiviLayer", "KiviMemoryReport", "KiviSettings", "__version__"]
+__all__ = ["KiviCache", "KiviLayer", "KiviMemoryReport", "KiviSettings", "use_fused_attention", "__version__"]

@@ -18,6 +18,7 @@ from transformers.cache_utils import (
 )
 
 from .algorithm import KiviSettings
+from .attention import ATTENTION_NAME, FusedStep, attend_tail_and_history, hand_over
 from .backend import Selection, select
 from .storage import PackedHistory, TokenBuffer
 
@@ -63,6 +64,9 @@ class KiviMemoryReport:
         )
 
 
+ATTENTION_MODES = ("auto", "dense")
+
+
 class KiviLayer(CacheLayerMixin):
     """One attention layer's KIVI cache.
 
@@ -79,10 +83,21 @@ class KiviLayer(CacheLayerMixin):
     # rollback can leave a trace: not croppable in transformers' strict sense, although `crop` works.
     is_croppable = False
 
-    def __init__(self, settings: KiviSettings | None = None, backend: Selection | None = None):
+    def __init__(
+        self,
+        settings: KiviSettings | None = None,
+        backend: Selection | None = None,
+        attention: str = "auto",
+        model_config=None,
+    ):
         super().__init__()
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"`attention` must be one of {ATTENTION_MODES}, got {attention!r}")
         self.settings = settings if settings is not None else KiviSettings()
         self.backend = backend if backend is not None else select()
+        # "auto": fused exactly when `model_config._attn_implementation == "kivi"` (read at every update, so it
+        # follows `model.set_attn_implementation`); "dense": always return dense keys/values.
+        self.attention, self.model_config = attention, model_config
         self.cumulative_length = 0
 
     def __repr__(self) -> str:
@@ -104,24 +119,73 @@ class KiviLayer(CacheLayerMixin):
         self.packed_values = PackedHistory("values", self.settings, batch, heads, value_dim, storage, kernels)
         self.is_initialized = True
 
-    def _dense(self, packed: PackedHistory, residual: TokenBuffer, new: torch.Tensor) -> torch.Tensor:
-        parts = [residual.view(), new]
-        if packed.num_tokens:
-            parts.insert(0, packed.dequantize(self.dtype).to(self.device))
-        return torch.cat(parts, dim=2)
+    @property
+    def fused(self) -> bool:
+        """Whether the model reads this layer through the fused KIVI attention (``attn_implementation="kivi"``)."""
+        return self.attention == "auto" and getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
+
+    def dense_states(self, step: FusedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``[B, H_kv, n, D]`` keys and values of a step: dequantized history (a temporary) + exact tail."""
+        out = []
+        for packed, count, tail in (
+            (self.packed_keys, step.quantized_keys, step.keys_tail),
+            (self.packed_values, step.quantized_values, step.values_tail),
+        ):
+            history = packed.dequantize(self.dtype, count=count).to(self.device) if count else None
+            out.append(tail if history is None else torch.cat([history, tail], dim=2))
+        return out[0], out[1]
+
+    def fused_attention(self, step: FusedStep, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+        """Attention of ``query [B, Hq, L, D]`` over this step's tokens straight from the packed history (on the
+        storage device) and the exact tail (on the model's device). Returns ``[B, Hq, L, D]``."""
+        s, kernels = self.settings, self.backend.kernels
+
+        def key_scores(q):
+            codes, scales, zeros = (b.data for b in self.packed_keys.buffers())
+            q = q.to(self.packed_keys.device)
+            scores = kernels.packed_key_scores(q, codes, scales, zeros, step.quantized_keys, s.group_size, s.bits)
+            return scores.to(self.device)
+
+        def value_sum(p):
+            codes, scales, zeros = (b.data for b in self.packed_values.buffers())
+            p = p.to(self.packed_values.device)
+            out = kernels.packed_value_combine(p, codes, scales, zeros, step.quantized_values, s.group_size, s.bits)
+            return out.to(self.device)
+
+        return attend_tail_and_history(
+            query,
+            scaling,
+            attention_mask,
+            key_scores,
+            step.keys_tail,
+            step.values_tail,
+            value_sum,
+            step.quantized_values,
+        )
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Appends ``key_states``/``value_states`` ``[B, H_kv, m, D]`` and returns the dense ``[B, H_kv, n, D]``
-        keys and values attention should read (``n`` = tokens held after the update)."""
+        """Appends ``key_states``/``value_states`` ``[B, H_kv, m, D]`` and returns what attention should read:
+        dense ``[B, H_kv, n, D]`` keys and values (``n`` = tokens held after the update), or, when the model uses
+        the fused KIVI attention, only the full-precision tails (the layer hands itself to that attention call)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.cumulative_length == 0:
             keys_out, values_out = key_states, value_states  # prefill attends to the exact states
         else:
-            keys_out = self._dense(self.packed_keys, self.key_residual, key_states)
-            values_out = self._dense(self.packed_values, self.value_residual, value_states)
+            step = FusedStep(
+                self,
+                torch.cat([self.key_residual.view(), key_states], dim=2),
+                torch.cat([self.value_residual.view(), value_states], dim=2),
+                self.packed_keys.num_tokens,
+                self.packed_values.num_tokens,
+            )
+            if self.fused:
+                hand_over(step)
+                keys_out, values_out = step.keys_tail, step.values_tail
+            else:
+                keys_out, values_out = self.dense_states(step)
         self.cumulative_length += key_states.shape[2]
         n = self.cumulative_length
         self._store(self.packed_keys, self.key_residual, key_states, self.settings.quantized_key_count(n))
@@ -185,7 +249,7 @@ class KiviLayer(CacheLayerMixin):
         if target >= quantized:
             residual.truncate(new_length - quantized)
             return
-        restored = packed.dequantize(self.dtype, start=target)[:, :, : min(new_length, quantized) - target]
+        restored = packed.dequantize(self.dtype, start=target, count=min(new_length, quantized))
         kept = residual.view()[:, :, : max(0, new_length - quantized)]
         window = torch.cat([restored.to(self.device), kept], dim=2)
         packed.truncate(target)
@@ -270,7 +334,10 @@ class KiviCache(Cache):
         backend: ``"auto"`` (default: ``$KIVI_XPU_BACKEND`` or SYCL kernels when a SYCL device exists, else the
             pure-PyTorch reference with one warning), ``"sycl"`` or ``"reference"``.
         device: SYCL device filter string (e.g. ``"opencl:cpu"``, ``"level_zero:gpu"``), default
-            ``$KIVI_XPU_DEVICE`` or the first GPU, else the first CPU device.
+            ``$KIVI_XPU_DEVICE`` or the first GPU (with an XPU build of torch), else the first CPU device.
+        attention: ``"auto"`` (default): the layers hand the packed history to the fused KIVI attention when the
+            model runs with ``attn_implementation="kivi"`` (see :func:`kivi_xpu.use_fused_attention`), and return
+            dense keys/values to any other attention; ``"dense"`` always returns dense keys/values.
     """
 
     def __init__(
@@ -282,11 +349,14 @@ class KiviCache(Cache):
         meta_dtype: torch.dtype = torch.float16,
         backend: str | None = None,
         device: str | None = None,
+        attention: str = "auto",
     ):
         self.settings = KiviSettings(bits, group_size, residual_length, meta_dtype)
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"`attention` must be one of {ATTENTION_MODES}, got {attention!r}")
         self.backend = select(backend, device)
         if config is None:
-            super().__init__(layer_class_to_replicate=lambda: KiviLayer(self.settings, self.backend))
+            super().__init__(layer_class_to_replicate=lambda: KiviLayer(self.settings, self.backend, attention))
             return
         decoder_config = config.get_text_config(decoder=True)
         _, _, head_dim = _attention_geometry(decoder_config)
@@ -295,7 +365,7 @@ class KiviCache(Cache):
         layers = []
         for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
             if layer_type == "full_attention":
-                layers.append(KiviLayer(self.settings, self.backend))
+                layers.append(KiviLayer(self.settings, self.backend, attention, decoder_config))
             elif layer_type in ("sliding_attention", "chunked_attention"):
                 layers.append(DynamicSlidingWindowLayer(**kwargs))
             elif layer_type == "dummy":

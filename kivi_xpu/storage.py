@@ -130,15 +130,17 @@ class PackedHistory:
             buf.append(part)
         self.num_tokens += x.shape[2]
 
-    def dequantize(self, out_dtype: torch.dtype, start: int = 0) -> torch.Tensor:
-        """Stored tokens ``[start, T)`` as ``[B, H, T - start, D]`` (``start`` group-aligned for keys)."""
+    def dequantize(self, out_dtype: torch.dtype, start: int = 0, count: int | None = None) -> torch.Tensor:
+        """Stored tokens ``[start, count)`` (default: all) as ``[B, H, count - start, D]``; ``start`` is
+        group-aligned for keys."""
         s = self.settings
+        count = self.num_tokens if count is None else count
         codes, scales, zeros = (b.data for b in self.buffers())  # whole buffers: the op reads only what it needs
         if start:
             codes = codes[:, :, start // self.tokens_per_code_row :].contiguous()
             scales = scales[:, :, start // self.tokens_per_meta_row :].contiguous()
             zeros = zeros[:, :, start // self.tokens_per_meta_row :].contiguous()
-        return self._dequantize(codes, scales, zeros, self.num_tokens - start, s.group_size, s.bits, out_dtype)
+        return self._dequantize(codes, scales, zeros, count - start, s.group_size, s.bits, out_dtype)
 
     def truncate(self, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens (group-aligned for keys)."""

@@ -128,3 +128,31 @@ def check_dequantize_args(
                 f"`num_tokens` ({num_tokens}) exceeds the stored tokens: codes hold {codes.shape[2]}, "
                 f"scales hold {scales.shape[2]}"
             )
+
+
+def check_attention_args(
+    name: str,
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    num_tokens: int,
+    group_size: int,
+    bits: int,
+    axis: str,
+) -> None:
+    """Checks for ``packed_key_scores`` (``name='query'``, axis='tokens') and ``packed_value_combine``
+    (``name='probs'``, axis='channels'): the packed arguments as for dequantization, plus the dense operand."""
+    check_dequantize_args(codes, scales, zeros, num_tokens, group_size, bits, torch.float32, axis)
+    check_float_tensor(query, name, dtypes=(torch.float32,))
+    if query.device != codes.device:
+        raise ValueError(f"`{name}` is on {query.device} but `codes` is on {codes.device}: all must share a device")
+    b, kv_heads = codes.shape[:2]
+    if query.shape[0] != b or query.shape[1] % kv_heads != 0:
+        raise ValueError(
+            f"`{name}` shape {tuple(query.shape)} must be [batch={b}, a multiple of the {kv_heads} kv heads, ...]"
+        )
+    if axis == "tokens" and query.shape[3] != codes.shape[3]:
+        raise ValueError(f"`query` head_dim {query.shape[3]} does not match the keys' head_dim {codes.shape[3]}")
+    if axis == "channels" and query.shape[3] != num_tokens:
+        raise ValueError(f"`probs` last dim {query.shape[3]} must equal `num_tokens` ({num_tokens})")

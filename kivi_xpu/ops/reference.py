@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_dequantize_args, check_quantize_args, codes_per_byte
+from .checks import check_attention_args, check_dequantize_args, check_quantize_args, codes_per_byte
 
 
 def _quantize_groups(x: torch.Tensor, dim: int, bits: int, meta_dtype: torch.dtype):
@@ -147,3 +147,58 @@ def dequantize_values(
     scale = scales[:, :, :num_tokens].float().repeat_interleave(group_size, dim=3)
     zero = zeros[:, :, :num_tokens].float().repeat_interleave(group_size, dim=3)
     return (q * scale + zero).to(out_dtype)
+
+
+def _group_queries(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, Hq, L, X] -> [B, Hkv, (Hq / Hkv) * L, X]``: the query heads sharing a kv head, side by side (GQA)."""
+    b, hq, length, width = x.shape
+    return x.reshape(b, kv_heads, hq // kv_heads * length, width)
+
+
+def packed_key_scores(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    num_tokens: int,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """Attention scores against packed per-channel keys, without keeping a dequantized copy.
+
+    Args:
+        query: ``[B, Hq, L, D]`` float32 (already scaled); ``Hq`` a multiple of the ``Hkv`` kv heads (GQA:
+            query head ``h`` reads kv head ``h // (Hq / Hkv)``).
+        codes, scales, zeros: packed keys as produced by :func:`quantize_keys` (possibly over-allocated).
+    Returns:
+        ``[B, Hq, L, num_tokens]`` float32: ``query @ dequantize_keys(...)^T``.
+    """
+    check_attention_args("query", query, codes, scales, zeros, num_tokens, group_size, bits, "tokens")
+    b, hq, length, _ = query.shape
+    keys = dequantize_keys(codes, scales, zeros, num_tokens, group_size, bits, torch.float32)
+    scores = _group_queries(query, codes.shape[1]) @ keys.transpose(2, 3)
+    return scores.reshape(b, hq, length, num_tokens)
+
+
+def packed_value_combine(
+    probs: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    num_tokens: int,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """Probability-weighted sum of packed per-token values.
+
+    Args:
+        probs: ``[B, Hq, L, num_tokens]`` float32 attention weights of the quantized tokens.
+        codes, scales, zeros: packed values as produced by :func:`quantize_values` (possibly over-allocated).
+    Returns:
+        ``[B, Hq, L, D]`` float32: ``probs @ dequantize_values(...)``.
+    """
+    check_attention_args("probs", probs, codes, scales, zeros, num_tokens, group_size, bits, "channels")
+    b, hq, length, _ = probs.shape
+    values = dequantize_values(codes, scales, zeros, num_tokens, group_size, bits, torch.float32)
+    out = _group_queries(probs, codes.shape[1]) @ values
+    return out.reshape(b, hq, length, values.shape[3])

@@ -1,0 +1,146 @@
+"""Fused KIVI attention for transformers: attention computed straight from the packed history.
+
+``model.set_attn_implementation("kivi")`` (or :func:`use_fused_attention`) makes the model's attention modules
+call :func:`kivi_attention_forward`. With a :class:`~kivi_xpu.KiviCache` built from that model's config, each
+``KiviLayer.update`` then returns only the full-precision tail (window + new tokens) and hands the layer over
+to the attention function, which scores the packed keys and sums the packed values in place: no dense copy of
+the quantized history is ever built. Everything else (prefill, other caches, sliding-window layers, dropout)
+goes to transformers' SDPA attention unchanged, so the implementation is safe to set on any model.
+
+The hand-over: the attention function never receives the cache, only the module and the tensors ``update``
+returned. ``update`` records ``(layer, keys it returned)`` in a thread-local slot; the attention function takes
+the slot and uses it only if the key tensor it received is that very object.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "kivi"
+
+
+@dataclass
+class FusedStep:
+    """What one layer's ``update`` hands to the attention call that follows it."""
+
+    layer: object  # the KiviLayer
+    keys_tail: torch.Tensor  # [B, Hkv, n - quantized_keys, D], full precision
+    values_tail: torch.Tensor  # [B, Hkv, n - quantized_values, D]
+    quantized_keys: int  # packed tokens attention reads (the count before this step's flush)
+    quantized_values: int
+
+
+_slot = threading.local()
+
+
+def hand_over(step: FusedStep) -> None:
+    _slot.step = step
+
+
+def take_over(key: torch.Tensor) -> FusedStep | None:
+    """The step the preceding ``update`` handed over (``None`` if there is none); clears the slot."""
+    step = getattr(_slot, "step", None)
+    _slot.step = None
+    if step is not None and step.keys_tail is not key:
+        # The model changed the keys between `update` and attention: the tail alone would be silently wrong.
+        raise RuntimeError(
+            "kivi attention: the keys reaching attention are not those KiviCache.update returned (this model "
+            "transforms them in between), so the fused path cannot be used: build the cache with "
+            "KiviCache(..., attention='dense') or use another attn_implementation"
+        )
+    return step
+
+
+def kivi_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Transformers attention interface: ``query [B, Hq, L, D]`` -> ``([B, L, Hq, D], None)``."""
+    step = take_over(key)
+    unsupported = dropout > 0 or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None
+    if step is None or unsupported:
+        if step is not None:  # the layer returned only its tail: rebuild the dense states for SDPA
+            key, value = step.layer.dense_states(step)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = step.layer.fused_attention(step, query, attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Registers ``"kivi"`` with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, kivi_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def use_fused_attention(model) -> None:
+    """Switches ``model`` to the fused KIVI attention (``model.set_attn_implementation("kivi")``)."""
+    register()
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, Hq, L, X] -> [B, Hkv, (Hq / Hkv) * L, X]`` (query heads sharing a kv head side by side)."""
+    b, hq, length, width = x.shape
+    return x.reshape(b, kv_heads, hq // kv_heads * length, width)
+
+
+def masked_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Applies a transformers mask (bool, True = attend; or additive float) to ``scores [B, Hq, L, n]``; without
+    a mask the last ``L`` tokens are the queries themselves and attend causally."""
+    if attention_mask is not None:
+        mask = attention_mask[..., -scores.shape[-1] :]
+        if mask.dtype == torch.bool:
+            return scores.masked_fill(~mask, float("-inf"))
+        return scores + mask.float()
+    length, n = scores.shape[-2:]
+    if length == 1:
+        return scores
+    causal = torch.ones(length, n, dtype=torch.bool, device=scores.device).tril(n - length)
+    return scores.masked_fill(~causal, float("-inf"))
+
+
+def attend_tail_and_history(
+    query: torch.Tensor,
+    scaling: float,
+    attention_mask: torch.Tensor | None,
+    key_scores_history,
+    keys_tail: torch.Tensor,
+    values_tail: torch.Tensor,
+    value_sum_history,
+    quantized_values: int,
+) -> torch.Tensor:
+    """Softmax attention over ``[history | tail]`` where the history is only reachable through two callables:
+    ``key_scores_history(q [B, Hq, L, D] fp32) -> [B, Hq, L, Tk]`` and
+    ``value_sum_history(p [B, Hq, L, Tv] fp32) -> [B, Hq, L, D]``. Returns ``[B, Hq, L, D]`` in query's dtype.
+
+    Keys and values have different quantized counts (KIVI quantizes keys in blocks, values one by one), so the
+    probabilities of all ``n`` tokens are formed first (``n`` floats per query row: small) and split per side.
+    """
+    b, hq, length, _ = query.shape
+    kv_heads = keys_tail.shape[1]
+    q = query.float() * scaling
+    tail = (_grouped(q, kv_heads) @ keys_tail.float().transpose(2, 3)).reshape(b, hq, length, -1)
+    scores = masked_scores(torch.cat([key_scores_history(q), tail], dim=-1), attention_mask)
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked rows (padding queries) give zeros
+    out = _grouped(probs[..., quantized_values:], kv_heads) @ values_tail.float()
+    out = out.reshape(b, hq, length, -1)
+    if quantized_values:
+        out += value_sum_history(probs[..., :quantized_values].contiguous())
+    return out.to(query.dtype)

@@ -1,0 +1,187 @@
+"""Fused attention on the packed history: the packed score/value ops against dense math, the softmax over
+[history | tail] against SDPA on dequantized states, and generation through the fused path against the dense path."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from kivi_xpu import KiviCache, use_fused_attention
+from kivi_xpu.attention import attend_tail_and_history
+from kivi_xpu.backend import select
+from kivi_xpu.ops import reference as ref
+
+
+def kernels_for(backend_name):
+    return select(backend_name).kernels
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+@pytest.mark.parametrize("gqa", (1, 3, 8))
+@pytest.mark.parametrize("tokens, head_dim, group, q_len", [(32, 64, 32, 1), (160, 128, 32, 3), (1056, 80, 16, 1)])
+def test_packed_key_scores_equal_dense_scores(backend_name, bits, gqa, tokens, head_dim, group, q_len):
+    kernels = kernels_for(backend_name)
+    b, kv_heads = 2, 2
+    keys = torch.randn(b, kv_heads, tokens + 2 * group, head_dim)  # over-allocated: only `tokens` are read
+    codes, scales, zeros = ref.quantize_keys(keys, group, bits)
+    query = torch.randn(b, kv_heads * gqa, q_len, head_dim)
+    got = kernels.packed_key_scores(query, codes, scales, zeros, tokens, group, bits)
+    dense = ref.dequantize_keys(codes, scales, zeros, tokens, group, bits).repeat_interleave(gqa, dim=1)
+    expected = query @ dense.transpose(2, 3)
+    assert got.shape == (b, kv_heads * gqa, q_len, tokens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+@pytest.mark.parametrize("gqa", (1, 3, 8))
+@pytest.mark.parametrize("tokens, head_dim, group, q_len", [(1, 64, 32, 1), (33, 128, 32, 2), (1025, 80, 16, 1)])
+def test_packed_value_combine_equals_dense_sum(backend_name, bits, gqa, tokens, head_dim, group, q_len):
+    kernels = kernels_for(backend_name)
+    b, kv_heads = 2, 2
+    values = torch.randn(b, kv_heads, tokens + 7, head_dim)
+    codes, scales, zeros = ref.quantize_values(values, group, bits)
+    probs = torch.softmax(torch.randn(b, kv_heads * gqa, q_len, tokens), dim=-1)
+    got = kernels.packed_value_combine(probs, codes, scales, zeros, tokens, group, bits)
+    dense = ref.dequantize_values(codes, scales, zeros, tokens, group, bits).repeat_interleave(gqa, dim=1)
+    assert got.shape == (b, kv_heads * gqa, q_len, head_dim)
+    torch.testing.assert_close(got, probs @ dense, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_attention_ops_reject_bad_input(backend_name):
+    kernels = kernels_for(backend_name)
+    codes, scales, zeros = ref.quantize_keys(torch.randn(1, 2, 64, 64), 32, 2)
+    with pytest.raises(ValueError, match="query"):
+        kernels.packed_key_scores(torch.randn(1, 3, 1, 64), codes, scales, zeros, 64, 32, 2)  # 3 heads, 2 kv heads
+    with pytest.raises(ValueError, match="head_dim"):
+        kernels.packed_key_scores(torch.randn(1, 2, 1, 32), codes, scales, zeros, 64, 32, 2)
+    with pytest.raises(TypeError, match="query"):
+        kernels.packed_key_scores(torch.randn(1, 2, 1, 64).half(), codes, scales, zeros, 64, 32, 2)
+    codes, scales, zeros = ref.quantize_values(torch.randn(1, 2, 10, 64), 32, 2)
+    with pytest.raises(ValueError, match="num_tokens"):
+        kernels.packed_value_combine(torch.rand(1, 2, 1, 12), codes, scales, zeros, 12, 32, 2)
+
+
+@pytest.mark.parametrize("q_len", (1, 5))
+@pytest.mark.parametrize("padded", (False, True))
+def test_softmax_over_history_and_tail_equals_sdpa(backend_name, q_len, padded):
+    kernels = kernels_for(backend_name)
+    b, hq, kv_heads, d, g, bits = 2, 6, 2, 64, 32, 2
+    tk, tv, n = 96, 70, 100  # keys and values quantize different counts (blocks vs FIFO)
+    keys, values = torch.randn(b, kv_heads, n, d), torch.randn(b, kv_heads, n, d)
+    kc, ks, kz = ref.quantize_keys(keys[:, :, :tk], g, bits)
+    vc, vs, vz = ref.quantize_values(values[:, :, :tv], g, bits)
+    dense_k = torch.cat([ref.dequantize_keys(kc, ks, kz, tk, g, bits), keys[:, :, tk:]], dim=2)
+    dense_v = torch.cat([ref.dequantize_values(vc, vs, vz, tv, g, bits), values[:, :, tv:]], dim=2)
+    query = torch.randn(b, hq, q_len, d)
+    mask = torch.ones(b, 1, q_len, n, dtype=torch.bool).tril(n - q_len)
+    if padded:
+        mask[1, ..., :9] = False  # the second sequence is left-padded by 9 tokens
+    out = attend_tail_and_history(
+        query,
+        d**-0.5,
+        mask if padded else None,
+        lambda q: kernels.packed_key_scores(q, kc, ks, kz, tk, g, bits),
+        keys[:, :, tk:],
+        values[:, :, tv:],
+        lambda p: kernels.packed_value_combine(p, vc, vs, vz, tv, g, bits),
+        tv,
+    )
+    rep = hq // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, dense_k.repeat_interleave(rep, 1), dense_v.repeat_interleave(rep, 1), attn_mask=mask
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def tiny_llama(kv_heads=2):
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def generate(model, attn, backend_name, ids, mask=None, **kwargs):
+    model.set_attn_implementation(attn)
+    cache = KiviCache(config=model.config, bits=2, group_size=16, residual_length=32, backend=backend_name)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, **kwargs)
+    return out, cache
+
+
+@pytest.mark.parametrize("kv_heads", (1, 2, 8))  # MQA, GQA, MHA
+def test_fused_greedy_generation_matches_the_dense_path_for_200_tokens(backend_name, kv_heads):
+    model = tiny_llama(kv_heads)
+    ids = torch.randint(1, 256, (1, 45))
+    dense, _ = generate(model, "sdpa", backend_name, ids, max_new_tokens=200, min_new_tokens=200)
+    fused, cache = generate(model, "kivi", backend_name, ids, max_new_tokens=200, min_new_tokens=200)
+    assert torch.equal(dense, fused)
+    assert cache.layers[0].packed_keys.num_tokens == 224  # the history really was packed
+
+
+def test_fused_batched_left_padded_generation_matches_the_dense_path(backend_name):
+    model = tiny_llama()
+    ids = torch.randint(1, 256, (2, 40))
+    mask = torch.ones_like(ids)
+    ids[0, :11], mask[0, :11] = 0, 0  # left padding
+    dense, _ = generate(model, "sdpa", backend_name, ids, mask, max_new_tokens=80, min_new_tokens=80)
+    fused, _ = generate(model, "kivi", backend_name, ids, mask, max_new_tokens=80, min_new_tokens=80)
+    assert torch.equal(dense, fused)
+
+
+def test_fused_multi_token_append_matches_the_dense_path(backend_name):
+    model = tiny_llama()
+    tokens = torch.randint(1, 256, (1, 150))
+    logits = {}
+    for attn in ("sdpa", "kivi"):
+        model.set_attn_implementation(attn)
+        cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend=backend_name)
+        with torch.no_grad():
+            model(tokens[:, :70], past_key_values=cache)
+            model(tokens[:, 70:71], past_key_values=cache)
+            logits[attn] = model(tokens[:, 71:150], past_key_values=cache).logits  # 79 tokens onto a history
+    torch.testing.assert_close(logits["kivi"], logits["sdpa"], rtol=1e-4, atol=1e-4)
+
+
+def test_kivi_attention_with_other_caches_is_plain_sdpa():
+    model = tiny_llama()
+    ids = torch.randint(1, 256, (1, 30))
+    outs = []
+    for attn in ("sdpa", "kivi"):
+        model.set_attn_implementation(attn)
+        with torch.no_grad():
+            outs.append(model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=20))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_use_fused_attention_switches_the_model():
+    model = tiny_llama()
+    use_fused_attention(model)
+    assert model.config._attn_implementation == "kivi"
+
+
+def test_sliding_window_layers_stay_dense_under_kivi_attention():
+    config = MistralConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=48,
+    )
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    ids = torch.randint(1, 256, (1, 30))
+    outs = []
+    for attn in ("sdpa", "kivi"):
+        model.set_attn_implementation(attn)
+        cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend="reference")
+        with torch.no_grad():
+            outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=60, do_sample=False))
+    assert torch.equal(outs[0], outs[1])
