@@ -41,19 +41,33 @@ constexpr int kF32 = 0, kF16 = 1, kBF16 = 2;
 // Precise fp32: codes must match torch's correctly rounded division; no fma contraction in q * scale + zero.
 const std::vector<std::string> kBuildOptions = {"-fno-fast-math", "-ffp-contract=off", "-foffload-fp32-prec-div"};
 
+// Dtype suffixes of the stamped kernel names, indexed by tag (see KIVI_FOR_EACH_DTYPE_PAIR in kivi_kernels.cpp).
+const char* const kDtypeSuffix[3] = {"f32", "f16", "bf16"};
+
+enum Op { kQuantizeKeys, kQuantizeValues, kDequantizeKeys, kDequantizeValues, kNumOps };
+const char* const kOpName[kNumOps] = {"kivi_quantize_keys", "kivi_quantize_values", "kivi_dequantize_keys",
+                                      "kivi_dequantize_values"};
+
+// Largest work-group used along the vectorised last dimension: big enough to fill a 16-lane AVX-512 CPU vector or a
+// GPU's EUs several times over, small enough to leave many groups for load balancing across cores.
+constexpr size_t kMaxLocal = 256;
+
 struct Kernel {
   sycl::kernel kernel;
-  size_t work_group_size;
+  size_t max_local;  // min(kMaxLocal, device and kernel limits)
 };
 
 struct DeviceRuntime {
   std::string filter;
+  std::string name;  // device name, cached for error messages
   sycl::device device;
   sycl::context context;
   sycl::queue queue;
   bool system_usm;
-  std::map<std::string, Kernel> kernels;
-  py::dict facts;  // returned by init(); only touched with the GIL held
+  std::vector<Kernel> kernels;  // [op][first dtype tag][second dtype tag] flattened: looked up per launch by index
+  py::dict facts;               // returned by init(); only touched with the GIL held
+
+  const Kernel& kernel(int op, int a, int b) const { return kernels[(op * 3 + a) * 3 + b]; }
 };
 
 // Leaked on purpose: destroying SYCL objects from static destructors at interpreter exit crashes the runtime.
@@ -142,24 +156,37 @@ DeviceRuntime* create_runtime(const std::string& filter) {
   TORCH_CHECK(error.empty(), "kivi_xpu: compiling the SYCL kernels for ", filter, " failed: ", error, "\n", log);
   const double compile_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  auto* rt = new DeviceRuntime{filter, device, context, sycl::queue(context, device, sycl::property::queue::in_order{}),
-                               device.has(sycl::aspect::usm_system_allocations), {}, py::dict()};
+  auto* rt = new DeviceRuntime{filter,
+                               device.get_info<sycl::info::device::name>(),
+                               device,
+                               context,
+                               sycl::queue(context, device, sycl::property::queue::in_order{}),
+                               device.has(sycl::aspect::usm_system_allocations),
+                               {},
+                               py::dict()};
   const size_t device_max = device.get_info<sycl::info::device::max_work_group_size>();
-  py::dict work_group_sizes;
-  for (const char* name : {"kivi_quantize_keys", "kivi_quantize_values", "kivi_dequantize_keys", "kivi_dequantize_values"}) {
-    // A bundle that silently lost its kernels (e.g. a bad property macro) must fail here, not at launch.
-    TORCH_CHECK(executable->ext_oneapi_has_kernel(name), "kivi_xpu: kernel ", name, " missing from the compiled bundle");
-    sycl::kernel kernel = executable->ext_oneapi_get_kernel(name);
-    const size_t kernel_max = kernel.get_info<sycl::info::kernel_device_specific::work_group_size>(device);
-    const size_t wg = std::max<size_t>(1, std::min<size_t>({size_t(256), device_max, kernel_max}));
-    rt->kernels.emplace(name, Kernel{kernel, wg});
-    work_group_sizes[name] = wg;
+  py::dict work_group_sizes;  // largest local size per op (the minimum over its dtype variants)
+  for (int op = 0; op < kNumOps; ++op) {
+    size_t op_local = kMaxLocal;
+    for (int a = 0; a < 3; ++a) {
+      for (int b = 0; b < 3; ++b) {
+        const std::string name = std::string(kOpName[op]) + "_" + kDtypeSuffix[a] + "_" + kDtypeSuffix[b];
+        // A bundle that silently lost its kernels (e.g. a bad property macro) must fail here, not at launch.
+        TORCH_CHECK(executable->ext_oneapi_has_kernel(name), "kivi_xpu: kernel ", name, " missing from the bundle");
+        sycl::kernel kernel = executable->ext_oneapi_get_kernel(name);
+        const size_t kernel_max = kernel.get_info<sycl::info::kernel_device_specific::work_group_size>(device);
+        const size_t local = std::max<size_t>(1, std::min<size_t>({kMaxLocal, device_max, kernel_max}));
+        rt->kernels.push_back(Kernel{kernel, local});  // in kernel()'s order
+        op_local = std::min(op_local, local);
+      }
+    }
+    work_group_sizes[kOpName[op]] = op_local;
   }
 
   std::vector<size_t> sub_group_sizes = device.get_info<sycl::info::device::sub_group_sizes>();
   py::dict& f = rt->facts;
   f["filter"] = filter;
-  f["name"] = device.get_info<sycl::info::device::name>();
+  f["name"] = rt->name;
   f["backend"] = backend_name(device.get_backend());
   f["device_type"] = device_type_name(device.get_info<sycl::info::device::device_type>());
   f["driver_version"] = device.get_info<sycl::info::device::driver_version>();
@@ -225,7 +252,7 @@ int per_byte_checked(int64_t group_size, int64_t bits) {
 // Refuses memory the selected device cannot dereference (host memory on a discrete GPU, another context's USM).
 void check_accessible(const DeviceRuntime& rt, const at::Tensor& t, const char* name) {
   if (t.numel() == 0) return;
-  const auto device_name = rt.device.get_info<sycl::info::device::name>();
+  const std::string& device_name = rt.name;
   if (t.device().is_cpu()) {
     TORCH_CHECK_VALUE(rt.system_usm, "`", name, "` is a CPU tensor, but SYCL device ", rt.filter, " (", device_name,
                       ") cannot access host memory (no usm_system_allocations aspect): move it to that device");
@@ -269,24 +296,41 @@ void check_codes(const at::Tensor& codes) {
 
 // ---- launches -------------------------------------------------------------------------------------------
 
-// Rounds the global range up to whole work-groups (kernels guard `item >= items`) and waits for completion.
-template <typename... Args>
-void launch(DeviceRuntime& rt, const char* kernel_name, int64_t items, Args... args) {
-  if (items == 0) return;
-  const Kernel& k = rt.kernels.at(kernel_name);
-  const size_t wg = k.work_group_size;
-  const size_t global = (static_cast<size_t>(items) + wg - 1) / wg * wg;
+// Local size along the vectorised last dimension for an extent n: the kernel's limit, halved while twice the extent
+// still fits (so a head_dim of 64 gets 64, not 256 with 192 idle items); the global size is padded to a multiple and
+// the kernels guard the padding.
+size_t local_for(const Kernel& k, size_t n) {
+  size_t local = k.max_local;
+  while (local > 1 && local / 2 >= n) local /= 2;
+  return local;
+}
+
+size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// Submits `kernel` over `range` and waits for completion.
+template <int Dims, typename... Args>
+void launch(DeviceRuntime& rt, const Kernel& k, const char* kernel_name, sycl::nd_range<Dims> range, Args... args) {
   py::gil_scoped_release no_gil;
   try {
     rt.queue
         .submit([&](sycl::handler& h) {
           h.set_args(args...);
-          h.parallel_for(sycl::nd_range<1>(global, wg), k.kernel);
+          h.parallel_for(range, k.kernel);
         })
         .wait_and_throw();
   } catch (const sycl::exception& e) {
     throw std::runtime_error(std::string("kivi_xpu: ") + kernel_name + " failed: " + e.what());
   }
+}
+
+// {rows, groups, channels} grid with work-groups of {1, 1, local}: only the last dimension varies inside a
+// work-group, so on the CPU device everything derived from the first two is uniform (scalar) code.
+template <typename... Args>
+void launch3(DeviceRuntime& rt, Op op, int a, int b, size_t d0, size_t d1, size_t d2, Args... args) {
+  if (d0 == 0 || d1 == 0 || d2 == 0) return;
+  const Kernel& k = rt.kernel(op, a, b);
+  const size_t local = local_for(k, d2);
+  launch(rt, k, kOpName[op], sycl::nd_range<3>({d0, d1, round_up(d2, local)}, {1, 1, local}), args...);
 }
 
 const unsigned char* in_ptr(const at::Tensor& t) { return static_cast<const unsigned char*>(t.data_ptr()); }
@@ -307,9 +351,8 @@ void quantize_keys(const std::string& device, const at::Tensor& x, const at::Ten
   check_shape(zeros, "zeros", {B, H, T / group_size, D});
   check_same_device(x, {{&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}}, "x");
   check_all_accessible(rt, {{&x, "x"}, {&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}});
-  const long long items = B * H * (T / group_size) * D;
-  launch(rt, "kivi_quantize_keys", items, in_ptr(x), out_ptr(codes), out_ptr(scales), out_ptr(zeros), items,
-         (long long)T, (long long)D, (long long)group_size, (int)bits, x_tag, meta_tag);
+  launch3(rt, kQuantizeKeys, x_tag, meta_tag, size_t(B * H), size_t(T / group_size), size_t(D), in_ptr(x),
+          out_ptr(codes), out_ptr(scales), out_ptr(zeros), size_t(T), size_t(D), size_t(group_size), (int)bits);
 }
 
 void quantize_values(const std::string& device, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -327,9 +370,12 @@ void quantize_values(const std::string& device, const at::Tensor& x, const at::T
   check_shape(zeros, "zeros", {B, H, T, D / group_size});
   check_same_device(x, {{&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}}, "x");
   check_all_accessible(rt, {{&x, "x"}, {&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}});
-  const long long items = B * H * T * (D / group_size);
-  launch(rt, "kivi_quantize_values", items, in_ptr(x), out_ptr(codes), out_ptr(scales), out_ptr(zeros), items,
-         (long long)group_size, (int)bits, x_tag, meta_tag);
+  const size_t groups = B * H * T * (D / group_size);
+  if (groups == 0) return;
+  const Kernel& k = rt.kernel(kQuantizeValues, x_tag, meta_tag);
+  const size_t local = local_for(k, groups);
+  launch(rt, k, kOpName[kQuantizeValues], sycl::nd_range<1>(round_up(groups, local), local), in_ptr(x), out_ptr(codes),
+         out_ptr(scales), out_ptr(zeros), groups, size_t(group_size), (int)bits);
 }
 
 // Shared checks of both dequantize ops. `keys` selects the layout; returns {meta tag, out tag}.
@@ -376,10 +422,9 @@ void dequantize_keys(const std::string& device, const at::Tensor& codes, const a
   check_codes(codes);
   const int64_t D = codes.size(3);
   const auto [meta_tag, out_tag] = check_dequantize(rt, true, codes, scales, zeros, out, num_tokens, group_size, per, D);
-  const long long items = codes.size(0) * codes.size(1) * (num_tokens / per) * D;
-  launch(rt, "kivi_dequantize_keys", items, in_ptr(codes), in_ptr(scales), in_ptr(zeros), out_ptr(out), items,
-         (long long)num_tokens, (long long)D, (long long)codes.size(2), (long long)scales.size(2),
-         (long long)group_size, (int)bits, meta_tag, out_tag);
+  launch3(rt, kDequantizeKeys, meta_tag, out_tag, size_t(codes.size(0) * codes.size(1)), size_t(num_tokens / group_size),
+          size_t(D), in_ptr(codes), in_ptr(scales), in_ptr(zeros), out_ptr(out), size_t(num_tokens), size_t(D),
+          size_t(codes.size(2)), size_t(scales.size(2)), size_t(group_size), (int)bits);
 }
 
 void dequantize_values(const std::string& device, const at::Tensor& codes, const at::Tensor& scales,
@@ -391,10 +436,12 @@ void dequantize_values(const std::string& device, const at::Tensor& codes, const
   const int64_t D = codes.size(3) * per;
   const auto [meta_tag, out_tag] =
       check_dequantize(rt, false, codes, scales, zeros, out, num_tokens, group_size, per, D);
-  const long long items = codes.size(0) * codes.size(1) * num_tokens * (D / per);
-  launch(rt, "kivi_dequantize_values", items, in_ptr(codes), in_ptr(scales), in_ptr(zeros), out_ptr(out), items,
-         (long long)num_tokens, (long long)D, (long long)codes.size(2), (long long)scales.size(2),
-         (long long)group_size, (int)bits, meta_tag, out_tag);
+  // The kernel indexes channels in 32 bits and finds the group by a shift when G is a power of two.
+  TORCH_CHECK_VALUE(D <= 0xFFFFFFFFll, "head_dim ", D, " is too large");
+  const int group_shift = (group_size & (group_size - 1)) == 0 ? __builtin_ctzll(group_size) : -1;
+  launch3(rt, kDequantizeValues, meta_tag, out_tag, size_t(codes.size(0) * codes.size(1)), size_t(num_tokens),
+          size_t(D), in_ptr(codes), in_ptr(scales), in_ptr(zeros), out_ptr(out), size_t(num_tokens), size_t(D),
+          size_t(codes.size(2)), size_t(scales.size(2)), size_t(group_size), group_shift, (int)bits);
 }
 
 }  // namespace

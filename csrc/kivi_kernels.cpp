@@ -8,20 +8,22 @@
 //   a group with a non-finite input, scale or zero gets codes 0 and scale = zero = NaN
 //   x'    = q * scale32 + zero32 (two roundings, no fma), cast to the output dtype
 //
-// Tensors arrive as raw byte pointers plus dtype tags (a branch that is uniform across the launch), so
-// only four kernels are compiled instead of one per (data dtype x metadata dtype) combination.
-// All index arithmetic is 64-bit; every kernel guards against the padded global range; no fp64 is used
-// so that the same source is valid on Intel GPUs.
+// Performance rules this file follows (measured on the OpenCL CPU device, which vectorises ACROSS
+// work-items along the last nd_range dimension; the same layout coalesces on Intel GPUs):
+//   * one kernel per (data dtype, metadata dtype), stamped out by KIVI_FOR_EACH_DTYPE_PAIR below, so the
+//     element type is a compile-time constant in every hot loop (no per-element dtype branch);
+//   * 3-D nd_ranges whose indices come from the nd_item: the channel (or byte) index is the LAST dimension,
+//     so adjacent work-items touch adjacent addresses (vector loads / stores, coalescing on a GPU), and
+//     everything derived from the other dimensions is uniform across the vector (scalar arithmetic; no
+//     per-item integer division, which does not vectorise);
+//   * enough work per item: a key item walks a whole group of tokens with its scale/zero in registers.
+// Every kernel guards the padded last dimension; no fp64 is used, no sub-group size is assumed, so the same
+// source is valid on Intel GPUs.
 
 #include <sycl/sycl.hpp>
 
 namespace syclext = sycl::ext::oneapi;
 namespace syclexp = sycl::ext::oneapi::experimental;
-
-// Dtype tags, shared with csrc/kivi_ext.cpp.
-#define KIVI_F32 0
-#define KIVI_F16 1
-#define KIVI_BF16 2
 
 namespace {
 
@@ -68,56 +70,42 @@ inline unsigned short float_to_bf16(float f) {
   return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-inline float load_float(const unsigned char* base, long long index, int dtype) {
-  if (dtype == KIVI_F32) return reinterpret_cast<const float*>(base)[index];
-  const unsigned short raw = reinterpret_cast<const unsigned short*>(base)[index];
-  return dtype == KIVI_F16 ? half_to_float(raw) : bf16_to_float(raw);
-}
-
-inline void store_float(unsigned char* base, long long index, int dtype, float value) {
-  if (dtype == KIVI_F32) {
-    reinterpret_cast<float*>(base)[index] = value;
-  } else {
-    reinterpret_cast<unsigned short*>(base)[index] = dtype == KIVI_F16 ? float_to_half(value) : float_to_bf16(value);
-  }
-}
+// Element types as tag structs: storage type plus exact conversions to / from fp32.
+struct F32 {
+  using T = float;
+  static float load(float v) { return v; }
+  static float store(float v) { return v; }
+};
+struct F16 {
+  using T = unsigned short;
+  static float load(T v) { return half_to_float(v); }
+  static T store(float v) { return float_to_half(v); }
+};
+struct BF16 {
+  using T = unsigned short;
+  static float load(T v) { return bf16_to_float(v); }
+  static T store(float v) { return float_to_bf16(v); }
+};
 
 // Rounds to the metadata dtype and back, as torch's `.to(meta_dtype).float()` does.
-inline float round_to_meta(float value, int meta_dtype) {
-  if (meta_dtype == KIVI_F16) return half_to_float(float_to_half(value));
-  if (meta_dtype == KIVI_BF16) return bf16_to_float(float_to_bf16(value));
-  return value;
+template <typename M>
+inline float round_to(float value) {
+  return M::load(M::store(value));
 }
 
 inline bool is_finite(float f) { return (float_bits(f) & 0x7F800000u) != 0x7F800000u; }
 
-// Quotient and remainder of non-negative indices: 32-bit division whenever both fit (64-bit integer division is
-// several times slower on CPUs and GPUs, and dominates the cheap dequantize kernels), 64-bit otherwise.
-struct DivMod {
-  long long quot, rem;
-};
-
-inline DivMod divmod(long long n, long long d) {
-  if (n <= 0xFFFFFFFFll && d <= 0xFFFFFFFFll) {
-    const unsigned q = (unsigned)n / (unsigned)d;
-    return {(long long)q, (long long)((unsigned)n - q * (unsigned)d)};
-  }
-  const long long q = n / d;
-  return {q, n - q * d};
-}
-
-// Min/max of one group of `count` elements strided by `stride`; `finite` is false if any element is
-// NaN/Inf (fmin/fmax alone would silently skip a NaN).
+// Min/max of one group; `finite` is false if any element is NaN/Inf (fmin/fmax alone would skip a NaN).
 struct GroupRange {
   float lo, hi;
   bool finite;
 };
 
-inline GroupRange group_range(const unsigned char* x, long long first, long long stride, long long count,
-                              int x_dtype) {
-  GroupRange r{load_float(x, first, x_dtype), load_float(x, first, x_dtype), true};
-  for (long long i = 0; i < count; ++i) {
-    const float v = load_float(x, first + i * stride, x_dtype);
+template <typename X>
+inline GroupRange group_range(const typename X::T* x, size_t stride, size_t count) {
+  GroupRange r{X::load(x[0]), X::load(x[0]), true};
+  for (size_t i = 0; i < count; ++i) {
+    const float v = X::load(x[i * stride]);
     r.finite = r.finite && is_finite(v);
     r.lo = sycl::fmin(r.lo, v);
     r.hi = sycl::fmax(r.hi, v);
@@ -131,27 +119,26 @@ struct GroupParams {
   bool valid;
 };
 
-inline GroupParams group_params(const GroupRange& r, int bits, int meta_dtype) {
-  const float qmax = (float)((1 << bits) - 1);
+template <typename M>
+inline GroupParams group_params(const GroupRange& r, float qmax) {
   GroupParams p;
-  p.scale = round_to_meta((r.hi - r.lo) / qmax, meta_dtype);
-  p.zero = round_to_meta(r.lo, meta_dtype);
+  p.scale = round_to<M>((r.hi - r.lo) / qmax);
+  p.zero = round_to<M>(r.lo);
   p.valid = r.finite && is_finite(p.scale) && is_finite(p.zero);
   return p;
 }
 
-inline unsigned quantize_one(float v, const GroupParams& p, int bits) {
+inline unsigned quantize_one(float v, const GroupParams& p, float qmax) {
   if (!p.valid || !(p.scale > 0.0f)) return 0u;
-  const float qmax = (float)((1 << bits) - 1);
   const float q = sycl::fmin(sycl::fmax(sycl::rint((v - p.zero) / p.scale), 0.0f), qmax);
   return (unsigned)q;
 }
 
-inline void store_params(unsigned char* scales, unsigned char* zeros, long long index, int meta_dtype,
-                         const GroupParams& p) {
+template <typename M>
+inline void store_params(unsigned char* scales, unsigned char* zeros, size_t index, const GroupParams& p) {
   const float nan = bits_float(0x7FC00000u);
-  store_float(scales, index, meta_dtype, p.valid ? p.scale : nan);
-  store_float(zeros, index, meta_dtype, p.valid ? p.zero : nan);
+  reinterpret_cast<typename M::T*>(scales)[index] = M::store(p.valid ? p.scale : nan);
+  reinterpret_cast<typename M::T*>(zeros)[index] = M::store(p.valid ? p.zero : nan);
 }
 
 // q * scale + zero as two separately rounded fp32 operations (the reference does not fuse them).
@@ -160,109 +147,159 @@ inline float dequantize_one(unsigned q, float scale, float zero) {
   return product + zero;
 }
 
+// Keys, per-channel groups. nd_range {B*H, T/G, D (padded)}: one item per (head, group, channel d) reads the
+// G tokens of channel d twice (min/max, then codes; the second pass hits cache) and writes G/P code bytes.
+//   x [B,H,T,D] -> codes [B,H,T/P,D], scales/zeros [B,H,T/G,D].
+template <typename X, typename M>
+inline void quantize_keys(const unsigned char* x_bytes, unsigned char* codes, unsigned char* scales,
+                          unsigned char* zeros, size_t tokens, size_t head_dim, size_t group_size, int bits) {
+  const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
+  const size_t d = it.get_global_id(2);
+  if (d >= head_dim) return;  // padding of the last dimension
+  const size_t head = it.get_global_id(0), group = it.get_global_id(1);
+  const size_t row0 = head * tokens + group * group_size;  // first token row of the group (uniform)
+  const typename X::T* x = reinterpret_cast<const typename X::T*>(x_bytes) + row0 * head_dim + d;
+
+  const float qmax = (float)((1 << bits) - 1);
+  const GroupParams p = group_params<M>(group_range<X>(x, head_dim, group_size), qmax);
+  store_params<M>(scales, zeros, (head * (tokens / group_size) + group) * head_dim + d, p);
+
+  const int per_byte = 8 / bits;
+  unsigned char* out = codes + row0 / per_byte * head_dim + d;
+  for (size_t row = 0; row < group_size / per_byte; ++row) {
+    unsigned byte = 0;
+    for (int k = 0; k < per_byte; ++k) byte |= quantize_one(X::load(x[(row * per_byte + k) * head_dim]), p, qmax) << (k * bits);
+    out[row * head_dim] = (unsigned char)byte;
+  }
+}
+
+// Values, per-token groups. 1-D nd_range over B*H*T*(D/G) groups (padded): one item per group of G
+// consecutive channels. Groups tile the rows, so the item index is the flat group index (no division).
+//   x [B,H,T,D] -> codes [B,H,T,D/P], scales/zeros [B,H,T,D/G].
+template <typename X, typename M>
+inline void quantize_values(const unsigned char* x_bytes, unsigned char* codes, unsigned char* scales,
+                            unsigned char* zeros, size_t groups, size_t group_size, int bits) {
+  const size_t item = syclext::this_work_item::get_nd_item<1>().get_global_id(0);
+  if (item >= groups) return;
+  const typename X::T* x = reinterpret_cast<const typename X::T*>(x_bytes) + item * group_size;
+
+  const float qmax = (float)((1 << bits) - 1);
+  const GroupParams p = group_params<M>(group_range<X>(x, 1, group_size), qmax);
+  store_params<M>(scales, zeros, item, p);
+
+  const int per_byte = 8 / bits;
+  unsigned char* out = codes + item * (group_size / per_byte);
+  for (size_t j = 0; j < group_size / per_byte; ++j) {
+    unsigned byte = 0;
+    for (int k = 0; k < per_byte; ++k) byte |= quantize_one(X::load(x[j * per_byte + k]), p, qmax) << (k * bits);
+    out[j] = (unsigned char)byte;
+  }
+}
+
+// Keys. nd_range {B*H, N/G, D (padded)}: one item per (head, group, channel d) loads its scale/zero once and
+// expands the group's G/P code bytes of channel d into G outputs. Buffers may be over-allocated along dim 2,
+// so the per-head strides use their capacities (code_rows, meta_rows).
+//   codes [B,H,code_rows,D], scales/zeros [B,H,meta_rows,D] -> out [B,H,N,D].
+template <typename M, typename O>
+inline void dequantize_keys(const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros,
+                            unsigned char* out_bytes, size_t num_tokens, size_t head_dim, size_t code_rows,
+                            size_t meta_rows, size_t group_size, int bits) {
+  const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
+  const size_t d = it.get_global_id(2);
+  if (d >= head_dim) return;
+  const size_t head = it.get_global_id(0), group = it.get_global_id(1);
+  const size_t meta_index = (head * meta_rows + group) * head_dim + d;
+  const float scale = M::load(reinterpret_cast<const typename M::T*>(scales)[meta_index]);
+  const float zero = M::load(reinterpret_cast<const typename M::T*>(zeros)[meta_index]);
+  const int per_byte = 8 / bits;
+  const unsigned mask = (1u << bits) - 1u;
+  const unsigned char* in = codes + (head * code_rows + group * group_size / per_byte) * head_dim + d;
+  typename O::T* out = reinterpret_cast<typename O::T*>(out_bytes) + (head * num_tokens + group * group_size) * head_dim + d;
+  for (size_t row = 0; row < group_size / per_byte; ++row) {
+    const unsigned byte = in[row * head_dim];
+    for (int k = 0; k < per_byte; ++k)
+      out[(row * per_byte + k) * head_dim] = O::store(dequantize_one((byte >> (k * bits)) & mask, scale, zero));
+  }
+}
+
+// Values. nd_range {B*H, N, D (padded)}: one item per output element (head, token, channel c), so stores are
+// contiguous. Lane l of a sub-group needs code byte c/P and group c/G: indices that repeat across lanes, which a
+// CPU would load with gathers (slow; no byte gather at all). Instead each lane loads ONE CONTIGUOUS byte / scale /
+// zero counting from lane 0's, and takes its own by a sub-group shuffle: with consecutive channels in a sub-group,
+// c/P - c0/P <= c - c0 = l < sub-group size, for any sub-group size. No early return before the shuffles.
+//   codes [B,H,code_rows,D/P], scales/zeros [B,H,meta_rows,D/G] -> out [B,H,N,D].
+template <typename M, typename O>
+inline void dequantize_values(const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros,
+                              unsigned char* out_bytes, size_t num_tokens, size_t head_dim, size_t code_rows,
+                              size_t meta_rows, size_t group_size, int group_shift, int bits) {
+  const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
+  const sycl::sub_group sg = it.get_sub_group();
+  const size_t head = it.get_global_id(0), token = it.get_global_id(1);
+  const unsigned lane = (unsigned)sg.get_local_linear_id();
+  const unsigned c = (unsigned)it.get_global_id(2);  // head_dim < 2^32 (checked on the host)
+  const unsigned c0 = c - lane;                      // channel of the sub-group's lane 0
+  const unsigned byte_shift = bits == 2 ? 2 : bits == 4 ? 1 : 0;  // log2(codes per byte)
+  const unsigned bytes_per_token = (unsigned)head_dim >> byte_shift;
+  const unsigned groups_per_token = (unsigned)(head_dim / group_size);
+  // Group of a channel: a shift when G is a power of two (uniform branch), else a division.
+  const unsigned g = group_shift >= 0 ? c >> group_shift : c / (unsigned)group_size;
+  const unsigned g0 = group_shift >= 0 ? c0 >> group_shift : c0 / (unsigned)group_size;
+
+  const unsigned my_byte = (c0 >> byte_shift) + lane, my_group = g0 + lane;  // contiguous across lanes
+  const unsigned char* code_row = codes + (head * code_rows + token) * bytes_per_token;
+  const size_t meta_row = (head * meta_rows + token) * groups_per_token;
+  const unsigned loaded_byte = my_byte < bytes_per_token ? code_row[my_byte] : 0u;
+  const bool has_group = my_group < groups_per_token;
+  const float loaded_scale = has_group ? M::load(reinterpret_cast<const typename M::T*>(scales)[meta_row + my_group]) : 0.0f;
+  const float loaded_zero = has_group ? M::load(reinterpret_cast<const typename M::T*>(zeros)[meta_row + my_group]) : 0.0f;
+
+  const unsigned byte = sycl::select_from_group(sg, loaded_byte, (c >> byte_shift) - (c0 >> byte_shift));
+  const float scale = sycl::select_from_group(sg, loaded_scale, g - g0);
+  const float zero = sycl::select_from_group(sg, loaded_zero, g - g0);
+  if (c >= head_dim) return;  // padding of the last dimension (after the collective shuffles)
+  const unsigned q = (byte >> ((c & ((1u << byte_shift) - 1u)) * (unsigned)bits)) & ((1u << bits) - 1u);
+  reinterpret_cast<typename O::T*>(out_bytes)[(head * num_tokens + token) * head_dim + c] =
+      O::store(dequantize_one(q, scale, zero));
+}
+
 }  // namespace
 
-// Keys, per-channel groups. One work-item per (b, h, group g, channel d): it reads G tokens of channel d
-// (adjacent work-items read adjacent channels, so loads coalesce on a GPU) and writes G/P code bytes.
-//   x [B,H,T,D] -> codes [B,H,T/P,D], scales/zeros [B,H,T/G,D];  items = B*H*(T/G)*D.
-extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-void kivi_quantize_keys(const unsigned char* x, unsigned char* codes, unsigned char* scales, unsigned char* zeros,
-                        long long items, long long tokens, long long head_dim, long long group_size, int bits,
-                        int x_dtype, int meta_dtype) {
-  const long long item = (long long)syclext::this_work_item::get_nd_item<1>().get_global_id(0);
-  if (item >= items) return;  // padding of the global range
-  const long long groups_per_head = tokens / group_size;
-  const DivMod by_channel = divmod(item, head_dim);
-  const DivMod by_group = divmod(by_channel.quot, groups_per_head);
-  const long long d = by_channel.rem, group = by_group.rem, head = by_group.quot;  // head: flattened (b, h)
-  const long long first = (head * tokens + group * group_size) * head_dim + d;
+// One extern "C" kernel per (first dtype, second dtype), named <op>_<first>_<second>, e.g.
+// kivi_dequantize_keys_f32_f16 (csrc/kivi_ext.cpp builds the same names).
+#define KIVI_FOR_EACH_DTYPE_PAIR(STAMP) \
+  STAMP(f32, F32, f32, F32)             \
+  STAMP(f32, F32, f16, F16)             \
+  STAMP(f32, F32, bf16, BF16)           \
+  STAMP(f16, F16, f32, F32)             \
+  STAMP(f16, F16, f16, F16)             \
+  STAMP(f16, F16, bf16, BF16)           \
+  STAMP(bf16, BF16, f32, F32)           \
+  STAMP(bf16, BF16, f16, F16)           \
+  STAMP(bf16, BF16, bf16, BF16)
 
-  const GroupParams p = group_params(group_range(x, first, head_dim, group_size, x_dtype), bits, meta_dtype);
-  store_params(scales, zeros, item, meta_dtype, p);
-
-  const int per_byte = 8 / bits;
-  const long long code_row0 = (head * tokens + group * group_size) / per_byte;  // first packed row of the group
-  for (long long row = 0; row < group_size / per_byte; ++row) {
-    unsigned byte = 0;
-    for (int k = 0; k < per_byte; ++k) {
-      const float v = load_float(x, first + (row * per_byte + k) * head_dim, x_dtype);
-      byte |= quantize_one(v, p, bits) << (k * bits);
-    }
-    codes[(code_row0 + row) * head_dim + d] = (unsigned char)byte;
+// quantize: <data dtype>_<metadata dtype>; dequantize: <metadata dtype>_<output dtype>.
+#define KIVI_STAMP_KERNELS(a, A, b, B)                                                                                \
+  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_quantize_keys_##a##_##b(     \
+      const unsigned char* x, unsigned char* codes, unsigned char* scales, unsigned char* zeros, size_t tokens,       \
+      size_t head_dim, size_t group_size, int bits) {                                                                 \
+    quantize_keys<A, B>(x, codes, scales, zeros, tokens, head_dim, group_size, bits);                                 \
+  }                                                                                                                   \
+  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>)) void kivi_quantize_values_##a##_##b(   \
+      const unsigned char* x, unsigned char* codes, unsigned char* scales, unsigned char* zeros, size_t groups,       \
+      size_t group_size, int bits) {                                                                                  \
+    quantize_values<A, B>(x, codes, scales, zeros, groups, group_size, bits);                                         \
+  }                                                                                                                   \
+  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_dequantize_keys_##a##_##b(   \
+      const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, unsigned char* out,        \
+      size_t num_tokens, size_t head_dim, size_t code_rows, size_t meta_rows, size_t group_size, int bits) {          \
+    dequantize_keys<A, B>(codes, scales, zeros, out, num_tokens, head_dim, code_rows, meta_rows, group_size, bits);   \
+  }                                                                                                                   \
+  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_dequantize_values_##a##_##b( \
+      const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, unsigned char* out,        \
+      size_t num_tokens, size_t head_dim, size_t code_rows, size_t meta_rows, size_t group_size, int group_shift,     \
+      int bits) {                                                                                                     \
+    dequantize_values<A, B>(codes, scales, zeros, out, num_tokens, head_dim, code_rows, meta_rows, group_size,        \
+                            group_shift, bits);                                                                       \
   }
-}
 
-// Values, per-token groups. One work-item per (b, h, t, group g) of G consecutive channels.
-//   x [B,H,T,D] -> codes [B,H,T,D/P], scales/zeros [B,H,T,D/G];  items = B*H*T*(D/G).
-extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-void kivi_quantize_values(const unsigned char* x, unsigned char* codes, unsigned char* scales, unsigned char* zeros,
-                          long long items, long long group_size, int bits, int x_dtype, int meta_dtype) {
-  const long long item = (long long)syclext::this_work_item::get_nd_item<1>().get_global_id(0);
-  if (item >= items) return;
-  const long long first = item * group_size;  // groups tile each row of D channels, so this is flat
-
-  const GroupParams p = group_params(group_range(x, first, 1, group_size, x_dtype), bits, meta_dtype);
-  store_params(scales, zeros, item, meta_dtype, p);
-
-  const int per_byte = 8 / bits;
-  for (long long j = 0; j < group_size / per_byte; ++j) {
-    unsigned byte = 0;
-    for (int k = 0; k < per_byte; ++k) byte |= quantize_one(load_float(x, first + j * per_byte + k, x_dtype), p, bits) << (k * bits);
-    codes[first / per_byte + j] = (unsigned char)byte;
-  }
-}
-
-// Keys. One work-item per code byte of the first num_tokens tokens: (b, h, packed row r, channel d).
-// Buffers may be over-allocated along dim 2, so the per-head strides use their capacities.
-//   codes [B,H,code_rows,D], scales/zeros [B,H,meta_rows,D] -> out [B,H,N,D];  items = B*H*(N/P)*D.
-extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-void kivi_dequantize_keys(const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros,
-                          unsigned char* out, long long items, long long num_tokens, long long head_dim,
-                          long long code_rows, long long meta_rows, long long group_size, int bits, int meta_dtype,
-                          int out_dtype) {
-  const long long item = (long long)syclext::this_work_item::get_nd_item<1>().get_global_id(0);
-  if (item >= items) return;
-  const int per_byte = 8 / bits;
-  const long long rows = num_tokens / per_byte;
-  const DivMod by_channel = divmod(item, head_dim);
-  const DivMod by_row = divmod(by_channel.quot, rows);
-  const long long d = by_channel.rem, row = by_row.rem, head = by_row.quot;
-  const long long token0 = row * per_byte;
-  const long long group = divmod(token0, group_size).quot;  // a byte never spans two groups
-  const long long meta_index = (head * meta_rows + group) * head_dim + d;
-  const float scale = load_float(scales, meta_index, meta_dtype);
-  const float zero = load_float(zeros, meta_index, meta_dtype);
-  const unsigned byte = codes[(head * code_rows + row) * head_dim + d];
-  const unsigned mask = (1u << bits) - 1u;
-  for (int k = 0; k < per_byte; ++k) {
-    const long long out_index = (head * num_tokens + token0 + k) * head_dim + d;
-    store_float(out, out_index, out_dtype, dequantize_one((byte >> (k * bits)) & mask, scale, zero));
-  }
-}
-
-// Values. One work-item per code byte of the first num_tokens tokens: (b, h, t, byte j).
-//   codes [B,H,code_rows,D/P], scales/zeros [B,H,meta_rows,D/G] -> out [B,H,N,D];  items = B*H*N*(D/P).
-extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-void kivi_dequantize_values(const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros,
-                            unsigned char* out, long long items, long long num_tokens, long long head_dim,
-                            long long code_rows, long long meta_rows, long long group_size, int bits,
-                            int meta_dtype, int out_dtype) {
-  const long long item = (long long)syclext::this_work_item::get_nd_item<1>().get_global_id(0);
-  if (item >= items) return;
-  const int per_byte = 8 / bits;
-  const long long bytes_per_token = head_dim / per_byte;
-  const long long groups_per_token = head_dim / group_size;
-  const DivMod by_byte = divmod(item, bytes_per_token);
-  const DivMod by_token = divmod(by_byte.quot, num_tokens);
-  const long long j = by_byte.rem, token = by_token.rem, head = by_token.quot;
-  const long long channel0 = j * per_byte;
-  const long long meta_index = (head * meta_rows + token) * groups_per_token + divmod(channel0, group_size).quot;
-  const float scale = load_float(scales, meta_index, meta_dtype);
-  const float zero = load_float(zeros, meta_index, meta_dtype);
-  const unsigned byte = codes[(head * code_rows + token) * bytes_per_token + j];
-  const unsigned mask = (1u << bits) - 1u;
-  for (int k = 0; k < per_byte; ++k) {
-    const long long out_index = (head * num_tokens + token) * head_dim + channel0 + k;
-    store_float(out, out_index, out_dtype, dequantize_one((byte >> (k * bits)) & mask, scale, zero));
-  }
-}
+KIVI_FOR_EACH_DTYPE_PAIR(KIVI_STAMP_KERNELS)

@@ -249,7 +249,8 @@ class KiviLayer(CacheLayerMixin):
         if target >= quantized:
             residual.truncate(new_length - quantized)
             return
-        restored = packed.dequantize(self.dtype, start=target, count=min(new_length, quantized))
+        # Dequantized from `target` (group-aligned) to the end, then cut: keys can only be read in whole groups.
+        restored = packed.dequantize(self.dtype, start=target)[:, :, : min(new_length, quantized) - target]
         kept = residual.view()[:, :, : max(0, new_length - quantized)]
         window = torch.cat([restored.to(self.device), kept], dim=2)
         packed.truncate(target)
