@@ -6,6 +6,13 @@ written) in the same run; ``speedup`` is the reference (pure PyTorch) time over 
 
     python benchmarks/bench_kernels.py [--batch 1 4] [--tokens 4096] [--repeats 7] [--device opencl:cpu:0]
 
+A second table covers the fused attention ops at decode shapes (L=1 query row per head, GQA Hq=9 / Hkv=3, D=64,
+2-bit, G=32, fp16 metadata by default): ms, GB/s of packed bytes read (codes + scales + zeros of the tokens used),
+and ``vs dense`` = the time torch takes for the same math on dense fp32 K/V already in memory (``q @ K^T`` with the
+query heads of a kv head batched together, ``p @ V``) divided by the kernel time, measured in the same run: above 1,
+fused decoding on the 2-bit cache beats a full-precision cache for that step. ``--attention-only`` skips the first
+table.
+
 Prints a markdown table. Not a test: numbers depend on the machine.
 """
 
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -66,6 +74,44 @@ def cases(kernels: SyclKernels, x: torch.Tensor, group_size: int, bits: int):
         )
 
 
+def attention_rows(kernels: SyclKernels, args):
+    """Yields table rows for packed_key_scores / packed_value_combine against dense fp32 torch matmuls."""
+    hq, hkv, d, g, bits = args.attn_heads, args.attn_kv_heads, args.attn_head_dim, args.group_size, 2
+    meta = getattr(torch, args.attn_meta_dtype)
+    rep = hq // hkv
+    for batch in args.batch:
+        for tokens in args.attn_tokens:
+            keys = torch.randn(batch, hkv, tokens, d)
+            values = torch.randn(batch, hkv, tokens, d)
+            key_pack = ref.quantize_keys(keys, g, bits, meta)
+            value_pack = ref.quantize_values(values, g, bits, meta)
+            query = torch.randn(batch, hq, 1, d)
+            probs = torch.softmax(torch.randn(batch, hq, 1, tokens), dim=-1)
+            grouped_q, grouped_p = query.view(batch, hkv, rep, d), probs.view(batch, hkv, rep, tokens)
+            keys_t = keys.transpose(2, 3)
+            ops = (
+                (
+                    "packed_key_scores",
+                    partial(kernels.packed_key_scores, query, *key_pack, tokens, g, bits),
+                    partial(torch.matmul, grouped_q, keys_t),
+                    nbytes(*key_pack),
+                ),
+                (
+                    "packed_value_combine",
+                    partial(kernels.packed_value_combine, probs, *value_pack, tokens, g, bits),
+                    partial(torch.matmul, grouped_p, values),
+                    nbytes(*value_pack),
+                ),
+            )
+            for op, fused, dense, packed in ops:
+                fused_s = median_seconds(fused, args.repeats, args.warmup)
+                dense_s = median_seconds(dense, args.repeats, args.warmup)
+                yield (
+                    f"| {op} | {batch} | {tokens} | {packed / 1e6:.2f} | {fused_s * 1e3:.3f} | "
+                    f"{packed / fused_s / 1e9:.2f} | {dense_s * 1e3:.3f} | {dense_s / fused_s:.2f} |"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
@@ -80,6 +126,12 @@ def main() -> None:
     parser.add_argument(
         "--device", default=None, help="SYCL filter string (default: $KIVI_XPU_DEVICE / first GPU / CPU)"
     )
+    parser.add_argument("--attention-only", action="store_true", help="only the fused attention table")
+    parser.add_argument("--attn-tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--attn-heads", type=int, default=9, help="query heads Hq")
+    parser.add_argument("--attn-kv-heads", type=int, default=3, help="kv heads Hkv")
+    parser.add_argument("--attn-head-dim", type=int, default=64)
+    parser.add_argument("--attn-meta-dtype", default="float16")
     args = parser.parse_args()
 
     kernels = SyclKernels(args.device)
@@ -87,6 +139,19 @@ def main() -> None:
         f"device: {kernels.device} ({kernels.facts['name']}), torch threads: {torch.get_num_threads()}, "
         f"kernel compile: {kernels.facts['compile_seconds']:.2f} s\n"
     )
+    if not args.attention_only:
+        quantize_table(kernels, args)
+    print(
+        f"\nfused attention, decode: Hq={args.attn_heads}, Hkv={args.attn_kv_heads}, D={args.attn_head_dim}, L=1, "
+        f"2-bit, G={args.group_size}, {args.attn_meta_dtype} metadata\n"
+    )
+    print("| op | B | T | packed MB | SYCL ms | packed GB/s | dense fp32 torch ms | vs dense |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in attention_rows(kernels, args):
+        print(row, flush=True)
+
+
+def quantize_table(kernels: SyclKernels, args) -> None:
     print("| op | B | dtype | bits | MB moved | SYCL ms | SYCL GB/s | vs copy_ | reference ms | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     copy_cache: dict[int, float] = {}

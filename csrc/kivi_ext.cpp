@@ -8,13 +8,22 @@
 //       returns facts: filter, name, backend, device_type, driver_version, max_work_group_size, sub_group_sizes,
 //       usm_system_allocations, fp16, fp64, build_options, compile_seconds, work_group_sizes.
 //   quantize_keys(device: str, x, codes, scales, zeros, group_size: int, bits: int) -> None
-//       x [B,H,T,D] float32/float16/bfloat16 -> codes uint8 [B,H,T*bits/8,D], scales/zeros [B,H,T/G,D]
+//       x [B,H,T,D] float32/float16/bfloat16 -> codes uint8 [B,H,D,T*bits/8], scales/zeros [B,H,D,T/G]
+//       (keys are channel-major: byte j of channel d holds tokens P*j .. P*j+P-1, P = 8/bits)
 //   quantize_values(device: str, x, codes, scales, zeros, group_size: int, bits: int) -> None
 //       x [B,H,T,D] -> codes uint8 [B,H,T,D*bits/8], scales/zeros [B,H,T,D/G]
 //   dequantize_keys(device: str, codes, scales, zeros, out, num_tokens: int, group_size: int, bits: int) -> None
-//       codes [B,H,R,D] (R >= N*bits/8), scales/zeros [B,H,M,D] (M >= N/G) -> out [B,H,N,D]
+//       codes [B,H,D,R] (R >= N*bits/8), scales/zeros [B,H,D,M] (M >= N/G) -> out [B,H,N,D]
 //   dequantize_values(device: str, codes, scales, zeros, out, num_tokens: int, group_size: int, bits: int) -> None
 //       codes [B,H,R,D*bits/8] (R >= N), scales/zeros [B,H,M,D/G] (M >= N) -> out [B,H,N,D]
+//   packed_key_scores(device: str, query, codes, scales, zeros, out, num_tokens: int, group_size: int, bits: int)
+//       query [B,Hq,L,D] float32, keys as for dequantize_keys with Hkv heads (Hq % Hkv == 0; query head h reads kv
+//       head h / (Hq/Hkv)) -> out [B,Hq,L,N] float32 = query @ dequantize_keys(...)^T
+//   packed_value_combine(device: str, probs, codes, scales, zeros, partial, num_tokens: int, group_size: int,
+//                        bits: int, chunk_tokens: int) -> None
+//       probs [B,Hq,L,N] float32, values as for dequantize_values with Hkv heads -> partial [B,Hq,L,C,D] float32,
+//       C = ceil(N / chunk_tokens): the sum over chunk c's tokens, channel P*w+k stored at index k*(D/P)+w; the
+//       caller sums over C (in order) and restores the channel order (see kivi_xpu/ops/sycl.py).
 // `device` is a filter string previously passed to init(). Metadata dtypes: float16/bfloat16/float32.
 // Every assumption is checked here too (TORCH_CHECK_*), so a direct call with bad tensors raises, never crashes.
 
@@ -24,6 +33,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <string>
@@ -48,6 +60,16 @@ enum Op { kQuantizeKeys, kQuantizeValues, kDequantizeKeys, kDequantizeValues, kN
 const char* const kOpName[kNumOps] = {"kivi_quantize_keys", "kivi_quantize_values", "kivi_dequantize_keys",
                                       "kivi_dequantize_values"};
 
+// Fused attention ops: one kernel per (metadata dtype, bits, query rows per item 1..4), named
+// <op>_<meta>_<bits>b_<rows>r (the dense operands are float32).
+enum AttentionOp { kPackedKeyScores, kPackedValueCombine, kNumAttentionOps };
+const char* const kAttentionOpName[kNumAttentionOps] = {"kivi_packed_key_scores", "kivi_packed_value_combine"};
+
+// Work-group size of the attention kernels along their code-byte dimension. Each work-group loads the scale/zero of
+// every group its lanes touch (local / bytes-per-group of them) as uniform scalars, so it stays at one CPU vector
+// (16 fp32 lanes); a GPU sub-group of 16 too.
+constexpr size_t kAttentionLocal = 16;
+
 // Largest work-group used along the vectorised last dimension: big enough to fill a 16-lane AVX-512 CPU vector or a
 // GPU's EUs several times over, small enough to leave many groups for load balancing across cores.
 constexpr size_t kMaxLocal = 256;
@@ -65,9 +87,14 @@ struct DeviceRuntime {
   sycl::queue queue;
   bool system_usm;
   std::vector<Kernel> kernels;  // [op][first dtype tag][second dtype tag] flattened: looked up per launch by index
+  std::vector<Kernel> attention_kernels;  // [attention op][metadata dtype tag][bits 2/4/8][rows per item 1..4]
   py::dict facts;               // returned by init(); only touched with the GIL held
 
   const Kernel& kernel(int op, int a, int b) const { return kernels[(op * 3 + a) * 3 + b]; }
+  const Kernel& attention_kernel(int op, int meta, int bits, int rows) const {
+    const int b = bits == 2 ? 0 : bits == 4 ? 1 : 2;
+    return attention_kernels[((op * 3 + meta) * 3 + b) * 4 + (rows - 1)];
+  }
 };
 
 // Leaked on purpose: destroying SYCL objects from static destructors at interpreter exit crashes the runtime.
@@ -139,6 +166,14 @@ DeviceRuntime* create_runtime(const std::string& filter) {
   sycl::device device = find_device(filter);
   sycl::context context = make_context(device);
 
+  // Development aid: $KIVI_XPU_KERNEL_SOURCE names a kernel source file to compile instead of the embedded copy, so
+  // kernels can be changed and measured without rebuilding the extension.
+  std::string kernel_source(kKiviKernelSource);
+  if (const char* path = std::getenv("KIVI_XPU_KERNEL_SOURCE"); path != nullptr && *path != '\0') {
+    std::ifstream file(path);
+    TORCH_CHECK_VALUE(file, "$KIVI_XPU_KERNEL_SOURCE: cannot read ", path);
+    kernel_source.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  }
   const auto start = std::chrono::steady_clock::now();
   std::string log, error;
   std::optional<sycl::kernel_bundle<sycl::bundle_state::executable>> executable;
@@ -146,7 +181,7 @@ DeviceRuntime* create_runtime(const std::string& filter) {
     py::gil_scoped_release no_gil;  // a cold compile takes seconds
     try {
       auto source = syclexp::create_kernel_bundle_from_source(context, syclexp::source_language::sycl,
-                                                              std::string(kKiviKernelSource));
+                                                              kernel_source);
       executable = syclexp::build(source, syclexp::properties{syclexp::build_options{kBuildOptions},
                                                               syclexp::save_log{&log}});
     } catch (const sycl::exception& e) {
@@ -162,6 +197,7 @@ DeviceRuntime* create_runtime(const std::string& filter) {
                                context,
                                sycl::queue(context, device, sycl::property::queue::in_order{}),
                                device.has(sycl::aspect::usm_system_allocations),
+                               {},
                                {},
                                py::dict()};
   const size_t device_max = device.get_info<sycl::info::device::max_work_group_size>();
@@ -181,6 +217,24 @@ DeviceRuntime* create_runtime(const std::string& filter) {
       }
     }
     work_group_sizes[kOpName[op]] = op_local;
+  }
+  for (int op = 0; op < kNumAttentionOps; ++op) {
+    size_t op_local = kAttentionLocal;
+    for (int m = 0; m < 3; ++m) {
+      for (int bits : {2, 4, 8}) {
+        for (int rows = 1; rows <= 4; ++rows) {
+          const std::string name = std::string(kAttentionOpName[op]) + "_" + kDtypeSuffix[m] + "_" +
+                                   std::to_string(bits) + "b_" + std::to_string(rows) + "r";
+          TORCH_CHECK(executable->ext_oneapi_has_kernel(name), "kivi_xpu: kernel ", name, " missing from the bundle");
+          sycl::kernel kernel = executable->ext_oneapi_get_kernel(name);
+          const size_t kernel_max = kernel.get_info<sycl::info::kernel_device_specific::work_group_size>(device);
+          const size_t local = std::max<size_t>(1, std::min<size_t>({kAttentionLocal, device_max, kernel_max}));
+          rt->attention_kernels.push_back(Kernel{kernel, local});  // in attention_kernel()'s order
+          op_local = std::min(op_local, local);
+        }
+      }
+    }
+    work_group_sizes[kAttentionOpName[op]] = op_local;
   }
 
   std::vector<size_t> sub_group_sizes = device.get_info<sycl::info::device::sub_group_sizes>();
@@ -336,6 +390,12 @@ void launch3(DeviceRuntime& rt, Op op, int a, int b, size_t d0, size_t d1, size_
 const unsigned char* in_ptr(const at::Tensor& t) { return static_cast<const unsigned char*>(t.data_ptr()); }
 unsigned char* out_ptr(const at::Tensor& t) { return static_cast<unsigned char*>(t.data_ptr()); }
 
+// 1 when a key group's code bytes can be moved as aligned 32-bit words: G/P and the row length (bytes) multiples of
+// 4 and a 4-byte aligned base.
+int word_codes(const at::Tensor& codes, int64_t bytes_per_group, int64_t row_bytes) {
+  return bytes_per_group % 4 == 0 && row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 4 == 0;
+}
+
 void quantize_keys(const std::string& device, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                    const at::Tensor& zeros, int64_t group_size, int64_t bits) {
   DeviceRuntime& rt = runtime(device);
@@ -346,13 +406,15 @@ void quantize_keys(const std::string& device, const at::Tensor& x, const at::Ten
   const int meta_tag = check_meta_pair(scales, zeros);
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
   TORCH_CHECK_VALUE(T % group_size == 0, "`group_size` (", group_size, ") must divide the number of tokens (", T, ")");
-  check_shape(codes, "codes", {B, H, T / per, D});
-  check_shape(scales, "scales", {B, H, T / group_size, D});
-  check_shape(zeros, "zeros", {B, H, T / group_size, D});
+  check_shape(codes, "codes", {B, H, D, T / per});
+  check_shape(scales, "scales", {B, H, D, T / group_size});
+  check_shape(zeros, "zeros", {B, H, D, T / group_size});
   check_same_device(x, {{&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}}, "x");
   check_all_accessible(rt, {{&x, "x"}, {&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}});
+  // Rows of T/P bytes (a multiple of G/P), so G/P % 4 == 0 and an aligned base make every group's bytes whole words.
+  const int words = word_codes(codes, group_size / per, T / per);
   launch3(rt, kQuantizeKeys, x_tag, meta_tag, size_t(B * H), size_t(T / group_size), size_t(D), in_ptr(x),
-          out_ptr(codes), out_ptr(scales), out_ptr(zeros), size_t(T), size_t(D), size_t(group_size), (int)bits);
+          out_ptr(codes), out_ptr(scales), out_ptr(zeros), size_t(T), size_t(D), size_t(group_size), (int)bits, words);
 }
 
 void quantize_values(const std::string& device, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -395,11 +457,11 @@ std::pair<int, int> check_dequantize(const DeviceRuntime& rt, bool keys, const a
   if (keys) {
     TORCH_CHECK_VALUE(num_tokens % group_size == 0, "`num_tokens` (", num_tokens,
                       ") must be a multiple of `group_size` (", group_size, ") for keys");
-    TORCH_CHECK_VALUE(scales.size(3) == head_dim, "`scales` last dim ", scales.size(3), " must equal head_dim ",
-                      head_dim);
-    TORCH_CHECK_VALUE(codes.size(2) >= num_tokens / per && scales.size(2) >= num_tokens / group_size,
-                      "`num_tokens` (", num_tokens, ") exceeds the stored tokens: codes hold ", codes.size(2) * per,
-                      ", scales hold ", scales.size(2) * group_size);
+    TORCH_CHECK_VALUE(scales.size(2) == head_dim, "`scales` dim 2 (", scales.size(2), ") must equal head_dim ",
+                      head_dim, " (keys are channel-major)");
+    TORCH_CHECK_VALUE(codes.size(3) >= num_tokens / per && scales.size(3) >= num_tokens / group_size,
+                      "`num_tokens` (", num_tokens, ") exceeds the stored tokens: codes hold ", codes.size(3) * per,
+                      ", scales hold ", scales.size(3) * group_size);
   } else {
     TORCH_CHECK_VALUE(head_dim % group_size == 0, "`group_size` (", group_size, ") must divide head_dim (", head_dim,
                       ")");
@@ -420,11 +482,12 @@ void dequantize_keys(const std::string& device, const at::Tensor& codes, const a
   DeviceRuntime& rt = runtime(device);
   const int per = per_byte_checked(group_size, bits);
   check_codes(codes);
-  const int64_t D = codes.size(3);
+  const int64_t D = codes.size(2);  // channel-major keys [B,H,D,R]
   const auto [meta_tag, out_tag] = check_dequantize(rt, true, codes, scales, zeros, out, num_tokens, group_size, per, D);
+  const int words = word_codes(codes, group_size / per, codes.size(3));
   launch3(rt, kDequantizeKeys, meta_tag, out_tag, size_t(codes.size(0) * codes.size(1)), size_t(num_tokens / group_size),
           size_t(D), in_ptr(codes), in_ptr(scales), in_ptr(zeros), out_ptr(out), size_t(num_tokens), size_t(D),
-          size_t(codes.size(2)), size_t(scales.size(2)), size_t(group_size), (int)bits);
+          size_t(codes.size(3)), size_t(scales.size(3)), size_t(group_size), (int)bits, words);
 }
 
 void dequantize_values(const std::string& device, const at::Tensor& codes, const at::Tensor& scales,
@@ -444,6 +507,115 @@ void dequantize_values(const std::string& device, const at::Tensor& codes, const
           size_t(codes.size(2)), size_t(scales.size(2)), size_t(group_size), group_shift, (int)bits);
 }
 
+// ---- fused attention ------------------------------------------------------------------------------------
+
+// Shared checks of the attention ops: the packed operand as for dequantization (keys: `keys` true), the dense float32
+// operand `dense` [B, Hq, L, X] with Hq a multiple of the Hkv kv heads, and the float32 output. Returns the metadata tag.
+int check_attention(const DeviceRuntime& rt, bool keys, const char* dense_name, const at::Tensor& dense,
+                    const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& out,
+                    std::vector<int64_t> out_shape, int64_t num_tokens, int64_t group_size, int per, int64_t head_dim) {
+  check_codes(codes);
+  const int meta_tag = check_meta_pair(scales, zeros);
+  check_rank4_contiguous(dense, dense_name);
+  TORCH_CHECK_TYPE(dense.scalar_type() == at::kFloat, "`", dense_name, "` must be float32, got ", dense.scalar_type());
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "`out` must be float32, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.is_contiguous(), "`out` must be contiguous");
+  TORCH_CHECK_VALUE(num_tokens >= 0, "`num_tokens` must be non-negative, got ", num_tokens);
+  const int64_t B = codes.size(0), H = codes.size(1);
+  TORCH_CHECK_VALUE(scales.sizes() == zeros.sizes(), "`scales` and `zeros` must have the same shape, got ",
+                    scales.sizes(), " and ", zeros.sizes());
+  TORCH_CHECK_VALUE(scales.size(0) == B && scales.size(1) == H, "`scales` batch/heads ", scales.sizes().slice(0, 2),
+                    " do not match `codes` batch/heads ", codes.sizes().slice(0, 2));
+  TORCH_CHECK_VALUE(H > 0 && dense.size(0) == B && dense.size(1) % H == 0, "`", dense_name, "` shape ", dense.sizes(),
+                    " must be [batch=", B, ", a multiple of the ", H, " kv heads, ...]");
+  if (keys) {
+    TORCH_CHECK_VALUE(num_tokens % group_size == 0, "`num_tokens` (", num_tokens,
+                      ") must be a multiple of `group_size` (", group_size, ") for keys");
+    TORCH_CHECK_VALUE(scales.size(2) == head_dim, "`scales` dim 2 (", scales.size(2), ") must equal head_dim ",
+                      head_dim, " (keys are channel-major)");
+    TORCH_CHECK_VALUE(codes.size(3) >= num_tokens / per && scales.size(3) >= num_tokens / group_size,
+                      "`num_tokens` (", num_tokens, ") exceeds the stored tokens: codes hold ", codes.size(3) * per,
+                      ", scales hold ", scales.size(3) * group_size);
+    TORCH_CHECK_VALUE(dense.size(3) == head_dim, "`query` head_dim ", dense.size(3),
+                      " does not match the keys' head_dim ", head_dim);
+  } else {
+    TORCH_CHECK_VALUE(head_dim % group_size == 0, "`group_size` (", group_size, ") must divide head_dim (", head_dim,
+                      ")");
+    TORCH_CHECK_VALUE(scales.size(3) == head_dim / group_size, "`scales` last dim ", scales.size(3),
+                      " must equal head_dim / group_size = ", head_dim / group_size);
+    TORCH_CHECK_VALUE(codes.size(2) >= num_tokens && scales.size(2) >= num_tokens, "`num_tokens` (", num_tokens,
+                      ") exceeds the stored tokens: codes hold ", codes.size(2), ", scales hold ", scales.size(2));
+    TORCH_CHECK_VALUE(dense.size(3) == num_tokens, "`probs` last dim ", dense.size(3), " must equal `num_tokens` (",
+                      num_tokens, ")");
+  }
+  check_shape(out, "out", out_shape);
+  check_same_device(codes, {{&scales, "scales"}, {&zeros, "zeros"}, {&dense, dense_name}, {&out, "out"}}, "codes");
+  check_all_accessible(rt, {{&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}, {&dense, dense_name},
+                            {&out, "out"}});
+  return meta_tag;
+}
+
+// Query / probability rows per work-item (accumulators held in registers): all R rows of a kv head when R <= 4, else
+// the block size in {4, 3} that wastes fewest rows in the last block.
+int rows_per_item(int64_t rows) {
+  if (rows <= 4) return static_cast<int>(std::max<int64_t>(rows, 1));
+  return rows % 4 == 0 || rows % 3 != 0 ? 4 : 3;
+}
+
+template <typename... Args>
+void launch_attention(DeviceRuntime& rt, AttentionOp op, int meta_tag, int bits, int rows_per_item, size_t d0,
+                      size_t d1, size_t d2, Args... args) {
+  if (d0 == 0 || d1 == 0 || d2 == 0) return;
+  const Kernel& k = rt.attention_kernel(op, meta_tag, bits, rows_per_item);
+  const size_t local = local_for(k, d2);
+  launch(rt, k, kAttentionOpName[op], sycl::nd_range<3>({d0, d1, round_up(d2, local)}, {1, 1, local}), args...);
+}
+
+void packed_key_scores(const std::string& device, const at::Tensor& query, const at::Tensor& codes,
+                       const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& out, int64_t num_tokens,
+                       int64_t group_size, int64_t bits) {
+  DeviceRuntime& rt = runtime(device);
+  const int per = per_byte_checked(group_size, bits);
+  check_codes(codes);
+  check_rank4_contiguous(query, "query");
+  const int64_t B = codes.size(0), Hkv = codes.size(1), D = codes.size(2);
+  const int64_t Hq = query.size(1), L = query.size(2);
+  const int meta_tag = check_attention(rt, true, "query", query, codes, scales, zeros, out, {B, Hq, L, num_tokens},
+                                       num_tokens, group_size, per, D);
+  const int64_t rows = Hq / Hkv * L;  // query rows per kv head
+  const int rpi = rows_per_item(rows);
+  launch_attention(rt, kPackedKeyScores, meta_tag, (int)bits, rpi, size_t(B * Hkv), size_t((rows + rpi - 1) / rpi),
+                   size_t(num_tokens / per), static_cast<const float*>(query.data_ptr()), in_ptr(codes), in_ptr(scales),
+                   in_ptr(zeros), static_cast<float*>(out.data_ptr()), size_t(rows), size_t(num_tokens), size_t(D),
+                   size_t(codes.size(3)), size_t(scales.size(3)), size_t(group_size));
+}
+
+void packed_value_combine(const std::string& device, const at::Tensor& probs, const at::Tensor& codes,
+                          const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& partial,
+                          int64_t num_tokens, int64_t group_size, int64_t bits, int64_t chunk_tokens) {
+  DeviceRuntime& rt = runtime(device);
+  const int per = per_byte_checked(group_size, bits);
+  check_codes(codes);
+  check_rank4_contiguous(probs, "probs");
+  TORCH_CHECK_VALUE(chunk_tokens > 0, "`chunk_tokens` must be positive, got ", chunk_tokens);
+  TORCH_CHECK_VALUE(partial.dim() == 5, "`partial` must have rank 5 [batch, heads, length, chunks, head_dim], got ",
+                    partial.sizes());
+  const int64_t B = codes.size(0), Hkv = codes.size(1), D = codes.size(3) * per;
+  const int64_t Hq = probs.size(1), L = probs.size(2);
+  const int64_t chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
+  const int meta_tag = check_attention(rt, false, "probs", probs, codes, scales, zeros, partial,
+                                       {B, Hq, L, chunks, D}, num_tokens, group_size, per, D);
+  const int64_t rows = Hq / Hkv * L;
+  const int rpi = rows_per_item(rows);
+  const int64_t blocks = (rows + rpi - 1) / rpi;
+  launch_attention(rt, kPackedValueCombine, meta_tag, (int)bits, rpi, size_t(B * Hkv), size_t(blocks * chunks),
+                   size_t(D / per),
+                   static_cast<const float*>(probs.data_ptr()), in_ptr(codes), in_ptr(scales), in_ptr(zeros),
+                   static_cast<float*>(partial.data_ptr()), size_t(rows), size_t(num_tokens), size_t(D),
+                   size_t(codes.size(2)), size_t(scales.size(2)), size_t(group_size), size_t(chunk_tokens),
+                   size_t(chunks));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -458,5 +630,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("num_tokens"), py::arg("group_size"), py::arg("bits"));
   m.def("dequantize_values", &dequantize_values, py::arg("device"), py::arg("codes"), py::arg("scales"),
         py::arg("zeros"), py::arg("out"), py::arg("num_tokens"), py::arg("group_size"), py::arg("bits"));
+  m.def("packed_key_scores", &packed_key_scores, py::arg("device"), py::arg("query"), py::arg("codes"),
+        py::arg("scales"), py::arg("zeros"), py::arg("out"), py::arg("num_tokens"), py::arg("group_size"),
+        py::arg("bits"));
+  m.def("packed_value_combine", &packed_value_combine, py::arg("device"), py::arg("probs"), py::arg("codes"),
+        py::arg("scales"), py::arg("zeros"), py::arg("partial"), py::arg("num_tokens"), py::arg("group_size"),
+        py::arg("bits"), py::arg("chunk_tokens"));
   m.attr("build_options") = kBuildOptions;
 }

@@ -18,50 +18,62 @@ GROWTH_FACTOR = 1.25
 
 
 class TokenBuffer:
-    """A ``[B, H, capacity, X]`` tensor used as a sequence along dim 2, holding rows ``[start, end)``.
+    """A 4-D tensor used as a sequence along its token axis ``dim`` (2: ``[B, H, capacity, X]``; 3:
+    ``[B, H, X, capacity]``), holding rows ``[start, end)`` of that axis.
 
     Appends write into spare capacity (growing geometrically when full); dropping rows from the front only
     moves ``start``, and the live rows are moved back to the front when the buffer runs out of room at its end.
     """
 
-    def __init__(self, batch: int, heads: int, width: int, dtype: torch.dtype, device, min_rows: int = 1):
-        self.batch, self.heads, self.width = batch, heads, width
+    def __init__(self, batch: int, heads: int, width: int, dtype: torch.dtype, device, min_rows: int = 1, dim: int = 2):
+        if dim not in (2, 3):
+            raise ValueError(f"`dim` must be 2 or 3, got {dim!r}")
+        self.batch, self.heads, self.width, self.dim = batch, heads, width, dim
         self.dtype, self.device = dtype, torch.device(device)
         self.min_rows = max(1, min_rows)
-        self.data = torch.empty(batch, heads, 0, width, dtype=dtype, device=self.device)
+        self.data = self._empty(0)
         self.start = self.end = 0
+
+    def _empty(self, rows: int) -> torch.Tensor:
+        shape = (
+            (self.batch, self.heads, rows, self.width) if self.dim == 2 else (self.batch, self.heads, self.width, rows)
+        )
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def __len__(self) -> int:
         return self.end - self.start
 
     @property
     def capacity(self) -> int:
-        return self.data.shape[2]
+        return self.data.shape[self.dim]
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Rows ``[start, end)`` of the underlying buffer along the token axis (a view)."""
+        return self.data.narrow(self.dim, start, end - start)
 
     def view(self) -> torch.Tensor:
-        """The live rows, ``[B, H, len, X]`` (a view, not a copy)."""
-        return self.data[:, :, self.start : self.end]
+        """The live rows (a view, not a copy)."""
+        return self.rows(self.start, self.end)
 
-    def _make_room(self, rows: int) -> None:
+    def _make_room(self, n: int) -> None:
         live = len(self)
-        if self.end + rows <= self.capacity:
+        if self.end + n <= self.capacity:
             return
-        if live + rows <= self.capacity and self.start >= live:
+        if live + n <= self.capacity and self.start >= live:
             # Enough room once the live rows move to the front, and the move does not overlap itself.
-            self.data[:, :, :live].copy_(self.data[:, :, self.start : self.end])
+            self.rows(0, live).copy_(self.view())
         else:
-            new_cap = max(live + rows, math.ceil(self.capacity * GROWTH_FACTOR), self.min_rows)
-            new_cap = math.ceil(new_cap / self.min_rows) * self.min_rows
-            grown = torch.empty(self.batch, self.heads, new_cap, self.width, dtype=self.dtype, device=self.device)
-            grown[:, :, :live].copy_(self.data[:, :, self.start : self.end])
+            new_cap = max(live + n, math.ceil(self.capacity * GROWTH_FACTOR), self.min_rows)
+            grown = self._empty(math.ceil(new_cap / self.min_rows) * self.min_rows)
+            grown.narrow(self.dim, 0, live).copy_(self.view())
             self.data = grown
         self.start, self.end = 0, live
 
     def append(self, rows: torch.Tensor) -> None:
-        """Appends ``rows`` of shape ``[B, H, n, X]``."""
-        n = rows.shape[2]
+        """Appends ``rows`` (``n`` rows along the token axis)."""
+        n = rows.shape[self.dim]
         self._make_room(n)
-        self.data[:, :, self.end : self.end + n].copy_(rows)
+        self.rows(self.end, self.end + n).copy_(rows)
         self.end += n
 
     def drop_front(self, n: int) -> None:
@@ -89,7 +101,7 @@ class TokenBuffer:
 class PackedHistory:
     """The quantized part of one layer's keys or values, on the storage device.
 
-    * ``kind="keys"`` (per-channel): codes ``[B, H, T/P, D]``, scales/zeros ``[B, H, T/G, D]``;
+    * ``kind="keys"`` (per-channel, channel-major): codes ``[B, H, D, T/P]``, scales/zeros ``[B, H, D, T/G]``;
     * ``kind="values"`` (per-token): codes ``[B, H, T, D/P]``, scales/zeros ``[B, H, T, D/G]``;
 
     with ``P = 8 // bits`` codes per byte and ``G`` the group size (see :mod:`kivi_xpu.ops.reference`).
@@ -99,20 +111,21 @@ class PackedHistory:
         self.kind, self.settings, self.kernels = kind, settings, kernels
         per, g, r = codes_per_byte(settings.bits), settings.group_size, settings.residual_length
         if kind == "keys":
-            # Rows are byte-rows of P tokens (codes) and groups of G tokens (metadata).
-            self.tokens_per_code_row, self.tokens_per_meta_row = per, g
+            # Token axis last (channel-major); rows are bytes of P tokens (codes) and groups of G tokens (metadata).
+            token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 3, per, g
             code_width, meta_width = head_dim, head_dim
             self._quantize, self._dequantize = kernels.quantize_keys, kernels.dequantize_keys
         elif kind == "values":
-            self.tokens_per_code_row = self.tokens_per_meta_row = 1
+            token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 2, 1, 1
             code_width, meta_width = head_dim // per, head_dim // g
             self._quantize, self._dequantize = kernels.quantize_values, kernels.dequantize_values
         else:
             raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
         # Grow by at least one residual block of tokens at a time.
-        self.codes = TokenBuffer(batch, heads, code_width, torch.uint8, device, r // self.tokens_per_code_row)
-        self.scales = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, r // self.tokens_per_meta_row)
-        self.zeros = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, r // self.tokens_per_meta_row)
+        code_rows, meta_rows = r // self.tokens_per_code_row, r // self.tokens_per_meta_row
+        self.codes = TokenBuffer(batch, heads, code_width, torch.uint8, device, code_rows, token_dim)
+        self.scales = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)
+        self.zeros = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)
         self.num_tokens = 0
 
     @property
@@ -137,9 +150,10 @@ class PackedHistory:
         count = self.num_tokens if count is None else count
         codes, scales, zeros = (b.data for b in self.buffers())  # whole buffers: the op reads only what it needs
         if start:
-            codes = codes[:, :, start // self.tokens_per_code_row :].contiguous()
-            scales = scales[:, :, start // self.tokens_per_meta_row :].contiguous()
-            zeros = zeros[:, :, start // self.tokens_per_meta_row :].contiguous()
+            code_start, meta_start = start // self.tokens_per_code_row, start // self.tokens_per_meta_row
+            codes = self.codes.rows(code_start, self.codes.capacity).contiguous()
+            scales = self.scales.rows(meta_start, self.scales.capacity).contiguous()
+            zeros = self.zeros.rows(meta_start, self.zeros.capacity).contiguous()
         return self._dequantize(codes, scales, zeros, count - start, s.group_size, s.bits, out_dtype)
 
     def truncate(self, num_tokens: int) -> None:

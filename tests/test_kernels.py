@@ -66,7 +66,17 @@ def check_dequantize(kernels, op: str, codes, scales, zeros, num_tokens, group_s
 
 # ---- correctness against the reference --------------------------------------------------------------------------
 
-KEY_SHAPES = [(32, 64, 32), (64, 128, 32), (96, 80, 16), (1024 + 32, 128, 32), (128, 64, 64), (256, 128, 128)]
+# (96, 48, 12) and (64, 32, 8) move 2-bit codes byte by byte (G/P not a multiple of 4), the others as 32-bit words.
+KEY_SHAPES = [
+    (32, 64, 32),
+    (64, 128, 32),
+    (96, 80, 16),
+    (1024 + 32, 128, 32),
+    (128, 64, 64),
+    (256, 128, 128),
+    (96, 48, 12),
+    (64, 32, 8),
+]
 
 
 @pytest.mark.parametrize("tokens,head_dim,group_size", KEY_SHAPES)
@@ -148,7 +158,7 @@ def test_special_values(kernels, meta_dtype, bits):
         codes, scales, zeros = getattr(kernels, quantize)(x, 32, bits, meta_dtype)
         check_dequantize(kernels, dequantize, codes, scales, zeros, 64, 32, bits, torch.float32)
     codes, scales, _ = kernels.quantize_keys(x, 32, bits, meta_dtype)
-    assert scales[0, 1, 0, 4].isnan() and scales[0, 0, 0, 0] == 0  # whole-NaN group, constant group
+    assert scales[0, 1, 4, 0].isnan() and scales[0, 0, 0, 0] == 0  # whole-NaN group, constant group (channel-major)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -160,6 +170,20 @@ def test_dequantize_from_overallocated_buffers(kernels, bits):
         for out_dtype in DTYPES:
             check_dequantize(kernels, dequantize, codes, scales, zeros, num_tokens, group_size, bits, out_dtype)
             check_dequantize(kernels, dequantize, codes, scales, zeros, 0, group_size, bits, out_dtype)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_key_codes_at_an_unaligned_address(kernels, bits):
+    """Codes whose base is not 4-byte aligned (a contiguous view at an odd offset) take the byte-wise path."""
+    x = make_input((2, 3, 128, 64), torch.float32)
+    codes, scales, zeros = ref.quantize_keys(x, 32, bits)
+    storage = torch.empty(codes.numel() + 1, dtype=torch.uint8)
+    shifted = storage[1:].view(codes.shape)
+    shifted.copy_(codes)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 4 != 0
+    check_dequantize(kernels, "dequantize_keys", shifted, scales, zeros, 96, 32, bits, torch.float32)
+    k = kernels.packed_key_scores(torch.randn(2, 3, 1, 64), shifted, scales, zeros, 96, 32, bits)
+    assert k.shape == (2, 3, 1, 96)
 
 
 def test_empty_inputs_return_empty_outputs(kernels):
@@ -177,6 +201,147 @@ def test_module_functions_use_default_device(kernels):
     for a, e in zip(sycl.quantize_keys(x, 32, 2), ref.quantize_keys(x, 32, 2), strict=True):
         assert_identical(a, e, "module-level quantize_keys")
     assert sycl.default_kernels().device == kernels.device
+
+
+# ---- fused attention ops (tests/test_attention.py covers shapes and GQA; here dtypes, edges, direct calls) --------
+
+
+def attention_inputs(batch, kv_heads, gqa, length, tokens, head_dim, group_size, bits, meta_dtype, spare=0):
+    keys = make_input((batch, kv_heads, tokens + spare, head_dim), torch.float32)
+    values = make_input((batch, kv_heads, tokens + spare, head_dim), torch.float32)
+    key_pack = ref.quantize_keys(keys, group_size, bits, meta_dtype)
+    value_pack = ref.quantize_values(values, group_size, bits, meta_dtype)
+    query = torch.randn(batch, kv_heads * gqa, length, head_dim)
+    probs = torch.softmax(torch.randn(batch, kv_heads * gqa, length, tokens), dim=-1)
+    return query, key_pack, probs, value_pack
+
+
+def check_attention(kernels, query, key_pack, probs, value_pack, tokens, group_size, bits):
+    got = kernels.packed_key_scores(query, *key_pack, tokens, group_size, bits)
+    expected = ref.packed_key_scores(query, *key_pack, tokens, group_size, bits)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    got = kernels.packed_value_combine(probs, *value_pack, tokens, group_size, bits)
+    expected = ref.packed_value_combine(probs, *value_pack, tokens, group_size, bits)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("meta_dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("gqa, length", [(1, 1), (3, 1), (2, 3), (5, 1), (3, 4)])  # 1..15 rows per kv head
+def test_packed_attention_every_meta_dtype(kernels, meta_dtype, bits, gqa, length):
+    inputs = attention_inputs(2, 2, gqa, length, 320, 64, 32, bits, meta_dtype, spare=64)
+    check_attention(kernels, *inputs, 320, 32, bits)
+
+
+@pytest.mark.parametrize("tokens, head_dim, group_size", [(96, 48, 12), (64, 32, 8), (2048 + 64, 128, 64), (16, 8, 4)])
+@pytest.mark.parametrize("bits", BITS)
+def test_packed_attention_group_layouts(kernels, tokens, head_dim, group_size, bits):
+    """Groups narrower / wider than a work-group, non-power-of-two groups, several value chunks."""
+    inputs = attention_inputs(1, 3, 3, 1, tokens, head_dim, group_size, bits, torch.float16, spare=group_size)
+    check_attention(kernels, *inputs, tokens, group_size, bits)
+
+
+def test_packed_attention_nan_groups_propagate(kernels):
+    query, key_pack, probs, value_pack = attention_inputs(1, 1, 1, 1, 64, 32, 32, 2, torch.float16)
+    key_pack[1][0, 0, 3, 1] = float("nan")  # channel 3, tokens 32..63
+    value_pack[1][0, 0, 5, 0] = float("nan")  # token 5, channels 0..31
+    scores = kernels.packed_key_scores(query, *key_pack, 64, 32, 2)
+    assert scores[..., 32:].isnan().all() and not scores[..., :32].isnan().any()
+    assert kernels.packed_value_combine(probs, *value_pack, 64, 32, 2).isnan().all()
+
+
+def test_packed_attention_empty_inputs(kernels):
+    query, key_pack, probs, value_pack = attention_inputs(1, 2, 2, 1, 64, 32, 32, 2, torch.float16)
+    scores = kernels.packed_key_scores(query, *key_pack, 0, 32, 2)
+    assert scores.shape == (1, 4, 1, 0)
+    out = kernels.packed_value_combine(probs[..., :0], *value_pack, 0, 32, 2)
+    assert out.shape == (1, 4, 1, 32) and not out.any()
+    empty_keys = ref.quantize_keys(torch.empty(0, 2, 64, 32), 32, 2)
+    assert kernels.packed_key_scores(torch.empty(0, 4, 1, 32), *empty_keys, 64, 32, 2).shape == (0, 4, 1, 64)
+    empty_values = ref.quantize_values(torch.empty(0, 2, 64, 32), 32, 2)
+    assert kernels.packed_value_combine(torch.empty(0, 4, 1, 64), *empty_values, 64, 32, 2).shape == (0, 4, 1, 32)
+
+
+def test_packed_attention_module_functions(kernels):
+    from kivi_xpu.ops import sycl
+
+    query, key_pack, probs, value_pack = attention_inputs(1, 2, 3, 1, 64, 32, 32, 2, torch.float16)
+    torch.testing.assert_close(
+        sycl.packed_key_scores(query, *key_pack, 64, 32, 2), kernels.packed_key_scores(query, *key_pack, 64, 32, 2)
+    )
+    torch.testing.assert_close(
+        sycl.packed_value_combine(probs, *value_pack, 64, 32, 2),
+        kernels.packed_value_combine(probs, *value_pack, 64, 32, 2),
+    )
+
+
+def test_packed_attention_direct_calls_are_checked(kernels):
+    C, device = kernels._C, kernels.device
+    query, (kc, ks, kz), probs, (vc, vs, vz) = attention_inputs(1, 2, 2, 1, 64, 32, 32, 2, torch.float16)
+    scores, partial = torch.empty(1, 4, 1, 64), torch.empty(1, 4, 1, 1, 32)
+    C.packed_key_scores(device, query, kc, ks, kz, scores, 64, 32, 2)  # the valid calls, for contrast
+    C.packed_value_combine(device, probs, vc, vs, vz, partial, 64, 32, 2, 256)
+    bad_calls = [
+        (
+            TypeError,
+            "`query` must be float32",
+            lambda: C.packed_key_scores(device, query.half(), kc, ks, kz, scores, 64, 32, 2),
+        ),
+        (ValueError, "`query` shape", lambda: C.packed_key_scores(device, query[:, :3], kc, ks, kz, scores, 64, 32, 2)),
+        (
+            ValueError,
+            "head_dim",
+            lambda: C.packed_key_scores(device, query[..., :16].contiguous(), kc, ks, kz, scores, 64, 32, 2),
+        ),
+        (ValueError, "`num_tokens`", lambda: C.packed_key_scores(device, query, kc, ks, kz, scores, 96, 32, 2)),
+        (ValueError, "`num_tokens`", lambda: C.packed_key_scores(device, query, kc, ks, kz, scores, 48, 32, 2)),
+        (
+            ValueError,
+            "`out` must have shape",
+            lambda: C.packed_key_scores(device, query, kc, ks, kz, torch.empty(1, 4, 1, 32), 64, 32, 2),
+        ),
+        (
+            ValueError,
+            "`query` must be contiguous",
+            lambda: C.packed_key_scores(
+                device, torch.randn(1, 4, 32, 2).transpose(2, 3), kc, ks, kz, scores, 64, 32, 2
+            ),
+        ),
+        (
+            TypeError,
+            "`scales` and `zeros`",
+            lambda: C.packed_key_scores(device, query, kc, ks, kz.float(), scores, 64, 32, 2),
+        ),
+        (
+            ValueError,
+            "`probs` last dim",
+            lambda: C.packed_value_combine(device, probs[..., :32].contiguous(), vc, vs, vz, partial, 64, 32, 2, 256),
+        ),
+        (
+            ValueError,
+            "`num_tokens`",
+            lambda: C.packed_value_combine(device, torch.rand(1, 4, 1, 80), vc, vs, vz, partial, 80, 32, 2, 256),
+        ),
+        (
+            ValueError,
+            "`partial` must have rank 5",
+            lambda: C.packed_value_combine(device, probs, vc, vs, vz, scores, 64, 32, 2, 256),
+        ),
+        (
+            ValueError,
+            "`out` must have shape",
+            lambda: C.packed_value_combine(device, probs, vc, vs, vz, partial, 64, 32, 2, 32),
+        ),
+        (
+            ValueError,
+            "`chunk_tokens`",
+            lambda: C.packed_value_combine(device, probs, vc, vs, vz, partial, 64, 32, 2, 0),
+        ),
+        (ValueError, "`bits`", lambda: C.packed_value_combine(device, probs, vc, vs, vz, partial, 64, 32, 3, 256)),
+    ]
+    for error, message, call in bad_calls:
+        with pytest.raises(error, match=message):
+            call()
 
 
 # ---- bad input: Python exceptions naming the argument, never a crash --------------------------------------------
@@ -207,7 +372,7 @@ def test_bad_dequantize_arguments(kernels):
     with pytest.raises(ValueError, match="`num_tokens`"):
         kernels.dequantize_keys(codes, scales, zeros, 96, 32, 2)
     with pytest.raises(ValueError, match="`scales`"):
-        kernels.dequantize_values(codes, scales, zeros, 64, 32, 2)
+        kernels.dequantize_values(codes, scales, zeros, 64, 16, 2)  # key metadata [.., D, T/G] is not [.., T, D/G]
     with pytest.raises(TypeError, match="`codes`"):
         kernels.dequantize_keys(codes.float(), scales, zeros, 64, 32, 2)
 
@@ -216,8 +381,8 @@ def test_extension_checks_direct_calls(kernels):
     """The C++ side re-checks everything, so a direct call with bad tensors raises too."""
     C, device = kernels._C, kernels.device
     x = torch.randn(1, 2, 64, 64)
-    codes = torch.empty(1, 2, 16, 64, dtype=torch.uint8)
-    scales, zeros = torch.empty(1, 2, 2, 64, dtype=torch.float16), torch.empty(1, 2, 2, 64, dtype=torch.float16)
+    codes = torch.empty(1, 2, 64, 16, dtype=torch.uint8)  # channel-major keys [B, H, D, T/P]
+    scales, zeros = torch.empty(1, 2, 64, 2, dtype=torch.float16), torch.empty(1, 2, 64, 2, dtype=torch.float16)
     C.quantize_keys(device, x, codes, scales, zeros, 32, 2)  # the valid call, for contrast
     out = torch.empty(1, 2, 64, 64)
     q_keys, dq_keys, dq_values = C.quantize_keys, C.dequantize_keys, C.dequantize_values

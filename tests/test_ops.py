@@ -43,7 +43,7 @@ def test_fake_tensors_give_shapes_without_computing():
 
     with FakeTensorMode():
         codes, scales, zeros = torch.ops.kivi_xpu.quantize_keys(torch.empty(1, 2, 128, 64), 32, 2, torch.float16)
-        assert codes.shape == (1, 2, 32, 64) and scales.shape == (1, 2, 4, 64) and zeros.dtype == torch.float16
+        assert codes.shape == (1, 2, 64, 32) and scales.shape == (1, 2, 64, 4) and zeros.dtype == torch.float16
         out = torch.ops.kivi_xpu.dequantize_values(
             torch.empty(1, 2, 50, 16, dtype=torch.uint8),
             torch.empty(1, 2, 50, 2, dtype=torch.float16),
@@ -76,7 +76,7 @@ def test_info_command_reports_the_backend():
 
 def test_unknown_device_is_a_clear_error():
     result = subprocess.run(
-        [sys.executable, "-m", "kivi_xpu", "info", "--device", "level_zero:gpu:7"],
+        [sys.executable, "-m", "kivi_xpu", "info", "--backend", "auto", "--device", "level_zero:gpu:7"],
         capture_output=True,
         text=True,
         timeout=300,

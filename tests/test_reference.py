@@ -29,8 +29,11 @@ def test_pack_unpack_inverse(bits):
         assert torch.equal(ref.unpack(packed, dim, bits), q)
 
 
-def _expand(meta, group_size, dim):
-    return meta.float().repeat_interleave(group_size, dim=dim)
+def _per_element(meta, group_size, kind):
+    """Scales/zeros expanded to the ``[B, H, T, D]`` elements they apply to."""
+    if kind == "keys":  # [B, H, D, T/G], channel-major
+        return meta.float().repeat_interleave(group_size, dim=3).transpose(2, 3)
+    return meta.float().repeat_interleave(group_size, dim=3)  # values: [B, H, T, D/G]
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -39,19 +42,19 @@ def test_round_trip_error_within_half_a_step(bits, meta_dtype):
     torch.manual_seed(bits)
     x = torch.randn(3, 2, 64, 96) * 3 + 1
     g = 32
-    for quant, dequant, dim in (
-        (ref.quantize_keys, ref.dequantize_keys, 2),
-        (ref.quantize_values, ref.dequantize_values, 3),
+    for quant, dequant, kind in (
+        (ref.quantize_keys, ref.dequantize_keys, "keys"),
+        (ref.quantize_values, ref.dequantize_values, "values"),
     ):
         codes, scales, zeros = quant(x, g, bits, meta_dtype)
         assert scales.dtype == meta_dtype and zeros.dtype == meta_dtype
         y = dequant(codes, scales, zeros, x.shape[2], g, bits, torch.float32)
         err = (y - x).abs()
-        step = _expand(scales, g, dim)
+        step = _per_element(scales, g, kind)
         # Half a step, plus the metadata's own rounding: zero is rounded to meta_dtype (up to half an ulp of
         # |min|) and the 2^b-1 steps each carry the scale's rounding (half an ulp of the scale).
         eps = torch.finfo(meta_dtype).eps
-        zero_err = _expand(zeros, g, dim).abs() * eps
+        zero_err = _per_element(zeros, g, kind).abs() * eps
         bound = step / 2 + zero_err + step * ((1 << bits) - 1) * eps + 1e-6
         assert (err <= bound).all(), (err - bound).max()
         if meta_dtype == torch.float32:

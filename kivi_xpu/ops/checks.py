@@ -106,14 +106,14 @@ def check_dequantize_args(
     if axis == "tokens":
         if num_tokens % group_size != 0:
             raise ValueError(f"`num_tokens` ({num_tokens}) must be a multiple of `group_size` ({group_size}) for keys")
-        head_dim = codes.shape[3]
+        head_dim = codes.shape[2]  # keys are channel-major: [B, H, D, T/P]
         need_rows, need_groups = num_tokens // per, num_tokens // group_size
-        if scales.shape[3] != head_dim:
-            raise ValueError(f"`scales` last dim {scales.shape[3]} must equal head_dim {head_dim} (per-channel keys)")
-        if codes.shape[2] < need_rows or scales.shape[2] < need_groups:
+        if scales.shape[2] != head_dim:
+            raise ValueError(f"`scales` dim 2 ({scales.shape[2]}) must equal head_dim {head_dim} (per-channel keys)")
+        if codes.shape[3] < need_rows or scales.shape[3] < need_groups:
             raise ValueError(
-                f"`num_tokens` ({num_tokens}) exceeds the stored tokens: codes hold {codes.shape[2] * per}, "
-                f"scales hold {scales.shape[2] * group_size}"
+                f"`num_tokens` ({num_tokens}) exceeds the stored tokens: codes hold {codes.shape[3] * per}, "
+                f"scales hold {scales.shape[3] * group_size}"
             )
     else:
         head_dim = codes.shape[3] * per
@@ -152,7 +152,7 @@ def check_attention_args(
         raise ValueError(
             f"`{name}` shape {tuple(query.shape)} must be [batch={b}, a multiple of the {kv_heads} kv heads, ...]"
         )
-    if axis == "tokens" and query.shape[3] != codes.shape[3]:
-        raise ValueError(f"`query` head_dim {query.shape[3]} does not match the keys' head_dim {codes.shape[3]}")
+    if axis == "tokens" and query.shape[3] != codes.shape[2]:
+        raise ValueError(f"`query` head_dim {query.shape[3]} does not match the keys' head_dim {codes.shape[2]}")
     if axis == "channels" and query.shape[3] != num_tokens:
         raise ValueError(f"`probs` last dim {query.shape[3]} must equal `num_tokens` ({num_tokens})")

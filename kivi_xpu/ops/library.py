@@ -58,7 +58,7 @@ def _fake_quantize(axis):
         b, h, t, d = x.shape
         per = codes_per_byte(bits)
         if axis == "tokens":
-            codes_shape, meta_shape = (b, h, t // per, d), (b, h, t // group_size, d)
+            codes_shape, meta_shape = (b, h, d, t // per), (b, h, d, t // group_size)
         else:
             codes_shape, meta_shape = (b, h, t, d // per), (b, h, t, d // group_size)
         codes = x.new_empty(codes_shape, dtype=torch.uint8)
@@ -70,8 +70,8 @@ def _fake_quantize(axis):
 def _fake_dequantize(axis):
     def fake(codes, scales, zeros, num_tokens, group_size, bits, out_dtype):
         check_dequantize_args(codes, scales, zeros, num_tokens, group_size, bits, out_dtype, axis)
-        b, h, _, width = codes.shape
-        head_dim = width if axis == "tokens" else width * codes_per_byte(bits)
+        b, h = codes.shape[:2]
+        head_dim = codes.shape[2] if axis == "tokens" else codes.shape[3] * codes_per_byte(bits)
         return codes.new_empty((b, h, num_tokens, head_dim), dtype=out_dtype)
 
     return fake

@@ -22,15 +22,16 @@ Defined behaviour for edge cases:
 Layouts (``B`` batch, ``H`` kv heads, ``T`` tokens, ``D`` head_dim, ``G`` group size, ``P = 8 // bits``
 codes per byte; codes are packed little-end first: 2-bit byte = ``q0 | q1<<2 | q2<<4 | q3<<6``):
 
-* keys, per-channel (a group is ``G`` consecutive tokens of one channel):
-  ``x [B, H, T, D]`` -> ``codes uint8 [B, H, T/P, D]`` (packed along tokens),
-  ``scales, zeros [B, H, T/G, D]``;
+* keys, per-channel (a group is ``G`` consecutive tokens of one channel), stored channel-major so that
+  kernels walk the tokens of a channel contiguously:
+  ``x [B, H, T, D]`` -> ``codes uint8 [B, H, D, T/P]`` (packed along tokens: byte ``j`` of channel ``d`` holds
+  tokens ``P*j .. P*j+P-1``), ``scales, zeros [B, H, D, T/G]``;
 * values, per-token (a group is ``G`` consecutive channels of one token):
   ``x [B, H, T, D]`` -> ``codes uint8 [B, H, T, D/P]`` (packed along channels),
   ``scales, zeros [B, H, T, D/G]``.
 
 The dequantize functions read only the first ``num_tokens`` tokens of the packed tensors, which may be
-longer (over-allocated storage).
+longer along their token axis (over-allocated storage: the last dim for keys, dim 2 for values).
 """
 
 from __future__ import annotations
@@ -86,14 +87,14 @@ def quantize_keys(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch
     Args:
         x: ``[B, H, T, D]`` float32/float16/bfloat16, ``T`` a multiple of ``group_size``.
     Returns:
-        ``codes`` uint8 ``[B, H, T * bits / 8, D]``, ``scales`` and ``zeros`` ``[B, H, T / G, D]`` in ``meta_dtype``.
+        ``codes`` uint8 ``[B, H, D, T * bits / 8]``, ``scales`` and ``zeros`` ``[B, H, D, T / G]`` in ``meta_dtype``.
     """
     check_quantize_args(x, group_size, bits, meta_dtype, axis="tokens")
     b, h, t, d = x.shape
-    groups = x.float().reshape(b, h, t // group_size, group_size, d)
-    q, scale, zero = _quantize_groups(groups, 3, bits, meta_dtype)
-    codes = pack(q.reshape(b, h, t, d), 2, bits)
-    return codes, scale.squeeze(3).contiguous(), zero.squeeze(3).contiguous()
+    groups = x.float().transpose(2, 3).reshape(b, h, d, t // group_size, group_size)
+    q, scale, zero = _quantize_groups(groups, 4, bits, meta_dtype)
+    codes = pack(q.reshape(b, h, d, t), 3, bits)
+    return codes, scale.squeeze(4).contiguous(), zero.squeeze(4).contiguous()
 
 
 def quantize_values(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
@@ -124,12 +125,11 @@ def dequantize_keys(
     """Inverse of :func:`quantize_keys` for the first ``num_tokens`` tokens. Returns ``[B, H, num_tokens, D]``."""
     check_dequantize_args(codes, scales, zeros, num_tokens, group_size, bits, out_dtype, axis="tokens")
     per = codes_per_byte(bits)
-    b, h, _, d = codes.shape
-    q = unpack(codes[:, :, : num_tokens // per], 2, bits).float()
+    q = unpack(codes[..., : num_tokens // per], 3, bits).float()
     n_groups = num_tokens // group_size
-    scale = scales[:, :, :n_groups].float().repeat_interleave(group_size, dim=2)
-    zero = zeros[:, :, :n_groups].float().repeat_interleave(group_size, dim=2)
-    return (q * scale + zero).to(out_dtype)
+    scale = scales[..., :n_groups].float().repeat_interleave(group_size, dim=3)
+    zero = zeros[..., :n_groups].float().repeat_interleave(group_size, dim=3)
+    return (q * scale + zero).to(out_dtype).transpose(2, 3).contiguous()
 
 
 def dequantize_values(

@@ -1,7 +1,8 @@
 """Host wrappers of the SYCL kernels, with exactly the signatures and semantics of :mod:`.reference`.
 
 The module-level functions run on the default SYCL device (``$KIVI_XPU_DEVICE``, else the first GPU, else the
-first CPU device; chosen once per process); :class:`SyclKernels` binds the same four ops to another device.
+first CPU device; chosen once per process); :class:`SyclKernels` binds the same ops (the four quantize/dequantize
+ops and the two fused attention ops ``packed_key_scores`` / ``packed_value_combine``) to another device.
 Arguments are validated by the same checks as the reference, outputs are allocated here on the input's device and
 filled by ``kivi_xpu._C``, which waits for each kernel to finish.
 """
@@ -13,11 +14,15 @@ import functools
 import torch
 
 from .. import backend
-from .checks import check_dequantize_args, check_quantize_args, codes_per_byte
+from .checks import check_attention_args, check_dequantize_args, check_quantize_args, codes_per_byte
+
+# Tokens per work-item in packed_value_combine: the token loop is split into chunks whose partial sums are added
+# afterwards (in order), so that a decode step (few kv heads, one query row) still spreads over all cores / EUs.
+VALUE_CHUNK_TOKENS = 256
 
 
 class SyclKernels:
-    """The four ops on one SYCL device (a dpctl filter string such as ``opencl:cpu:0``)."""
+    """The ops on one SYCL device (a dpctl filter string such as ``opencl:cpu:0``)."""
 
     def __init__(self, device: str | None = None):
         runtime = backend.get_runtime(device)
@@ -43,8 +48,8 @@ class SyclKernels:
         x = x.contiguous()
         b, h, t, d = x.shape
         per = codes_per_byte(bits)
-        if axis == "tokens":
-            codes_shape, meta_shape = (b, h, t // per, d), (b, h, t // group_size, d)
+        if axis == "tokens":  # channel-major keys
+            codes_shape, meta_shape = (b, h, d, t // per), (b, h, d, t // group_size)
         else:
             codes_shape, meta_shape = (b, h, t, d // per), (b, h, t, d // group_size)
         codes = torch.empty(codes_shape, dtype=torch.uint8, device=x.device)
@@ -55,7 +60,7 @@ class SyclKernels:
         return codes, scales, zeros
 
     def quantize_keys(self, x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
-        """``x [B, H, T, D]`` -> codes uint8 ``[B, H, T * bits / 8, D]``, scales/zeros ``[B, H, T / G, D]``."""
+        """``x [B, H, T, D]`` -> codes uint8 ``[B, H, D, T * bits / 8]``, scales/zeros ``[B, H, D, T / G]``."""
         return self._quantize(self._C.quantize_keys, x, group_size, bits, meta_dtype, "tokens")
 
     def quantize_values(self, x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
@@ -65,8 +70,8 @@ class SyclKernels:
     def _dequantize(self, launch, codes, scales, zeros, num_tokens, group_size, bits, out_dtype, axis):
         check_dequantize_args(codes, scales, zeros, num_tokens, group_size, bits, out_dtype, axis=axis)
         self._check_reachable({"codes": codes, "scales": scales, "zeros": zeros})
-        b, h, _, packed = codes.shape
-        head_dim = packed if axis == "tokens" else packed * codes_per_byte(bits)
+        b, h = codes.shape[:2]
+        head_dim = codes.shape[2] if axis == "tokens" else codes.shape[3] * codes_per_byte(bits)
         out = torch.empty((b, h, num_tokens, head_dim), dtype=out_dtype, device=codes.device)
         if out.numel() > 0:
             launch(self.device, codes, scales, zeros, out, num_tokens, group_size, bits)
@@ -82,7 +87,7 @@ class SyclKernels:
         bits: int,
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """First ``num_tokens`` tokens of ``codes [B, H, >=N*bits/8, D]``, ``scales``/``zeros`` ``[B, H, >=N/G, D]``
+        """First ``num_tokens`` tokens of ``codes [B, H, D, >=N*bits/8]``, ``scales``/``zeros`` ``[B, H, D, >=N/G]``
         -> ``[B, H, N, D]`` in ``out_dtype``."""
         return self._dequantize(
             self._C.dequantize_keys, codes, scales, zeros, num_tokens, group_size, bits, out_dtype, "tokens"
@@ -103,6 +108,56 @@ class SyclKernels:
         return self._dequantize(
             self._C.dequantize_values, codes, scales, zeros, num_tokens, group_size, bits, out_dtype, "channels"
         )
+
+    def packed_key_scores(
+        self,
+        query: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        num_tokens: int,
+        group_size: int,
+        bits: int,
+    ) -> torch.Tensor:
+        """``query [B, Hq, L, D]`` float32 against the first ``num_tokens`` packed keys (``Hkv`` kv heads, GQA) ->
+        scores ``[B, Hq, L, num_tokens]`` float32; see :func:`kivi_xpu.ops.reference.packed_key_scores`."""
+        check_attention_args("query", query, codes, scales, zeros, num_tokens, group_size, bits, "tokens")
+        self._check_reachable({"query": query, "codes": codes, "scales": scales, "zeros": zeros})
+        query = query.contiguous()
+        b, hq, length, _ = query.shape
+        out = torch.empty((b, hq, length, num_tokens), dtype=torch.float32, device=query.device)
+        if out.numel() > 0:
+            self._C.packed_key_scores(self.device, query, codes, scales, zeros, out, num_tokens, group_size, bits)
+        return out
+
+    def packed_value_combine(
+        self,
+        probs: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        num_tokens: int,
+        group_size: int,
+        bits: int,
+    ) -> torch.Tensor:
+        """``probs [B, Hq, L, num_tokens]`` float32 times the first ``num_tokens`` packed values (GQA) ->
+        ``[B, Hq, L, D]`` float32; see :func:`kivi_xpu.ops.reference.packed_value_combine`."""
+        check_attention_args("probs", probs, codes, scales, zeros, num_tokens, group_size, bits, "channels")
+        self._check_reachable({"probs": probs, "codes": codes, "scales": scales, "zeros": zeros})
+        probs = probs.contiguous()
+        b, hq, length, _ = probs.shape
+        per = codes_per_byte(bits)
+        head_dim = codes.shape[3] * per
+        if num_tokens == 0 or probs.numel() == 0:
+            return torch.zeros((b, hq, length, head_dim), dtype=torch.float32, device=probs.device)
+        chunks = -(-num_tokens // VALUE_CHUNK_TOKENS)
+        partial = torch.empty((b, hq, length, chunks, head_dim), dtype=torch.float32, device=probs.device)
+        self._C.packed_value_combine(
+            self.device, probs, codes, scales, zeros, partial, num_tokens, group_size, bits, VALUE_CHUNK_TOKENS
+        )
+        # Chunk sums in order (deterministic); channel P*w + k was stored at k * (D/P) + w.
+        total = partial[:, :, :, 0] if chunks == 1 else partial.sum(dim=3)
+        return total.view(b, hq, length, per, head_dim // per).transpose(3, 4).reshape(b, hq, length, head_dim)
 
 
 @functools.lru_cache(maxsize=1)
@@ -145,3 +200,29 @@ def dequantize_values(
 ) -> torch.Tensor:
     """See :func:`kivi_xpu.ops.reference.dequantize_values`."""
     return default_kernels().dequantize_values(codes, scales, zeros, num_tokens, group_size, bits, out_dtype)
+
+
+def packed_key_scores(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    num_tokens: int,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """See :func:`kivi_xpu.ops.reference.packed_key_scores`."""
+    return default_kernels().packed_key_scores(query, codes, scales, zeros, num_tokens, group_size, bits)
+
+
+def packed_value_combine(
+    probs: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    num_tokens: int,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """See :func:`kivi_xpu.ops.reference.packed_value_combine`."""
+    return default_kernels().packed_value_combine(probs, codes, scales, zeros, num_tokens, group_size, bits)
