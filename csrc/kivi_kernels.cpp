@@ -30,18 +30,11 @@ namespace {
 inline unsigned float_bits(float f) { return sycl::bit_cast<unsigned>(f); }
 inline float bits_float(unsigned u) { return sycl::bit_cast<float>(u); }
 
-// fp16 -> fp32 by bit manipulation (exact, subnormals included): independent of the device's half support.
-inline float half_to_float(unsigned short h) {
-  const unsigned sign = (unsigned)(h & 0x8000u) << 16;
-  const unsigned exponent = (h >> 10) & 0x1Fu;
-  unsigned mantissa = h & 0x3FFu;
-  if (exponent == 0x1Fu) return bits_float(sign | 0x7F800000u | (mantissa << 13));  // Inf / NaN
-  if (exponent != 0) return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-  if (mantissa == 0) return bits_float(sign);  // +-0
-  // Subnormal: value = mantissa * 2^-24, exact in fp32.
-  const float magnitude = (float)mantissa * bits_float(0x33800000u);  // 2^-24
-  return bits_float(sign | float_bits(magnitude));
-}
+// fp16 -> fp32: exact (every fp16 value, subnormals included, is an fp32 value), so the hardware conversion gives
+// the same bits as any software decode (F16C / AVX-512 vcvtph2ps on a CPU, native on Intel GPUs) at a fraction of
+// the ~20 branchy instructions of a bit-manipulation decode. Only fp16 -> fp32 goes through sycl::half; the
+// rounding direction (float_to_half below) stays explicit.
+inline float half_to_float(unsigned short h) { return static_cast<float>(sycl::bit_cast<sycl::half>(h)); }
 
 // fp32 -> fp16 with round-to-nearest-even, overflow to Inf, gradual underflow; NaN -> quiet NaN
 // (0x7E00 for a positive NaN, as torch stores float('nan') in float16).
@@ -297,56 +290,64 @@ inline void dequantize_values(const unsigned char* codes, const unsigned char* s
 // GQA group times the query length: R = (Hq/Hkv)*L consecutive rows of the [B,Hq,L,*] operands), RB <= 4 rows per
 // work-item (accumulators in registers; a partial last block re-reads its last row and skips its stores).
 // Lanes (the last nd_range dimension) walk consecutive code BYTES, so code loads are contiguous, and all per-row data
-// (query / probabilities) are uniform scalars. A lane's group is found without division: the work-group's lanes
-// [j_first, j_first + local) span groups g_first .. g_last (uniform), whose scale/zero are loaded as uniform scalars
-// and picked per lane by comparing the lane's byte index with the (uniform) group boundaries.
+// (query / probabilities) are uniform scalars. A lane's scale/zero come from a sub-group shuffle, as in
+// dequantize_values: lane l loads the l-th group counting from the group of the sub-group's first byte (contiguous,
+// masked: one vector load + conversion), then takes its own group's by select_from_group (one permute on a CPU). Its
+// group is at most l groups past the first one (a group holds >= 1 byte), so the source lane exists for any
+// sub-group size. Padding lanes skip their loads and stores but no early return (they must join the shuffles).
 // Uniform values are combined with plain operators and ternaries, never sycl::min & co.: the CPU vectorizer does not
 // know those builtins preserve uniformity, so their results become per-lane vectors (a loop bound turns into a masked
 // divergent loop, a row index into gathers).
 
-// Scale and zero of the group holding lane byte `j`, from the uniform candidates g_first .. g_first + span - 1
-// (meta points at g_first's element; groups are bytes_per_group bytes wide; first_start = g_first*bytes_per_group).
-template <typename M>
-inline void pick_group(const typename M::T* scales, const typename M::T* zeros, size_t span, size_t j,
-                       size_t first_start, size_t bytes_per_group, float& scale, float& zero) {
-  scale = M::load(scales[0]);
-  zero = M::load(zeros[0]);
-  for (size_t k = 1; k < span; ++k) {
-    const bool mine = j >= first_start + k * bytes_per_group;
-    const float s = M::load(scales[k]), z = M::load(zeros[k]);
-    scale = mine ? s : scale;
-    zero = mine ? z : zero;
-  }
+// Where a lane finds its group's metadata: the sub-group's first group, the lane's own load slot and shuffle source.
+struct LaneGroup {
+  size_t first;  // group of the sub-group's first byte (uniform)
+  size_t slot;   // group this lane loads: first + lane (contiguous across lanes)
+  bool loads;    // slot < number of groups (masked load)
+  unsigned src;  // lane holding this lane's group
+};
+
+// `j` is the lane's byte, `groups` the number of groups along the byte axis. The sub-group's first byte is computed
+// from uniform ids (j - lane would be per-lane data to the CPU vectorizer, and so would every index derived from it).
+inline LaneGroup lane_group(const sycl::nd_item<3>& it, const sycl::sub_group& sg, size_t j, size_t bytes_per_group,
+                            size_t groups) {
+  const size_t sg_first = it.get_group(2) * it.get_local_range(2) +
+                          (size_t)sg.get_group_linear_id() * (size_t)sg.get_max_local_range()[0];
+  LaneGroup lg;
+  lg.first = sg_first / bytes_per_group;
+  lg.slot = lg.first + sg.get_local_linear_id();
+  lg.loads = lg.slot < groups;
+  lg.src = (unsigned)(j / bytes_per_group - lg.first);
+  return lg;
 }
 
-// Lanes' group span: groups [g_first, g_first + span) cover bytes [j_first, j_first + local) (clamped to the data).
-inline void group_span(size_t j_first, size_t local, size_t total_bytes, size_t bytes_per_group, size_t& g_first,
-                       size_t& span) {
-  g_first = j_first / bytes_per_group;
-  const size_t j_end = j_first + local < total_bytes ? j_first + local : total_bytes;  // not sycl::min (see above)
-  const size_t j_last = j_end - 1;
-  span = j_last / bytes_per_group - g_first + 1;
+// Scale and zero of the lane's group from one metadata row (scales/zeros point at group 0 of the row).
+template <typename M>
+inline void lane_meta(const sycl::sub_group& sg, const LaneGroup& lg, const typename M::T* scales,
+                      const typename M::T* zeros, float& scale, float& zero) {
+  const float s = lg.loads ? M::load(scales[lg.slot]) : 0.0f;
+  const float z = lg.loads ? M::load(zeros[lg.slot]) : 0.0f;
+  scale = sycl::select_from_group(sg, s, lg.src);
+  zero = sycl::select_from_group(sg, z, lg.src);
 }
 
 // Scores. nd_range {B*Hkv, ceil(R/RB), Tk/P (padded)}: item = (kv head, block of RB query rows, code byte j of the
 // token axis, i.e. tokens P*j .. P*j+P-1). For each channel d it loads byte j of channel d's code row (contiguous
 // across lanes), dequantizes its P codes with the group's scale/zero and accumulates query[row][d] * key into P
-// scores per row. Stores: out[row][P*j + k] (P consecutive floats per lane).
+// scores per row. Stores: out[row][P*j + k] (P consecutive floats per lane; once per item, so the scatter is cheap
+// next to the channel loop: writing them as contiguous vectors through sub-group shuffles measured no faster).
 //   query [B,Hq,L,D] f32, codes [B,Hkv,D,code_cols], scales/zeros [B,Hkv,D,meta_cols] -> out [B,Hq,L,Tk] f32.
 template <typename M, int P, int RB>
 inline void key_scores_body(const float* query, const unsigned char* codes, const typename M::T* scales,
                             const typename M::T* zeros, float* out, size_t rows, size_t num_tokens, size_t head_dim,
                             size_t code_cols, size_t meta_cols, size_t group_size) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
-  const size_t j = it.get_global_id(2);
+  const sycl::sub_group sg = it.get_sub_group();
   const size_t total_bytes = num_tokens / P;
-  const size_t local = it.get_local_range(2), j_first = it.get_group(2) * local;
-  if (j >= total_bytes) return;
+  const size_t j = it.get_global_id(2);
+  const bool active = j < total_bytes;  // padding lanes load and store nothing, but join the shuffles
   const size_t kv = it.get_global_id(0), row0 = it.get_global_id(1) * RB;
-  const size_t bytes_per_group = group_size / P;
-  size_t g_first, span;
-  group_span(j_first, local, total_bytes, bytes_per_group, g_first, span);
-  const size_t first_start = g_first * bytes_per_group;
+  const LaneGroup lg = lane_group(it, sg, j, group_size / P, num_tokens / group_size);
 
   // Query rows addressed by uniform scalar arithmetic (an array of row pointers would be per-lane data, and the
   // uniform loads from it gathers); a partial last block re-reads its last row.
@@ -358,12 +359,12 @@ inline void key_scores_body(const float* query, const unsigned char* codes, cons
   constexpr int bits = 8 / P;
   constexpr unsigned mask = (1u << bits) - 1u;
   const unsigned char* code_row = codes + kv * head_dim * code_cols + j;
-  const size_t meta0 = kv * head_dim * meta_cols + g_first;
+  const typename M::T* scale_row = scales + kv * head_dim * meta_cols;
+  const typename M::T* zero_row = zeros + kv * head_dim * meta_cols;
   for (size_t d = 0; d < head_dim; ++d) {
-    const unsigned byte = code_row[d * code_cols];
+    const unsigned byte = active ? code_row[d * code_cols] : 0u;
     float scale, zero;
-    pick_group<M>(scales + meta0 + d * meta_cols, zeros + meta0 + d * meta_cols, span, j, first_start,
-                  bytes_per_group, scale, zero);
+    lane_meta<M>(sg, lg, scale_row + d * meta_cols, zero_row + d * meta_cols, scale, zero);
     float key[P];
     for (int k = 0; k < P; ++k) key[k] = sycl::fma((float)((byte >> (k * bits)) & mask), scale, zero);
     for (int r = 0; r < RB; ++r) {
@@ -371,6 +372,7 @@ inline void key_scores_body(const float* query, const unsigned char* codes, cons
       for (int k = 0; k < P; ++k) acc[r][k] = sycl::fma(qd, key[k], acc[r][k]);
     }
   }
+  if (!active) return;
   for (int r = 0; r < RB; ++r) {
     if (row0 + r >= rows) break;  // uniform
     float* o = out + (kv * rows + row0 + r) * num_tokens + j * P;
@@ -381,27 +383,24 @@ inline void key_scores_body(const float* query, const unsigned char* codes, cons
 // Value combine. nd_range {B*Hkv, ceil(R/RB) * chunks, D/P (padded)}: item = (kv head, block of RB probability rows,
 // token chunk, code byte w of a token row, i.e. channels P*w .. P*w+P-1). For each token t of its chunk it loads byte
 // w of token t's code row (contiguous across lanes), dequantizes its P codes and accumulates probs[row][t] * value.
-// Stores partial sums partial[row][chunk][k][w] (contiguous across lanes); the host sums the chunks in order and
-// puts channel P*w + k back in place.
+// Stores partial sums partial[row][chunk][P*w + k]; the host sums the chunks in order.
 //   probs [B,Hq,L,Tv] f32, codes [B,Hkv,code_rows,D/P], scales/zeros [B,Hkv,meta_rows,D/G]
-//   -> partial [B,Hq,L,chunks,P,D/P] f32.
+//   -> partial [B,Hq,L,chunks,D] f32.
 template <typename M, int P, int RB>
 inline void value_combine_body(const float* probs, const unsigned char* codes, const typename M::T* scales,
                                const typename M::T* zeros, float* partial, size_t rows, size_t num_tokens,
                                size_t head_dim, size_t code_rows, size_t meta_rows, size_t group_size,
                                size_t chunk_tokens, size_t chunks) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
-  const size_t w = it.get_global_id(2);
+  const sycl::sub_group sg = it.get_sub_group();
   const size_t row_bytes = head_dim / P;
-  const size_t local = it.get_local_range(2), w_first = it.get_group(2) * local;
-  if (w >= row_bytes) return;
+  const size_t w = it.get_global_id(2);
+  const bool active = w < row_bytes;  // padding lanes load nothing and store nothing, but join the shuffles
   const size_t kv = it.get_global_id(0);
   const size_t block = it.get_global_id(1) / chunks, chunk = it.get_global_id(1) % chunks;  // uniform
   const size_t row0 = block * RB;
-  const size_t bytes_per_group = group_size / P, groups = head_dim / group_size;
-  size_t g_first, span;
-  group_span(w_first, local, row_bytes, bytes_per_group, g_first, span);
-  const size_t first_start = g_first * bytes_per_group;
+  const size_t groups = head_dim / group_size;
+  const LaneGroup lg = lane_group(it, sg, w, group_size / P, groups);
 
   const float* p0 = probs + (kv * rows + row0) * num_tokens;  // uniform rows, as in key_scores_body
   const size_t last = rows - 1 - row0;
@@ -413,23 +412,34 @@ inline void value_combine_body(const float* probs, const unsigned char* codes, c
   const size_t t_begin = chunk * chunk_tokens;
   const size_t t_end = t_begin + chunk_tokens < num_tokens ? t_begin + chunk_tokens : num_tokens;
   const unsigned char* code_col = codes + kv * code_rows * row_bytes + w;
-  const size_t meta0 = kv * meta_rows * groups + g_first;
-  for (size_t t = t_begin; t < t_end; ++t) {
-    const unsigned byte = code_col[t * row_bytes];
+  const typename M::T* scale_rows = scales + kv * meta_rows * groups;
+  const typename M::T* zero_rows = zeros + kv * meta_rows * groups;
+  // Two tokens per iteration (then an odd last one): halves the loop and address overhead of a body that is only
+  // ~30 vector instructions per token.
+  const auto add_token = [&](size_t t) {
+    const unsigned byte = active ? code_col[t * row_bytes] : 0u;
     float scale, zero;
-    pick_group<M>(scales + meta0 + t * groups, zeros + meta0 + t * groups, span, w, first_start, bytes_per_group,
-                  scale, zero);
+    lane_meta<M>(sg, lg, scale_rows + t * groups, zero_rows + t * groups, scale, zero);
     float value[P];
     for (int k = 0; k < P; ++k) value[k] = sycl::fma((float)((byte >> (k * bits)) & mask), scale, zero);
     for (int r = 0; r < RB; ++r) {
       const float pt = p0[((size_t)r < last ? (size_t)r : last) * num_tokens + t];
       for (int k = 0; k < P; ++k) acc[r][k] = sycl::fma(pt, value[k], acc[r][k]);
     }
+  };
+  size_t t = t_begin;
+  for (; t + 1 < t_end; t += 2) {
+    add_token(t);
+    add_token(t + 1);
   }
+  if (t < t_end) add_token(t);  // uniform
+  if (!active) return;
+  // Channel order (P floats per lane, strided across lanes): written once per chunk, so the scatter is cheap next to
+  // the token loop, and the host needs no transposing copy.
   for (int r = 0; r < RB; ++r) {
     if (row0 + r >= rows) break;  // uniform
-    float* o = partial + ((kv * rows + row0 + r) * chunks + chunk) * head_dim + w;
-    for (int k = 0; k < P; ++k) o[k * row_bytes] = acc[r][k];
+    float* o = partial + ((kv * rows + row0 + r) * chunks + chunk) * head_dim + w * P;
+    for (int k = 0; k < P; ++k) o[k] = acc[r][k];
   }
 }
 
