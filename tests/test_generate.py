@@ -121,3 +121,13 @@ def test_continuing_a_conversation_appends_many_tokens_onto_the_history(model, b
     model.generate(ids, past_key_values=dense, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     expected = model.generate(follow_up, past_key_values=dense, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert torch.equal(second[:, : follow_up.shape[1] + 3], expected[:, : follow_up.shape[1] + 3])
+
+
+@torch.no_grad()
+def test_cache_without_config_creates_kivi_layers_on_first_use(model, backend_name):
+    ids = torch.randint(0, VOCAB, (1, 20))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    dense = model.generate(ids, past_key_values=DynamicCache(), **kwargs)
+    cache = KiviCache(group_size=32, residual_length=64, backend=backend_name)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), dense)
+    assert len(cache.layers) == model.config.num_hidden_layers and cache.get_seq_length() == 49
