@@ -74,7 +74,8 @@ class KiviLayer(CacheLayerMixin):
     full precision; values ``[0, max(0, n - R))`` packed per token + the newest ``min(n, R)`` in full
     precision (see :mod:`kivi_xpu.algorithm`). ``update`` returns dense ``[B, H_kv, n, D]`` keys and values
     for attention implementations that need them: the new tokens and the residual window exactly, the
-    quantized history dequantized (a temporary, never kept).
+    quantized history dequantized (a temporary, never kept). Under the fused KIVI attention it returns only the
+    exact tails and the attention reads the packed history in place (see :mod:`kivi_xpu.attention`).
     """
 
     is_sliding = False
