@@ -22,6 +22,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .ops.reference import group_queries
+
 ATTENTION_NAME = "kivi"
 
 
@@ -95,12 +97,6 @@ def use_fused_attention(model) -> None:
     model.set_attn_implementation(ATTENTION_NAME)
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[B, Hq, L, X] -> [B, Hkv, (Hq / Hkv) * L, X]`` (query heads sharing a kv head side by side)."""
-    b, hq, length, width = x.shape
-    return x.reshape(b, kv_heads, hq // kv_heads * length, width)
-
-
 def masked_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Applies a transformers mask (bool, True = attend; or additive float) to ``scores [B, Hq, L, n]``; without
     a mask the last ``L`` tokens are the queries themselves and attend causally."""
@@ -136,10 +132,10 @@ def attend_tail_and_history(
     b, hq, length, _ = query.shape
     kv_heads = keys_tail.shape[1]
     q = query.float() * scaling
-    tail = (_grouped(q, kv_heads) @ keys_tail.float().transpose(2, 3)).reshape(b, hq, length, -1)
+    tail = (group_queries(q, kv_heads) @ keys_tail.float().transpose(2, 3)).reshape(b, hq, length, -1)
     scores = masked_scores(torch.cat([key_scores_history(q), tail], dim=-1), attention_mask)
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked rows (padding queries) give zeros
-    out = _grouped(probs[..., quantized_values:], kv_heads) @ values_tail.float()
+    out = group_queries(probs[..., quantized_values:], kv_heads) @ values_tail.float()
     out = out.reshape(b, hq, length, -1)
     if quantized_values:
         out += value_sum_history(probs[..., :quantized_values].contiguous())

@@ -297,8 +297,8 @@ class KiviLayer(CacheLayerMixin):
         return report
 
 
-def _attention_geometry(config) -> tuple[int, int, int]:
-    """(num_hidden_layers, num_key_value_heads, head_dim) from a (decoder) config, with clear errors."""
+def _head_dim(config) -> int:
+    """head_dim of a (decoder) config, with clear errors when the attention fields KiviCache needs are missing."""
     missing = [f for f in ("num_hidden_layers", "num_attention_heads") if getattr(config, f, None) is None]
     if missing:
         raise ValueError(
@@ -312,8 +312,7 @@ def _attention_geometry(config) -> tuple[int, int, int]:
         if hidden is None:
             raise ValueError(f"`config` ({type(config).__name__}) has neither `head_dim` nor `hidden_size`")
         head_dim = hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    return head_dim
 
 
 class KiviCache(Cache):
@@ -361,8 +360,7 @@ class KiviCache(Cache):
             super().__init__(layer_class_to_replicate=lambda: KiviLayer(self.settings, self.backend, attention))
             return
         decoder_config = config.get_text_config(decoder=True)
-        _, _, head_dim = _attention_geometry(decoder_config)
-        self.settings.check_head_dim(head_dim)
+        self.settings.check_head_dim(_head_dim(decoder_config))
         layer_types, layer_kwargs = get_layer_types_and_kwargs(decoder_config)
         layers = []
         for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):

@@ -108,7 +108,7 @@ class PackedHistory:
     """
 
     def __init__(self, kind: str, settings: KiviSettings, batch: int, heads: int, head_dim: int, device, kernels):
-        self.kind, self.settings, self.kernels = kind, settings, kernels
+        self.settings = settings
         per, g, r = codes_per_byte(settings.bits), settings.group_size, settings.residual_length
         if kind == "keys":
             # Token axis last (channel-major); rows are bytes of P tokens (codes) and groups of G tokens (metadata).

@@ -149,7 +149,7 @@ def dequantize_values(
     return (q * scale + zero).to(out_dtype)
 
 
-def _group_queries(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def group_queries(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``[B, Hq, L, X] -> [B, Hkv, (Hq / Hkv) * L, X]``: the query heads sharing a kv head, side by side (GQA)."""
     b, hq, length, width = x.shape
     return x.reshape(b, kv_heads, hq // kv_heads * length, width)
@@ -176,7 +176,7 @@ def packed_key_scores(
     check_attention_args("query", query, codes, scales, zeros, num_tokens, group_size, bits, "tokens")
     b, hq, length, _ = query.shape
     keys = dequantize_keys(codes, scales, zeros, num_tokens, group_size, bits, torch.float32)
-    scores = _group_queries(query, codes.shape[1]) @ keys.transpose(2, 3)
+    scores = group_queries(query, codes.shape[1]) @ keys.transpose(2, 3)
     return scores.reshape(b, hq, length, num_tokens)
 
 
@@ -200,5 +200,5 @@ def packed_value_combine(
     check_attention_args("probs", probs, codes, scales, zeros, num_tokens, group_size, bits, "channels")
     b, hq, length, _ = probs.shape
     values = dequantize_values(codes, scales, zeros, num_tokens, group_size, bits, torch.float32)
-    out = _group_queries(probs, codes.shape[1]) @ values
+    out = group_queries(probs, codes.shape[1]) @ values
     return out.reshape(b, hq, length, values.shape[3])
