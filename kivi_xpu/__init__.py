@@ -6,8 +6,10 @@ from .algorithm import KiviSettings
 from .attention import register as _register_attention
 from .attention import use_fused_attention
 from .cache import KiviCache, KiviLayer, KiviMemoryReport
+from .integration import enable as _enable_cache_implementation
 
 _register_attention()  # attn_implementation="kivi" works as soon as kivi_xpu is imported
+_enable_cache_implementation()  # so does generate(cache_implementation="kivi", cache_config={...})
 
 __version__ = "0.1.0"
 

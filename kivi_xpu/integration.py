@@ -1,0 +1,153 @@
+"""``generate(cache_implementation="kivi", cache_config={...})``: the one place kivi-xpu extends transformers.
+
+transformers 5.x has no registry of cache implementations: ``GenerationConfig.validate`` checks the name against
+a fixed tuple and ``GenerationMixin._prepare_cache_for_generation`` builds the cache with an if/elif chain.
+:func:`enable` (called by ``import kivi_xpu``; idempotent) therefore
+
+* adds ``"kivi"`` to the names ``GenerationConfig`` accepts, and
+* wraps ``_prepare_cache_for_generation`` so that, for ``cache_implementation="kivi"`` only, it builds
+  ``KiviCache(config=<the model's decoder config>, **cache_config)``; every other cache implementation goes to
+  transformers' own code unchanged.
+
+It refuses to patch a transformers version outside :data:`SUPPORTED_TRANSFORMERS` (the range declared in
+``pyproject.toml``), because the two patched places are private and may change.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers.generation import configuration_utils
+from transformers.generation.utils import GenerationMixin
+
+from .cache import KiviCache
+
+CACHE_IMPLEMENTATION = "kivi"
+# Keep in sync with the `transformers` requirement in pyproject.toml.
+SUPPORTED_TRANSFORMERS = ("5.23", "6")  # [minimum, maximum)
+
+# `meta_dtype` may be given as a string so that a GenerationConfig holding it stays JSON-serialisable.
+_META_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Raises ``RuntimeError`` when ``version`` (default: the installed transformers) is outside the range whose
+    generation internals :func:`enable` knows."""
+    version = transformers.__version__ if version is None else version
+    low, high = SUPPORTED_TRANSFORMERS
+    if not Version(low) <= Version(version) < Version(high):
+        raise RuntimeError(
+            f"kivi-xpu supports transformers >={low},<{high}; transformers {version} is installed. "
+            f'Install a supported version (pip install "transformers>={low},<{high}") or a kivi-xpu release '
+            "made for your transformers."
+        )
+
+
+@functools.cache
+def cache_config_keys() -> tuple[str, ...]:
+    """The keys ``cache_config`` accepts with ``cache_implementation="kivi"``: KiviCache's keyword arguments."""
+    parameters = inspect.signature(KiviCache.__init__).parameters
+    return tuple(name for name in parameters if name not in ("self", "config"))
+
+
+def _kivi_kwargs(cache_config) -> dict:
+    if cache_config is None:
+        return {}
+    if not isinstance(cache_config, dict):
+        raise TypeError(
+            f"`cache_config` for cache_implementation={CACHE_IMPLEMENTATION!r} must be a dict of KiviCache "
+            f"options {list(cache_config_keys())}, got {type(cache_config).__name__}"
+        )
+    unknown = sorted(set(cache_config) - set(cache_config_keys()))
+    if unknown:
+        hint = " (the model's config is passed for you)" if "config" in unknown else ""
+        raise ValueError(
+            f"Unknown key(s) {unknown} in `cache_config` for cache_implementation={CACHE_IMPLEMENTATION!r}{hint}; "
+            f"allowed keys: {list(cache_config_keys())}"
+        )
+    kwargs = dict(cache_config)  # generate may be called again with the same GenerationConfig: never consume it
+    meta = kwargs.get("meta_dtype")
+    if isinstance(meta, str):
+        if meta.removeprefix("torch.") not in _META_DTYPE_NAMES:
+            raise ValueError(f"`cache_config['meta_dtype']` must be one of {list(_META_DTYPE_NAMES)}, got {meta!r}")
+        kwargs["meta_dtype"] = _META_DTYPE_NAMES[meta.removeprefix("torch.")]
+    return kwargs
+
+
+def build_cache(model, cache_config: dict | None = None) -> KiviCache:
+    """The cache ``generate(cache_implementation="kivi", cache_config=cache_config)`` gives ``model``."""
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"cache_implementation={CACHE_IMPLEMENTATION!r} serves decoder-only models; {name} is an encoder-decoder "
+            "model (pass past_key_values=EncoderDecoderCache(KiviCache(config=...), DynamicCache()) yourself to try)"
+        )
+    if not model._supports_default_dynamic_cache():
+        raise ValueError(
+            f"cache_implementation={CACHE_IMPLEMENTATION!r} cannot serve {name}: it does not keep a standard "
+            "key/value cache (transformers builds a model-specific cache or state for it)"
+        )
+    return KiviCache(config=model.config.get_text_config(decoder=True), **_kivi_kwargs(cache_config))
+
+
+def _prepare_kivi_cache(original):
+    @functools.wraps(original)
+    def prepare(self, generation_config, model_kwargs, *args, **kwargs):
+        if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
+            return original(self, generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if generation_config.is_assistant and isinstance(cache, KiviCache):
+            # Assisted decoding calls the assistant's generate again with the KiviCache its first call built.
+            generation_config = copy.copy(generation_config)
+            generation_config.cache_implementation = None
+            return original(self, generation_config, model_kwargs, *args, **kwargs)
+        if cache is not None:
+            raise ValueError(
+                f"Passing both cache_implementation={CACHE_IMPLEMENTATION!r} and `past_key_values` is unsupported: "
+                "use cache_implementation='kivi' with cache_config={...}, or past_key_values=KiviCache(...)"
+            )
+        if generation_config.use_cache is False:
+            return None  # GenerationConfig.validate already warns that cache_implementation is ignored
+        cache = build_cache(self, generation_config.cache_config)
+        if generation_config.is_assistant:  # an assistant's cache is rolled back after each verification
+            cache.activate_past_recording()
+        model_kwargs["past_key_values"] = cache
+        return None
+
+    prepare.__kivi_xpu_original__ = original
+    return prepare
+
+
+def is_enabled() -> bool:
+    return hasattr(GenerationMixin._prepare_cache_for_generation, "__kivi_xpu_original__")
+
+
+def enable() -> None:
+    """Makes ``cache_implementation="kivi"`` work in ``generate``, ``GenerationConfig`` and pipelines.
+
+    Idempotent; leaves every other cache implementation to transformers. Raises ``RuntimeError`` for an
+    unsupported transformers version."""
+    check_transformers_version()
+    if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
+        configuration_utils.DYNAMIC_CACHE_IMPLEMENTATIONS += (CACHE_IMPLEMENTATION,)
+        configuration_utils.ALL_CACHE_IMPLEMENTATIONS += (CACHE_IMPLEMENTATION,)
+    if not is_enabled():
+        GenerationMixin._prepare_cache_for_generation = _prepare_kivi_cache(
+            GenerationMixin._prepare_cache_for_generation
+        )
+
+
+__all__ = [
+    "CACHE_IMPLEMENTATION",
+    "SUPPORTED_TRANSFORMERS",
+    "build_cache",
+    "cache_config_keys",
+    "check_transformers_version",
+    "enable",
+    "is_enabled",
+]
