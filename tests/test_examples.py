@@ -1,4 +1,4 @@
-"""The examples run (offline variants), so they cannot rot."""
+"""Every example runs (offline variants: a tiny random model and a byte tokenizer), so they cannot rot."""
 
 import subprocess
 import sys
@@ -7,13 +7,36 @@ from pathlib import Path
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def test_generate_example_runs_offline():
+def run(script: str, *args: str) -> str:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "generate.py"), "--tiny", "--max-new-tokens", "24", "--residual-length", "32"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, str(EXAMPLES / script), "--tiny", *args], capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr
-    assert "KIVI 2-bit: 24 tokens" in result.stdout and "smaller" in result.stdout
-    assert "greedy tokens identical to full precision" in result.stdout
+    return result.stdout
+
+
+def test_generate_with_a_kivi_cache_object():
+    out = run("generate.py", "--max-new-tokens", "24", "--residual-length", "32")
+    assert "KIVI 2-bit: 24 tokens" in out and "smaller" in out
+    assert "greedy tokens identical to full precision" in out
+
+
+def test_cache_implementation_three_ways():
+    out = run("cache_implementation.py", "--max-new-tokens", "40")
+    assert "1. generate(cache_implementation='kivi'): KIVI cache" in out
+    assert "2. GenerationConfig(cache_implementation='kivi'): same tokens as 1: True" in out
+    assert "3. model.generation_config.cache_implementation='kivi': same tokens as 1: True" in out
+
+
+def test_pipeline():
+    assert "pipeline with cache_implementation='kivi': done" in run("pipeline.py", "--max-new-tokens", "20")
+
+
+def test_chat_keeps_one_cache_across_turns():
+    out = run("chat.py", "--max-new-tokens", "20")
+    assert out.count("assistant: ") == 3 and "chat: 3 turns in one cache of" in out
+
+
+def test_assisted_decoding():
+    out = run("assisted_decoding.py", "--max-new-tokens", "40")
+    assert "assisted decoding: 40 tokens;" in out

