@@ -1,8 +1,8 @@
 """The KIVI algorithm's settings and streaming policy, independent of storage, kernels and transformers.
 
 KIVI (Liu et al., 2024) keeps the newest tokens of each layer in full precision and the older ones as
-low-bit codes: keys per channel (a group is ``group_size`` consecutive tokens of one channel), values per
-token (a group is ``group_size`` consecutive channels of one token). As the authors implement it
+low-bit codes: keys per channel (a group is ``key_group_size`` consecutive tokens of one channel), values per
+token (a group is ``value_group_size`` consecutive channels of one token). As the authors implement it
 (jy-yuan/KIVI, ``models/llama_kivi.py``), for a layer holding ``n`` tokens after an update:
 
 * keys: the first ``R * floor(n / R)`` tokens are quantized, the last ``n % R`` stay full precision
@@ -10,69 +10,156 @@ token (a group is ``group_size`` consecutive channels of one token). As the auth
 * values: the first ``max(0, n - R)`` tokens are quantized, the last ``min(n, R)`` stay full precision
   (a FIFO of ``R`` tokens; the oldest leaves it quantized).
 
+Beyond the paper, ``sink_tokens = S`` keeps the first ``S`` tokens of the sequence in full precision forever
+("attention sinks"); the rules above then apply to the tokens after them: keys ``[S, S + R*floor((n-S)/R))``
+and values ``[S, S + max(0, n - S - R))`` are quantized. With ``S = 0`` (the default) this is the paper's rule.
+
 Prefill, single-token decode and multi-token appends (multi-turn chat, chunked prefill, assisted decoding)
 all follow from these two counts, which is how :class:`kivi_xpu.cache.KiviLayer` applies them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
-from .ops.checks import META_DTYPES, check_bits, check_group_size, check_meta_dtype
+from .ops.checks import META_DTYPES, check_bits, check_group_size, check_meta_dtype, codes_per_byte
+
+# Fields whose default (None) means "the shared setting": key/value bits follow `bits`, groups follow `group_size`.
+PER_KIND_FIELDS = {
+    "key_bits": "bits",
+    "value_bits": "bits",
+    "key_group_size": "group_size",
+    "value_group_size": "group_size",
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class KiviSettings:
-    """Quantization settings of one cache layer.
+    """Quantization settings of one cache layer (immutable; derive variants with :meth:`replace`).
 
     Args:
-        bits: bits per quantized element, one of (2, 4, 8).
-        group_size: ``G``, elements sharing one scale and zero point (tokens for keys, channels for values).
-            Must divide ``head_dim`` and be a multiple of ``8 // bits``.
-        residual_length: ``R``, tokens kept in full precision; a multiple of ``group_size``.
-        meta_dtype: dtype of the stored scales and zero points. ``float16`` (default) costs 1 bit per element
-            at G=32 (2-bit codes + fp16 metadata = 3 bits/element); ``float32`` costs 2.
+        bits: bits per quantized element, one of (2, 4, 8); the default for ``key_bits`` and ``value_bits``.
+        group_size: ``G``, elements sharing one scale and zero point (tokens for keys, channels for values);
+            the default for ``key_group_size`` and ``value_group_size``.
+        residual_length: ``R``, tokens kept in full precision (the key block and the value window).
+        meta_dtype: dtype of the stored scales and zero points (``float16``, ``bfloat16`` or ``float32``).
+        key_bits / value_bits: bits of the key / value codes (default: ``bits``), each one of (2, 4, 8).
+        key_group_size: tokens per key group (default: ``group_size``); divides ``R`` (keys are quantized in
+            blocks of ``R`` tokens made of whole groups) and is a multiple of ``8 // key_bits``.
+        value_group_size: channels per value group (default: ``group_size``); a multiple of ``8 // value_bits``.
+        sink_tokens: ``S``, the first ``S`` tokens of the sequence are kept in full precision forever;
+            ``0 <= S < R``.
+
+    After construction ``key_bits``, ``value_bits``, ``key_group_size`` and ``value_group_size`` are ints.
+    Both group sizes must also divide the model's head_dim (:meth:`check_head_dim`). Derive variants with
+    :meth:`replace` rather than ``dataclasses.replace``, which would pin the derived per-kind fields to their
+    current values (``replace(bits=4)`` must also change ``key_bits`` when it was not given).
     """
 
     bits: int = 2
     group_size: int = 32
     residual_length: int = 128
     meta_dtype: torch.dtype = torch.float16
+    _: KW_ONLY
+    key_bits: int | None = None
+    value_bits: int | None = None
+    key_group_size: int | None = None
+    value_group_size: int | None = None
+    sink_tokens: int = 0
+    # The per-kind fields as given (None = follow the shared one), so that `replace(bits=4)` moves the
+    # derived ones along.
+    _given: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
+        object.__setattr__(self, "_given", tuple(getattr(self, name) for name in PER_KIND_FIELDS))
         check_bits(self.bits)
-        check_group_size(self.group_size, self.bits)
+        if not _is_int(self.group_size) or self.group_size <= 0:
+            raise ValueError(f"`group_size` must be a positive integer, got {self.group_size!r}")
+        for name, shared in PER_KIND_FIELDS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(self, shared))
+        check_bits(self.key_bits, self._name("key_bits"))
+        check_bits(self.value_bits, self._name("value_bits"))
+        check_group_size(self.key_group_size, self.key_bits, self._name("key_group_size"))
+        check_group_size(self.value_group_size, self.value_bits, self._name("value_group_size"))
         r = self.residual_length
-        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        if not _is_int(r) or r <= 0:
             raise ValueError(f"`residual_length` must be a positive integer, got {r!r}")
-        if r % self.group_size != 0:
+        if r % self.key_group_size != 0:
+            name = self._name("key_group_size")
             raise ValueError(
-                f"`residual_length` ({r}) must be a multiple of `group_size` ({self.group_size}): "
+                f"`residual_length` ({r}) must be a multiple of `{name}` ({self.key_group_size}): "
                 "keys are quantized in blocks of residual_length tokens, each made of whole groups"
+            )
+        s = self.sink_tokens
+        if not _is_int(s) or s < 0:
+            raise ValueError(f"`sink_tokens` must be a non-negative integer, got {s!r}")
+        if s >= r:
+            raise ValueError(
+                f"`sink_tokens` ({s}) must be smaller than `residual_length` ({r}): the sinks are a few tokens "
+                "kept exact, the residual window is the full-precision part of the streaming rule"
             )
         check_meta_dtype(self.meta_dtype)
 
-    def check_head_dim(self, head_dim: int) -> None:
-        if head_dim % self.group_size != 0:
-            raise ValueError(
-                f"`group_size` ({self.group_size}) must divide the model's head_dim ({head_dim}); "
-                f"choose a divisor of {head_dim} that is a multiple of {8 // self.bits}"
-            )
+    def _name(self, field: str) -> str:
+        """The argument a user set for ``field``: itself, or the shared field it was derived from."""
+        given = dict(zip(PER_KIND_FIELDS, self._given, strict=True))
+        return field if given[field] is not None else PER_KIND_FIELDS[field]
+
+    def replace(self, **changes) -> KiviSettings:
+        """A copy with ``changes`` applied (any constructor argument). Per-kind fields that were not given
+        explicitly keep following ``bits`` / ``group_size``; unknown names raise ``ValueError``."""
+        names = [f.name for f in dataclasses.fields(self) if f.init and f.name != "_"]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise ValueError(f"unknown KiviSettings field(s) {unknown}; allowed: {names}")
+        args = {name: getattr(self, name) for name in names}
+        args.update(zip(PER_KIND_FIELDS, self._given, strict=True))
+        args.update(changes)
+        return KiviSettings(**args)
+
+    def check_head_dim(self, head_dim: int, kind: str | None = None) -> None:
+        """Checks that the key and value group sizes divide ``head_dim`` (only ``kind`` "keys"/"values" if given)."""
+        for which, field in (("keys", "key_group_size"), ("values", "value_group_size")):
+            group = getattr(self, field)
+            if kind in (None, which) and head_dim % group != 0:
+                bits = self.key_bits if which == "keys" else self.value_bits
+                raise ValueError(
+                    f"`{self._name(field)}` ({group}) for the {which} must divide the model's head_dim ({head_dim}); "
+                    f"choose a divisor of {head_dim} that is a multiple of {codes_per_byte(bits)}"
+                )
 
     def quantized_key_count(self, total_tokens: int) -> int:
-        """Keys held as codes when the layer holds ``total_tokens``: whole blocks of ``residual_length``."""
-        return total_tokens // self.residual_length * self.residual_length
+        """Keys held as codes when the layer holds ``total_tokens``: whole blocks of ``R`` after the sinks
+        (positions ``[S, S + count)``)."""
+        return max(0, total_tokens - self.sink_tokens) // self.residual_length * self.residual_length
 
     def quantized_value_count(self, total_tokens: int) -> int:
-        """Values held as codes when the layer holds ``total_tokens``: all but the newest ``residual_length``."""
-        return max(0, total_tokens - self.residual_length)
+        """Values held as codes when the layer holds ``total_tokens``: all but the sinks and the newest ``R``
+        (positions ``[S, S + count)``)."""
+        return max(0, total_tokens - self.sink_tokens - self.residual_length)
+
+    def key_bits_per_element(self) -> float:
+        """Storage bits of one quantized key element: ``key_bits + 2 * meta_bits / key_group_size``."""
+        return self.key_bits + 2 * torch.finfo(self.meta_dtype).bits / self.key_group_size
+
+    def value_bits_per_element(self) -> float:
+        """Storage bits of one quantized value element: ``value_bits + 2 * meta_bits / value_group_size``."""
+        return self.value_bits + 2 * torch.finfo(self.meta_dtype).bits / self.value_group_size
 
     def bits_per_element(self) -> float:
-        """Storage cost of one quantized element including its share of the scale and zero point."""
-        meta_bits = 2 * torch.finfo(self.meta_dtype).bits
-        return self.bits + meta_bits / self.group_size
+        """Storage bits of one quantized element, averaged over keys and values:
+        ``((key_bits + 2 * meta_bits / key_group_size) + (value_bits + 2 * meta_bits / value_group_size)) / 2``
+        (codes plus the element's share of its group's scale and zero point; ``meta_bits`` is 16 for fp16).
+        The full-precision sinks and residual window are not included."""
+        return (self.key_bits_per_element() + self.value_bits_per_element()) / 2
 
 
-__all__ = ["KiviSettings", "META_DTYPES"]
+__all__ = ["KiviSettings", "META_DTYPES", "PER_KIND_FIELDS"]

@@ -32,10 +32,12 @@ class FusedStep:
     """What one layer's ``update`` hands to the attention call that follows it."""
 
     layer: object  # the KiviLayer
-    keys_tail: torch.Tensor  # [B, Hkv, n - quantized_keys, D], full precision
-    values_tail: torch.Tensor  # [B, Hkv, n - quantized_values, D]
+    keys_tail: torch.Tensor  # [B, Hkv, n - sinks - quantized_keys, D], full precision
+    values_tail: torch.Tensor  # [B, Hkv, n - sinks - quantized_values, D]
     quantized_keys: int  # packed tokens attention reads (the count before this step's flush)
     quantized_values: int
+    keys_sinks: torch.Tensor | None = None  # [B, Hkv, sinks, D], the first tokens kept exact (None: no sinks)
+    values_sinks: torch.Tensor | None = None
 
 
 _slot = threading.local()
@@ -72,16 +74,20 @@ def kivi_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Transformers attention interface: ``query [B, Hq, L, D]`` -> ``([B, L, Hq, D], None)``."""
     step = take_over(key)
-    unsupported = dropout > 0 or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None
-    if step is None or unsupported:
-        if step is not None:  # the layer returned only its tail: rebuild the dense states for SDPA
-            key, value = step.layer.dense_states(step)
+    softcap = kwargs.get("softcap")
+    if step is not None and (dropout > 0 or kwargs.get("sliding_window") is not None):
+        key, value = step.layer.dense_states(step)  # the layer returned only its tail: rebuild the dense states
+        step = None
+    if step is None and (softcap is None or dropout > 0):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = step.layer.fused_attention(step, query, attention_mask, scaling)
+    if step is None:  # logit soft-capping (Gemma-2), which SDPA lacks: exact attention with explicit scores
+        out = attend_tail_and_history(query, scaling, attention_mask, None, key, value, None, 0, softcap=softcap)
+    else:
+        out = step.layer.fused_attention(step, query, attention_mask, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -121,10 +127,17 @@ def attend_tail_and_history(
     values_tail: torch.Tensor,
     value_sum_history,
     quantized_values: int,
+    keys_sinks: torch.Tensor | None = None,
+    values_sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Softmax attention over ``[history | tail]`` where the history is only reachable through two callables:
+    """Softmax attention over ``[sinks | history | tail]`` (that order of positions, as the mask's columns) where
+    the history is only reachable through two callables:
     ``key_scores_history(q [B, Hq, L, D] fp32) -> [B, Hq, L, Tk]`` and
-    ``value_sum_history(p [B, Hq, L, Tv] fp32) -> [B, Hq, L, D]``. Returns ``[B, Hq, L, D]`` in query's dtype.
+    ``value_sum_history(p [B, Hq, L, Tv] fp32) -> [B, Hq, L, D]``. ``keys_sinks`` / ``values_sinks``
+    ``[B, Hkv, S, D]`` (optional) and the tails ``[B, Hkv, *, D]`` are exact; without a history both callables
+    are ``None``. ``softcap`` caps the scores as ``softcap * tanh(scores / softcap)`` (Gemma-2). Returns
+    ``[B, Hq, L, D]`` in query's dtype.
 
     Keys and values have different quantized counts (KIVI quantizes keys in blocks, values one by one), so the
     probabilities of all ``n`` tokens are formed first (``n`` floats per query row: small) and split per side.
@@ -132,11 +145,28 @@ def attend_tail_and_history(
     b, hq, length, _ = query.shape
     kv_heads = keys_tail.shape[1]
     q = query.float() * scaling
-    tail = (group_queries(q, kv_heads) @ keys_tail.float().transpose(2, 3)).reshape(b, hq, length, -1)
-    scores = masked_scores(torch.cat([key_scores_history(q), tail], dim=-1), attention_mask)
+    grouped = group_queries(q, kv_heads)
+
+    def exact_scores(keys: torch.Tensor) -> torch.Tensor:
+        return (grouped @ keys.float().transpose(2, 3)).reshape(b, hq, length, -1)
+
+    def exact_sum(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return (group_queries(p, kv_heads) @ values.float()).reshape(b, hq, length, -1)
+
+    sinks = 0 if keys_sinks is None else keys_sinks.shape[2]
+    parts = [exact_scores(keys_sinks)] if sinks else []
+    if key_scores_history is not None:
+        parts.append(key_scores_history(q))
+    parts.append(exact_scores(keys_tail))
+    scores = torch.cat(parts, dim=-1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = masked_scores(scores, attention_mask)
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked rows (padding queries) give zeros
-    out = group_queries(probs[..., quantized_values:], kv_heads) @ values_tail.float()
-    out = out.reshape(b, hq, length, -1)
+    history_end = sinks + quantized_values
+    out = exact_sum(probs[..., history_end:], values_tail)
+    if sinks:
+        out += exact_sum(probs[..., :sinks], values_sinks)
     if quantized_values:
-        out += value_sum_history(probs[..., :quantized_values].contiguous())
+        out += value_sum_history(probs[..., sinks:history_end].contiguous())
     return out.to(query.dtype)

@@ -6,6 +6,9 @@ history lives on the storage device chosen by the backend (the SYCL device when 
 
 from __future__ import annotations
 
+import operator
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -20,7 +23,7 @@ from transformers.cache_utils import (
 from .algorithm import KiviSettings
 from .attention import ATTENTION_NAME, FusedStep, attend_tail_and_history, hand_over
 from .backend import Selection, select
-from .storage import PackedHistory, TokenBuffer
+from .storage import DepartedTokens, PackedHistory, TokenBuffer
 
 
 @dataclass
@@ -70,19 +73,31 @@ ATTENTION_MODES = ("auto", "dense")
 class KiviLayer(CacheLayerMixin):
     """One attention layer's KIVI cache.
 
-    Holds ``n`` tokens as: keys ``[0, R*floor(n/R))`` packed per channel + the rest ``[B, H_kv, n % R, D]`` in
-    full precision; values ``[0, max(0, n - R))`` packed per token + the newest ``min(n, R)`` in full
-    precision (see :mod:`kivi_xpu.algorithm`). ``update`` returns dense ``[B, H_kv, n, D]`` keys and values
-    for attention implementations that need them: the new tokens and the residual window exactly, the
-    quantized history dequantized (a temporary, never kept). Under the fused KIVI attention it returns only the
-    exact tails and the attention reads the packed history in place (see :mod:`kivi_xpu.attention`).
+    With ``S = settings.sink_tokens`` and ``R = settings.residual_length``, it holds ``n`` tokens as (see
+    :mod:`kivi_xpu.algorithm`):
+
+    * the first ``min(n, S)`` keys and values exactly (``key_sinks`` / ``value_sinks``, ``[B, H_kv, <=S, D]``);
+    * keys ``[S, S + qk)`` packed per channel (``packed_keys``, ``qk = settings.quantized_key_count(n)``) and the
+      rest exactly (``key_residual``, fewer than ``R`` tokens);
+    * values ``[S, S + qv)`` packed per token (``packed_values``, ``qv = settings.quantized_value_count(n)``) and
+      the newest ``min(n - S, R)`` exactly (``value_residual``).
+
+    ``update`` returns dense ``[B, H_kv, n, D]`` keys and values ``[sinks | dequantized history | exact tail]`` for
+    attention implementations that need them (the history dequantized into a temporary, never kept). Under the
+    fused KIVI attention it returns only the exact tails and the attention reads the sinks, the packed history in
+    place and the tails (see :mod:`kivi_xpu.attention`).
+
+    ``settings`` (a :class:`~kivi_xpu.KiviSettings`) is this layer's configuration (per-layer overrides applied).
+
+    Rollback: while ``record_past`` is True (``activate_past_recording()``, as transformers' assisted decoding
+    does), the layer also keeps exact copies of the tokens that left the full-precision windows since the last
+    ``crop``; a ``crop`` that removes no more than the tokens appended since the previous ``crop`` then leaves the
+    layer bit-identical to one that never received the removed tokens (``is_croppable`` is True exactly while
+    recording). Every ``crop`` (including ``crop(0)``) releases those copies.
     """
 
     is_sliding = False
     is_compileable = False
-    # A crop that crosses already-quantized groups restores those tokens from their codes (lossy), so a
-    # rollback can leave a trace: not croppable in transformers' strict sense, although `crop` works.
-    is_croppable = False
 
     def __init__(
         self,
@@ -100,25 +115,61 @@ class KiviLayer(CacheLayerMixin):
         # follows `model.set_attn_implementation`); "dense": always return dense keys/values.
         self.attention, self.model_config = attention, model_config
         self.cumulative_length = 0
+        self._record_past = False
 
     def __repr__(self) -> str:
         s = self.settings
-        return f"KiviLayer(bits={s.bits}, group_size={s.group_size}, residual_length={s.residual_length})"
+        return (
+            f"KiviLayer(key_bits={s.key_bits}, value_bits={s.value_bits}, key_group_size={s.key_group_size}, "
+            f"value_group_size={s.value_group_size}, residual_length={s.residual_length}, sink_tokens={s.sink_tokens})"
+        )
+
+    @property
+    def record_past(self) -> bool:
+        """Whether the layer keeps exact copies of newly quantized tokens for an exact ``crop`` (see the class doc).
+        Setting it to False releases those copies."""
+        return self._record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        self._record_past = bool(value)
+        if not value:
+            self._forget_departed()
+
+    def activate_past_recording(self) -> None:
+        """Called by transformers before speculative steps that it may roll back with ``crop``."""
+        self.record_past = True
+
+    @property
+    def is_croppable(self) -> bool:
+        """``crop`` leaves no trace exactly while recording: otherwise restoring already-quantized tokens
+        from their codes keeps their quantization error."""
+        return self.record_past
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads, _, key_dim = key_states.shape
         value_dim = value_states.shape[-1]
-        self.settings.check_head_dim(key_dim)
-        self.settings.check_head_dim(value_dim)
+        self.settings.check_head_dim(key_dim, "keys")
+        self.settings.check_head_dim(value_dim, "values")
         storage = self.backend.storage_device(self.device)
-        r = self.settings.residual_length
+        r, sinks = self.settings.residual_length, self.settings.sink_tokens
+        self.key_sinks = TokenBuffer(batch, heads, key_dim, self.dtype, self.device, min_rows=sinks)
+        self.value_sinks = TokenBuffer(batch, heads, value_dim, self.dtype, self.device, min_rows=sinks)
         self.key_residual = TokenBuffer(batch, heads, key_dim, self.dtype, self.device, min_rows=r)
         self.value_residual = TokenBuffer(batch, heads, value_dim, self.dtype, self.device, min_rows=2 * r)
         kernels = self.backend.kernels
         self.packed_keys = PackedHistory("keys", self.settings, batch, heads, key_dim, storage, kernels)
         self.packed_values = PackedHistory("values", self.settings, batch, heads, value_dim, storage, kernels)
+        self.departed_keys, self.departed_values = DepartedTokens(), DepartedTokens()
         self.is_initialized = True
+
+    def _parts(self):
+        """(sinks, packed history, exact residual, departed copies) for keys, then for values."""
+        return (
+            (self.key_sinks, self.packed_keys, self.key_residual, self.departed_keys),
+            (self.value_sinks, self.packed_values, self.value_residual, self.departed_values),
+        )
 
     @property
     def fused(self) -> bool:
@@ -126,32 +177,39 @@ class KiviLayer(CacheLayerMixin):
         return self.attention == "auto" and getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
 
     def dense_states(self, step: FusedStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense ``[B, H_kv, n, D]`` keys and values of a step: dequantized history (a temporary) + exact tail."""
+        """Dense ``[B, H_kv, n, D]`` keys and values of a step: exact sinks + dequantized history (a temporary) +
+        exact tail."""
         out = []
-        for packed, count, tail in (
-            (self.packed_keys, step.quantized_keys, step.keys_tail),
-            (self.packed_values, step.quantized_values, step.values_tail),
+        for packed, count, sinks, tail in (
+            (self.packed_keys, step.quantized_keys, step.keys_sinks, step.keys_tail),
+            (self.packed_values, step.quantized_values, step.values_sinks, step.values_tail),
         ):
-            history = packed.dequantize(self.dtype, count=count).to(self.device) if count else None
-            out.append(tail if history is None else torch.cat([history, tail], dim=2))
+            parts = [sinks] if sinks is not None and sinks.shape[2] else []
+            if count:
+                parts.append(packed.dequantize(self.dtype, count=count).to(self.device))
+            parts.append(tail)
+            out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return out[0], out[1]
 
-    def fused_attention(self, step: FusedStep, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+    def fused_attention(
+        self, step: FusedStep, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None = None
+    ) -> torch.Tensor:
         """Attention of ``query [B, Hq, L, D]`` over this step's tokens straight from the packed history (on the
-        storage device) and the exact tail (on the model's device). Returns ``[B, Hq, L, D]``."""
-        s, kernels = self.settings, self.backend.kernels
+        storage device), the exact sinks and the exact tail (on the model's device); ``softcap`` as in
+        :func:`~kivi_xpu.attention.attend_tail_and_history`. Returns ``[B, Hq, L, D]``."""
+        kernels, keys, values = self.backend.kernels, self.packed_keys, self.packed_values
 
         def key_scores(q):
-            codes, scales, zeros = (b.data for b in self.packed_keys.buffers())
-            q = q.to(self.packed_keys.device)
-            scores = kernels.packed_key_scores(q, codes, scales, zeros, step.quantized_keys, s.group_size, s.bits)
-            return scores.to(self.device)
+            codes, scales, zeros = (b.data for b in keys.buffers())
+            q = q.to(keys.device)
+            count, group, bits = step.quantized_keys, keys.group_size, keys.bits
+            return kernels.packed_key_scores(q, codes, scales, zeros, count, group, bits).to(self.device)
 
         def value_sum(p):
-            codes, scales, zeros = (b.data for b in self.packed_values.buffers())
-            p = p.to(self.packed_values.device)
-            out = kernels.packed_value_combine(p, codes, scales, zeros, step.quantized_values, s.group_size, s.bits)
-            return out.to(self.device)
+            codes, scales, zeros = (b.data for b in values.buffers())
+            p = p.to(values.device)
+            count, group, bits = step.quantized_values, values.group_size, values.bits
+            return kernels.packed_value_combine(p, codes, scales, zeros, count, group, bits).to(self.device)
 
         return attend_tail_and_history(
             query,
@@ -162,6 +220,9 @@ class KiviLayer(CacheLayerMixin):
             step.values_tail,
             value_sum,
             step.quantized_values,
+            keys_sinks=step.keys_sinks,
+            values_sinks=step.values_sinks,
+            softcap=softcap,
         )
 
     def update(
@@ -181,32 +242,50 @@ class KiviLayer(CacheLayerMixin):
                 torch.cat([self.value_residual.view(), value_states], dim=2),
                 self.packed_keys.num_tokens,
                 self.packed_values.num_tokens,
+                keys_sinks=self.key_sinks.view() if len(self.key_sinks) else None,
+                values_sinks=self.value_sinks.view() if len(self.value_sinks) else None,
             )
             if self.fused:
                 hand_over(step)
                 keys_out, values_out = step.keys_tail, step.values_tail
             else:
                 keys_out, values_out = self.dense_states(step)
-        self.cumulative_length += key_states.shape[2]
+        # The first tokens of the sequence fill the sinks; the streaming rule applies to the tokens after them.
+        to_sinks = min(key_states.shape[2], self.settings.sink_tokens - len(self.key_sinks))
+        if to_sinks > 0:
+            self.key_sinks.append(key_states[:, :, :to_sinks])
+            self.value_sinks.append(value_states[:, :, :to_sinks])
+            key_states, value_states = key_states[:, :, to_sinks:], value_states[:, :, to_sinks:]
+        self.cumulative_length += key_states.shape[2] + max(to_sinks, 0)
         n = self.cumulative_length
-        self._store(self.packed_keys, self.key_residual, key_states, self.settings.quantized_key_count(n))
-        self._store(self.packed_values, self.value_residual, value_states, self.settings.quantized_value_count(n))
+        for (_, packed, residual, departed), new, target in zip(
+            self._parts(),
+            (key_states, value_states),
+            (self.settings.quantized_key_count(n), self.settings.quantized_value_count(n)),
+            strict=True,
+        ):
+            self._store(packed, residual, departed, new, target)
         return keys_out, values_out
 
-    @staticmethod
-    def _store(packed: PackedHistory, residual: TokenBuffer, new: torch.Tensor, quantized_target: int) -> None:
+    def _store(
+        self, packed: PackedHistory, residual: TokenBuffer, departed: DepartedTokens, new: torch.Tensor, target: int
+    ) -> None:
         """Appends ``new`` tokens and quantizes exactly what the KIVI rule says must leave the full-precision
-        window (oldest first). New tokens that leave at once go straight to the packed store, so a long prefill
-        never passes through (and never inflates) the residual buffer."""
-        leaving = quantized_target - packed.num_tokens
-        from_residual = min(max(leaving, 0), len(residual))
-        from_new = max(leaving, 0) - from_residual
-        if from_residual and from_new:
-            packed.append(torch.cat([residual.view(), new[:, :, :from_new]], dim=2))
-        elif from_residual:
-            packed.append(residual.view()[:, :, :from_residual])
-        elif from_new:
-            packed.append(new[:, :, :from_new])
+        window (oldest first), so that ``target`` tokens are packed. New tokens that leave at once go straight to
+        the packed store, so a long prefill never passes through (and never inflates) the residual buffer."""
+        leaving = max(target - packed.num_tokens, 0)
+        from_residual = min(leaving, len(residual))
+        from_new = leaving - from_residual
+        if leaving:
+            if from_residual and from_new:
+                block = torch.cat([residual.view(), new[:, :, :from_new]], dim=2)
+            elif from_residual:
+                block = residual.view()[:, :, :from_residual]
+            else:
+                block = new[:, :, :from_new]
+            packed.append(block)
+            if self.record_past:  # an exact copy (the residual rows will be overwritten)
+                departed.append(block.to(self.dtype, copy=True))
         residual.drop_front(from_residual)
         residual.append(new[:, :, from_new:])
 
@@ -223,44 +302,85 @@ class KiviLayer(CacheLayerMixin):
         """Drops every stored token; the next ``update`` starts from scratch (shapes may change)."""
         self.is_initialized = False
         self.cumulative_length = 0
-        for name in ("key_residual", "value_residual", "packed_keys", "packed_values"):
+        for name in (
+            "key_sinks",
+            "value_sinks",
+            "key_residual",
+            "value_residual",
+            "packed_keys",
+            "packed_values",
+            "departed_keys",
+            "departed_values",
+        ):
             self.__dict__.pop(name, None)
+
+    def _forget_departed(self) -> None:
+        if self.is_initialized:
+            self.departed_keys.clear()
+            self.departed_values.clear()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` tokens (transformers 5 passes a negative count).
 
-        Tokens that become part of the full-precision windows again under the KIVI rule, but had already
-        been quantized, are restored from their codes: the quantization error they carry stays, and the
-        counts of quantized and full-precision tokens are exactly those of a cache that had never held the
-        removed tokens.
+        Afterwards the counts of sinks, quantized and full-precision tokens are exactly those of a cache that had
+        never held the removed tokens. Tokens that return to the full-precision windows are restored exactly when
+        the layer recorded them (``record_past``, for tokens quantized since the previous ``crop``), otherwise from
+        their codes (keeping their quantization error). Every call, ``crop(0)`` included, releases the recorded
+        copies.
         """
+        try:
+            if isinstance(tokens_to_remove, bool):
+                raise TypeError
+            tokens_to_remove = operator.index(tokens_to_remove)  # also numpy / 0-d tensor integers
+        except TypeError:
+            raise TypeError(
+                f"`crop` takes an int (a negative number of tokens to remove), got {tokens_to_remove!r}"
+            ) from None
         if tokens_to_remove > 0:
             raise ValueError(
                 f"`crop` takes a negative number of tokens to remove (transformers >= 5), got {tokens_to_remove}"
             )
-        if tokens_to_remove == 0 or not self.is_initialized:
+        if not self.is_initialized:
             return
-        n = max(0, self.cumulative_length + tokens_to_remove)
-        self._truncate(self.packed_keys, self.key_residual, self.settings.quantized_key_count(n), n)
-        self._truncate(self.packed_values, self.value_residual, self.settings.quantized_value_count(n), n)
-        self.cumulative_length = n
+        if tokens_to_remove < 0:
+            n = max(0, self.cumulative_length + tokens_to_remove)
+            after_sinks = max(0, n - self.settings.sink_tokens)
+            targets = (self.settings.quantized_key_count(n), self.settings.quantized_value_count(n))
+            for (sinks, packed, residual, departed), target in zip(self._parts(), targets, strict=True):
+                sinks.truncate(min(n, len(sinks)))
+                self._truncate(packed, residual, departed, target, after_sinks)
+            self.cumulative_length = n
+        self._forget_departed()
 
-    def _truncate(self, packed: PackedHistory, residual: TokenBuffer, target: int, new_length: int) -> None:
+    def _truncate(
+        self, packed: PackedHistory, residual: TokenBuffer, departed: DepartedTokens, target: int, new_length: int
+    ) -> None:
+        """Cuts one kind to ``new_length`` tokens after the sinks, of which ``target`` stay packed."""
         quantized = packed.num_tokens
         if target >= quantized:
             residual.truncate(new_length - quantized)
             return
-        # Dequantized from `target` (group-aligned) to the end, then cut: keys can only be read in whole groups.
-        restored = packed.dequantize(self.dtype, start=target)[:, :, : min(new_length, quantized) - target]
-        kept = residual.view()[:, :, : max(0, new_length - quantized)]
-        window = torch.cat([restored.to(self.device), kept], dim=2)
+        # Tokens [target, end) go back to the full-precision window: the recorded ones (the last len(departed)
+        # packed tokens) exactly, older ones dequantized (from `target`, group-aligned: keys are read in whole groups).
+        end = min(new_length, quantized)
+        recorded_from = quantized - len(departed)
+        exact_from = max(target, recorded_from)
+        window = []
+        if target < min(exact_from, end):
+            restored = packed.dequantize(self.dtype, start=target, count=exact_from)
+            window.append(restored[:, :, : min(exact_from, end) - target].to(self.device))
+        if end > exact_from:
+            window.append(departed.tokens(exact_from - recorded_from, end - recorded_from))
+        window.append(residual.view()[:, :, : max(0, new_length - quantized)])
+        window = torch.cat(window, dim=2)
         packed.truncate(target)
         residual.truncate(0)
         residual.append(window)
 
     def _select_batch(self, index: torch.Tensor) -> None:
-        for holder in (self.key_residual, self.value_residual, self.packed_keys, self.packed_values):
-            holder.select_batch(index)
+        for parts in self._parts():
+            for holder in parts:
+                holder.select_batch(index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorders every stored tensor (codes included) along the batch."""
@@ -283,15 +403,19 @@ class KiviLayer(CacheLayerMixin):
         raise NotImplementedError("KiviCache does not support offloading: its history is already compressed")
 
     def memory_report(self) -> KiviMemoryReport:
+        """Bytes of this layer; ``residual_bytes`` counts the exact sinks and windows, ``allocated_bytes`` also the
+        copies kept for an exact rollback while recording."""
         if not self.is_initialized:
             return KiviMemoryReport()
         report = KiviMemoryReport(tokens=self.cumulative_length)
-        for packed, residual in ((self.packed_keys, self.key_residual), (self.packed_values, self.value_residual)):
+        for sinks, packed, residual, departed in self._parts():
             codes, meta = packed.nbytes()
             report.code_bytes += codes
             report.meta_bytes += meta
-            report.residual_bytes += residual.nbytes()
-            report.allocated_bytes += packed.allocated_bytes() + residual.allocated_bytes()
+            report.residual_bytes += sinks.nbytes() + residual.nbytes()
+            report.allocated_bytes += (
+                packed.allocated_bytes() + sinks.allocated_bytes() + residual.allocated_bytes()
+            ) + departed.allocated_bytes()
             element = residual.data.element_size()
             report.dense_bytes += residual.batch * residual.heads * residual.width * self.cumulative_length * element
         return report
@@ -316,7 +440,7 @@ def _head_dim(config) -> int:
 
 
 class KiviCache(Cache):
-    """A KV cache storing keys and values in ``bits`` bits with the KIVI algorithm.
+    """A KV cache storing keys and values in a few bits with the KIVI algorithm.
 
     Use it like any transformers cache::
 
@@ -328,9 +452,10 @@ class KiviCache(Cache):
             :class:`KiviLayer`; sliding-window layers keep their small bounded window in full precision
             (``DynamicSlidingWindowLayer``); layers that reuse another layer's cache get ``DummyLayer``.
             Without a config, every layer is a :class:`KiviLayer`, created on first use.
-        bits: 2, 4 or 8 bits per stored element.
-        group_size: elements per scale/zero group (tokens for keys, channels for values); divides head_dim.
-        residual_length: tokens kept in full precision; a multiple of ``group_size``.
+        bits: 2, 4 or 8 bits per stored element (keys and values, unless ``key_bits`` / ``value_bits`` say otherwise).
+        group_size: elements per scale/zero group (tokens for keys, channels for values), unless
+            ``key_group_size`` / ``value_group_size`` say otherwise; must divide head_dim.
+        residual_length: ``R``, tokens kept in full precision; a multiple of the key group size.
         meta_dtype: dtype of the stored scales and zero points (default ``torch.float16``).
         backend: ``"auto"`` (default: ``$KIVI_XPU_BACKEND`` or SYCL kernels when a SYCL device exists, else the
             pure-PyTorch reference with one warning), ``"sycl"`` or ``"reference"``.
@@ -339,6 +464,21 @@ class KiviCache(Cache):
         attention: ``"auto"`` (default): the layers hand the packed history to the fused KIVI attention when the
             model runs with ``attn_implementation="kivi"`` (see :func:`kivi_xpu.use_fused_attention`), and return
             dense keys/values to any other attention; ``"dense"`` always returns dense keys/values.
+        key_bits / value_bits: bits of the key / value codes (default ``bits``), e.g. ``key_bits=4`` with 2-bit values.
+        key_group_size / value_group_size: group sizes per kind (default ``group_size``); each divides head_dim,
+            the key group also divides ``residual_length``.
+        sink_tokens: ``S``, the first ``S`` tokens of the sequence stay in full precision forever ("attention
+            sinks"); ``0 <= S < residual_length``; default 0 (the paper).
+        layer_overrides: per-layer changes to the settings above, as :class:`~kivi_xpu.KiviSettings` field names
+            (``bits``, ``group_size``, ``residual_length``, ``meta_dtype``, ``key_bits``, ``value_bits``,
+            ``key_group_size``, ``value_group_size``, ``sink_tokens``): ``None`` (default: every layer alike), a
+            sequence with one entry per decoder layer of ``config`` (each ``None`` or a dict such as
+            ``{"key_bits": 4}``), or a callable ``layer_idx -> dict | None``. Without a config only a callable is
+            accepted (the number of layers is unknown, so a list could not be checked); it is then called when a
+            layer is first used. Entries of sliding-window and shared-KV layers are checked but unused.
+
+    Each KIVI layer's effective settings are ``cache.layers[i].settings``; :meth:`layer_settings` gives them for
+    any layer index, also before a lazily created layer exists.
     """
 
     def __init__(
@@ -351,21 +491,66 @@ class KiviCache(Cache):
         backend: str | None = None,
         device: str | None = None,
         attention: str = "auto",
+        *,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
+        key_group_size: int | None = None,
+        value_group_size: int | None = None,
+        sink_tokens: int = 0,
+        layer_overrides=None,
     ):
-        self.settings = KiviSettings(bits, group_size, residual_length, meta_dtype)
+        self.settings = KiviSettings(
+            bits,
+            group_size,
+            residual_length,
+            meta_dtype,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            key_group_size=key_group_size,
+            value_group_size=value_group_size,
+            sink_tokens=sink_tokens,
+        )
         if attention not in ATTENTION_MODES:
             raise ValueError(f"`attention` must be one of {ATTENTION_MODES}, got {attention!r}")
+        if layer_overrides is not None and not callable(layer_overrides):
+            if isinstance(layer_overrides, str | bytes | Mapping) or not isinstance(layer_overrides, Sequence):
+                raise TypeError(
+                    "`layer_overrides` must be None, a sequence with one entry (None or a dict of KiviSettings "
+                    f"fields) per decoder layer, or a callable layer_idx -> dict | None; got "
+                    f"{type(layer_overrides).__name__}"
+                )
+            if config is None:
+                raise ValueError(
+                    "`layer_overrides` as a sequence needs `config`: without it the number of decoder layers is "
+                    "unknown and the sequence's length cannot be checked; pass config=model.config or a callable "
+                    "layer_idx -> dict | None"
+                )
+            layer_overrides = tuple(layer_overrides)
+        self.layer_overrides = layer_overrides
         self.backend = select(backend, device)
+        self._attention = attention
+        self._record_new_layers = False
         if config is None:
-            super().__init__(layer_class_to_replicate=lambda: KiviLayer(self.settings, self.backend, attention))
+            super().__init__(layer_class_to_replicate=self._new_lazy_layer)
             return
         decoder_config = config.get_text_config(decoder=True)
-        self.settings.check_head_dim(_head_dim(decoder_config))
+        head_dim = _head_dim(decoder_config)
+        self.settings.check_head_dim(head_dim)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(decoder_config)
+        if isinstance(layer_overrides, tuple) and len(layer_overrides) != len(layer_types):
+            raise ValueError(
+                f"`layer_overrides` has {len(layer_overrides)} entries but the model has {len(layer_types)} decoder "
+                "layers: give exactly one entry (None or a dict) per layer"
+            )
+        # KV sharing (Gemma-3n/4): later layers read the states a "store" layer's `update` returns, so such a layer
+        # must return dense states even under the fused attention (which would hand out only its tail).
+        sharing = getattr(decoder_config, "kv_sharing_modes", None) or [None] * len(layer_types)
         layers = []
         for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
+            settings = self.layer_settings(index, head_dim)
             if layer_type == "full_attention":
-                layers.append(KiviLayer(self.settings, self.backend, attention, decoder_config))
+                mode = "dense" if sharing[index] == "store" else attention
+                layers.append(KiviLayer(settings, self.backend, mode, decoder_config))
             elif layer_type in ("sliding_attention", "chunked_attention"):
                 layers.append(DynamicSlidingWindowLayer(**kwargs))
             elif layer_type == "dummy":
@@ -375,7 +560,54 @@ class KiviCache(Cache):
                     f"KiviCache cannot serve layer {index} of type {layer_type!r}: it supports full attention "
                     "(quantized), sliding/chunked attention (kept dense) and shared-KV layers"
                 )
+        if not any(isinstance(layer, KiviLayer) for layer in layers):
+            warnings.warn(
+                f"KiviCache: no layer of this {type(decoder_config).__name__} uses full attention (layer types "
+                f"{sorted(set(layer_types))}), so nothing will be quantized; a sliding-window model keeps only its "
+                "bounded window, as DynamicCache does",
+                UserWarning,
+                stacklevel=2,
+            )
         super().__init__(layers=layers)
+
+    def layer_settings(self, layer_idx: int, head_dim: int | None = None) -> KiviSettings:
+        """The :class:`~kivi_xpu.KiviSettings` of decoder layer ``layer_idx``: the cache's settings with that
+        layer's entry of ``layer_overrides`` applied (checked against ``head_dim`` when given). Raises a
+        ``ValueError`` naming the layer and the field for a bad override."""
+        overrides = self.layer_overrides
+        if overrides is None:
+            return self.settings
+        if callable(overrides):
+            where = f"`layer_overrides({layer_idx})`"
+            changes = overrides(layer_idx)
+        else:
+            where = f"`layer_overrides[{layer_idx}]`"
+            if not 0 <= layer_idx < len(overrides):
+                raise IndexError(f"layer {layer_idx} has no entry in `layer_overrides` ({len(overrides)} entries)")
+            changes = overrides[layer_idx]
+        if changes is None:
+            return self.settings
+        if not isinstance(changes, Mapping):
+            raise TypeError(f"{where} must be None or a dict of KiviSettings fields, got {type(changes).__name__}")
+        try:
+            settings = self.settings.replace(**changes)
+            if head_dim is not None:
+                settings.check_head_dim(head_dim)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where} = {dict(changes)!r} is invalid for layer {layer_idx}: {error}") from None
+        return settings
+
+    def _new_lazy_layer(self) -> KiviLayer:
+        """A layer for the next index of a cache built without a config (transformers appends them in order)."""
+        layer = KiviLayer(self.layer_settings(len(self.layers)), self.backend, self._attention)
+        # Recording activated on the cache before this layer existed, and not switched off on its elder layers since.
+        layer.record_past = self._record_new_layers and all(other.record_past for other in self.layers)
+        return layer
+
+    def activate_past_recording(self) -> None:
+        """Makes every KIVI layer (also those a config-less cache creates later) keep what an exact ``crop`` needs."""
+        self._record_new_layers = True
+        super().activate_past_recording()
 
     def memory_report(self) -> KiviMemoryReport:
         """Bytes held by the KIVI layers (sliding-window and shared layers are not counted)."""

@@ -104,23 +104,28 @@ class PackedHistory:
     * ``kind="keys"`` (per-channel, channel-major): codes ``[B, H, D, T/P]``, scales/zeros ``[B, H, D, T/G]``;
     * ``kind="values"`` (per-token): codes ``[B, H, T, D/P]``, scales/zeros ``[B, H, T, D/G]``;
 
-    with ``P = 8 // bits`` codes per byte and ``G`` the group size (see :mod:`kivi_xpu.ops.reference`).
+    with ``P = 8 // bits`` codes per byte and ``G`` the group size of that kind (``settings.key_bits`` /
+    ``key_group_size`` for keys, ``value_bits`` / ``value_group_size`` for values; see :mod:`kivi_xpu.ops.reference`).
     """
 
     def __init__(self, kind: str, settings: KiviSettings, batch: int, heads: int, head_dim: int, device, kernels):
-        self.settings = settings
-        per, g, r = codes_per_byte(settings.bits), settings.group_size, settings.residual_length
+        if kind == "keys":
+            self.bits, self.group_size = settings.key_bits, settings.key_group_size
+        elif kind == "values":
+            self.bits, self.group_size = settings.value_bits, settings.value_group_size
+        else:
+            raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
+        self.kind, self.settings = kind, settings
+        per, g, r = codes_per_byte(self.bits), self.group_size, settings.residual_length
         if kind == "keys":
             # Token axis last (channel-major); rows are bytes of P tokens (codes) and groups of G tokens (metadata).
             token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 3, per, g
             code_width, meta_width = head_dim, head_dim
             self._quantize, self._dequantize = kernels.quantize_keys, kernels.dequantize_keys
-        elif kind == "values":
+        else:
             token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 2, 1, 1
             code_width, meta_width = head_dim // per, head_dim // g
             self._quantize, self._dequantize = kernels.quantize_values, kernels.dequantize_values
-        else:
-            raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
         # Grow by at least one residual block of tokens at a time.
         code_rows, meta_rows = r // self.tokens_per_code_row, r // self.tokens_per_meta_row
         self.codes = TokenBuffer(batch, heads, code_width, torch.uint8, device, code_rows, token_dim)
@@ -137,8 +142,7 @@ class PackedHistory:
 
     def append(self, x: torch.Tensor) -> None:
         """Quantizes and appends ``x [B, H, n, D]`` (for keys, ``n`` is a multiple of the group size)."""
-        s = self.settings
-        parts = self._quantize(x.to(self.device), s.group_size, s.bits, s.meta_dtype)
+        parts = self._quantize(x.to(self.device), self.group_size, self.bits, self.settings.meta_dtype)
         for buf, part in zip(self.buffers(), parts, strict=True):
             buf.append(part)
         self.num_tokens += x.shape[2]
@@ -146,7 +150,6 @@ class PackedHistory:
     def dequantize(self, out_dtype: torch.dtype, start: int = 0, count: int | None = None) -> torch.Tensor:
         """Stored tokens ``[start, count)`` (default: all) as ``[B, H, count - start, D]``; ``start`` is
         group-aligned for keys."""
-        s = self.settings
         count = self.num_tokens if count is None else count
         codes, scales, zeros = (b.data for b in self.buffers())  # whole buffers: the op reads only what it needs
         if start:
@@ -154,7 +157,7 @@ class PackedHistory:
             codes = self.codes.rows(code_start, self.codes.capacity).contiguous()
             scales = self.scales.rows(meta_start, self.scales.capacity).contiguous()
             zeros = self.zeros.rows(meta_start, self.zeros.capacity).contiguous()
-        return self._dequantize(codes, scales, zeros, count - start, s.group_size, s.bits, out_dtype)
+        return self._dequantize(codes, scales, zeros, count - start, self.group_size, self.bits, out_dtype)
 
     def truncate(self, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens (group-aligned for keys)."""
@@ -173,3 +176,37 @@ class PackedHistory:
 
     def allocated_bytes(self) -> int:
         return sum(b.allocated_bytes() for b in self.buffers())
+
+
+class DepartedTokens:
+    """Exact copies of the tokens that most recently left a full-precision window for a :class:`PackedHistory`
+    (kept only while a layer records its past, so that a rollback can restore them bit for bit).
+
+    Holds the last ``len(self)`` tokens of the packed history, oldest first, as chunks ``[B, H, n_i, D]``.
+    """
+
+    def __init__(self):
+        self.chunks: list[torch.Tensor] = []
+        self.num_tokens = 0
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def append(self, x: torch.Tensor) -> None:
+        self.chunks.append(x)
+        self.num_tokens += x.shape[2]
+
+    def tokens(self, start: int, end: int) -> torch.Tensor:
+        """Tokens ``[start, end)`` of the recorded ones as ``[B, H, end - start, D]``."""
+        if len(self.chunks) > 1:
+            self.chunks = [torch.cat(self.chunks, dim=2)]
+        return self.chunks[0][:, :, start:end]
+
+    def clear(self) -> None:
+        self.chunks, self.num_tokens = [], 0
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.chunks = [c.index_select(0, index.to(c.device)) for c in self.chunks]
+
+    def allocated_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.chunks)
