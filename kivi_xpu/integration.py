@@ -70,13 +70,25 @@ def _kivi_kwargs(cache_config) -> dict:
             f"Unknown key(s) {unknown} in `cache_config` for cache_implementation={CACHE_IMPLEMENTATION!r}{hint}; "
             f"allowed keys: {list(cache_config_keys())}"
         )
-    kwargs = dict(cache_config)  # generate may be called again with the same GenerationConfig: never consume it
-    meta = kwargs.get("meta_dtype")
+    kwargs = _with_meta_dtype(dict(cache_config), "cache_config")  # a copy: generate may reuse the config
+    overrides = kwargs.get("layer_overrides")
+    if isinstance(overrides, (list, tuple)):
+        kwargs["layer_overrides"] = [
+            _with_meta_dtype(dict(entry), f"cache_config['layer_overrides'][{index}]")
+            if isinstance(entry, dict)
+            else entry
+            for index, entry in enumerate(overrides)
+        ]
+    return kwargs
+
+
+def _with_meta_dtype(options: dict, where: str) -> dict:
+    meta = options.get("meta_dtype")
     if isinstance(meta, str):
         if meta.removeprefix("torch.") not in _META_DTYPE_NAMES:
-            raise ValueError(f"`cache_config['meta_dtype']` must be one of {list(_META_DTYPE_NAMES)}, got {meta!r}")
-        kwargs["meta_dtype"] = _META_DTYPE_NAMES[meta.removeprefix("torch.")]
-    return kwargs
+            raise ValueError(f"`{where}['meta_dtype']` must be one of {list(_META_DTYPE_NAMES)}, got {meta!r}")
+        options["meta_dtype"] = _META_DTYPE_NAMES[meta.removeprefix("torch.")]
+    return options
 
 
 def build_cache(model, cache_config: dict | None = None) -> KiviCache:

@@ -145,6 +145,32 @@ def test_generate_kwargs_and_generation_config_build_the_configured_cache(llama)
     assert config.cache_config == {"bits": 4}  # not consumed: the same config serves the next call
 
 
+@torch.no_grad()
+def test_cache_config_takes_every_kivi_cache_option(llama):
+    options = dict(
+        key_bits=4,
+        value_bits=2,
+        key_group_size=16,
+        value_group_size=32,
+        sink_tokens=4,
+        residual_length=32,
+        layer_overrides=[None, {"value_bits": 4, "meta_dtype": "float32"}],
+        attention="dense",
+        backend="reference",
+    )
+    assert set(options) <= set(integration.cache_config_keys())
+    out = llama.generate(**prompts(batch=1), max_new_tokens=30, **kivi(**options), return_dict_in_generate=True)
+    first, second = (layer.settings for layer in out.past_key_values.layers)
+    assert (first.key_bits, first.value_bits, first.key_group_size, first.sink_tokens) == (4, 2, 16, 4)
+    assert (second.value_bits, second.meta_dtype) == (4, torch.float32)
+
+
+def test_a_model_without_full_attention_layers_is_warned_about():
+    config = transformers.MistralConfig(**COMMON, sliding_window=64)
+    with pytest.warns(UserWarning, match="no layer of this MistralConfig uses full attention"):
+        KiviCache(config=config)
+
+
 def test_generation_config_with_kivi_saves_and_loads(tmp_path):
     config = GenerationConfig(**kivi(bits=2, residual_length=64, meta_dtype="float16"))
     config.save_pretrained(tmp_path)
@@ -450,6 +476,7 @@ def test_text_generation_pipeline(llama):
         ({"config": None}, ValueError, "the model's config is passed for you"),
         ({"bits": 3}, ValueError, "bits"),
         ({"meta_dtype": "float64"}, ValueError, r"cache_config\['meta_dtype'\]` must be one of"),
+        ({"layer_overrides": [None, {"meta_dtype": "fp8"}]}, ValueError, r"\['layer_overrides'\]\[1\]\['meta_dtype'\]"),
         ([("bits", 2)], TypeError, "must be a dict of KiviCache options"),
     ],
 )
@@ -470,3 +497,18 @@ def test_use_cache_false_generates_without_a_cache(llama):
     inputs = prompts(batch=1)
     out = llama.generate(**inputs, max_new_tokens=4, do_sample=False, use_cache=False, **kivi())
     assert torch.equal(out, greedy(llama, inputs, max_new_tokens=4))
+
+
+# --- devices -----------------------------------------------------------------------------------------------------
+
+
+def test_each_layer_keeps_its_window_on_the_device_of_its_keys():
+    """A device_map model feeds each layer on its own device. Only the CPU exists here, so the second layer gets
+    `meta` tensors: its full-precision window (and, on the reference path, its packed history) must follow."""
+    cache = KiviCache(config=transformers.LlamaConfig(**COMMON), backend="reference", **NARROW)
+    for index, device in enumerate(("cpu", "meta")):
+        states = torch.randn(1, 2, 40, 32, device=device)
+        cache.update(states, states, index)
+    for layer, device in zip(cache.layers, ("cpu", "meta"), strict=True):
+        assert layer.key_residual.view().device.type == device and layer.value_residual.view().device.type == device
+        assert layer.packed_keys.device.type == device and layer.packed_values.device.type == device
