@@ -323,6 +323,15 @@ def test_long_generation_crosses_many_flushes(llama):
     assert report.tokens == 304 and report.compression_ratio > 2.5
 
 
+@torch.no_grad()
+def test_chunked_prefill_appends_chunks_onto_the_history(llama):
+    inputs = prompts(batch=1, length=100)
+    chunked = greedy(llama, inputs, prefill_chunk_size=32, **kivi(**WIDE))
+    assert torch.equal(chunked, greedy(llama, inputs))
+    out = greedy(llama, inputs, prefill_chunk_size=32, **kivi(**NARROW), return_dict_in_generate=True)
+    assert out.past_key_values.get_seq_length() == 129
+
+
 def assistant_model():
     torch.manual_seed(5)
     config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1})
