@@ -1,4 +1,11 @@
-"""Command line: ``python -m kivi_xpu info`` (also the ``kivi-xpu`` console script)."""
+"""Command line: ``python -m kivi_xpu {info,bench,eval-ppl}`` (also the ``kivi-xpu`` console script).
+
+* ``info``: versions, SYCL devices, the chosen backend and whether the kernels compile;
+* ``bench``: prefill time, decode speed, KV memory, peak memory and token match of several caches
+  (:mod:`kivi_xpu.bench`, also ``python -m kivi_xpu.bench``);
+* ``eval-ppl``: perplexity on a text with the cache in the loop, decode or streaming mode
+  (:mod:`kivi_xpu.evaluate`, also ``python -m kivi_xpu.evaluate``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,8 @@ import json
 import sys
 
 from . import __version__, backend
+from . import bench as bench_tool
+from . import evaluate as evaluate_tool
 from .ops.library import OPS
 
 
@@ -40,7 +49,18 @@ def main(argv=None) -> int:
     info.add_argument("--backend", choices=backend.BACKENDS, help="default: $KIVI_XPU_BACKEND or auto")
     info.add_argument("--device", help="SYCL device filter, default: $KIVI_XPU_DEVICE or the first GPU/CPU")
     info.add_argument("--json", action="store_true", help="print the facts as JSON")
+    for name, tool, summary in (
+        ("bench", bench_tool, "decode speed, KV and peak memory, token match of several caches"),
+        ("eval-ppl", evaluate_tool, "perplexity on a text with the cache in the loop (decode or streaming)"),
+    ):
+        sub = commands.add_parser(
+            name, help=summary, description=tool.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        tool.add_arguments(sub)
+        sub.set_defaults(func=tool.command)
     args = parser.parse_args(argv)
+    if args.command != "info":
+        return bench_tool.run_tool(args.func, args)
 
     facts = backend.info(args.backend, args.device)
     if args.json:

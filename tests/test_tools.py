@@ -1,0 +1,414 @@
+"""The command-line tools (`kivi-xpu bench`, `kivi-xpu eval-ppl`) on a tiny random Llama saved as a local checkpoint
+directory with a word-level tokenizer, and the Wikipedia markup stripping of kivi_xpu.assets."""
+
+import importlib
+import json
+import math
+import random
+import runpy
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from kivi_xpu import bench, evaluate
+from kivi_xpu.__main__ import main
+from kivi_xpu.assets import strip_wiki_markup, wiki_articles
+
+MAX_POSITIONS = 256
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
+# G=16, R=16: KIVI quantizes from the first tokens on, so short runs exercise the packed history.
+KIVI = ["--group-size", "16", "--residual-length", "16"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """(model directory, text file): a tiny random Llama with a word-level tokenizer, and ~3000 words of text."""
+    root = tmp_path_factory.mktemp("tools")
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(200)]
+    sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + " ." for _ in range(400)]
+    text = root / "text.txt"
+    text.write_text("\n".join(sentences), encoding="utf-8")
+
+    vocab = {token: i for i, token in enumerate(["[UNK]", ".", *words])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    model_dir = root / "model"
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(model_dir)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITIONS,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    return model_dir, text
+
+
+def run(args, capsys):
+    """(exit code, stdout, stderr) of `kivi-xpu <args>` run in this process."""
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(args, tmp_path, capsys) -> dict:
+    path = tmp_path / "out.json"
+    code, out, err = run([*args, "--json", path, "--no-progress"], capsys)
+    assert code == 0, err
+    assert out.startswith("| cache |")
+    return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench
+
+
+def test_bench_reports_consistent_rows_a_table_and_a_plot(assets, tmp_path, capsys):
+    model_dir, _ = assets
+    plot = tmp_path / "bench.png"
+    contexts, batches, new_tokens = [24, 96], [1, 2], 5
+    payload = run_json(
+        [
+            "bench",
+            "--model",
+            model_dir,
+            "--contexts",
+            *contexts,
+            "--batch-sizes",
+            *batches,
+            "--new-tokens",
+            new_tokens,
+            "--warmup",
+            1,
+            "--repeats",
+            1,
+            "--bits",
+            2,
+            *KIVI,
+            "--plot",
+            plot,
+        ],  # fmt: skip
+        tmp_path,
+        capsys,
+    )
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    expected = ["dynamic", "kivi-fused 2-bit", "kivi-dense 2-bit", "quanto 2-bit", "hqq 2-bit"]
+    installed = {"quanto 2-bit": importable("optimum.quanto"), "hqq 2-bit": importable("hqq.core.quantize")}
+    ran = [c for c in expected if installed.get(c, True)]
+    assert [s["cache"] for s in payload["skipped"]] == [c for c in expected if c not in ran]
+    assert all(s["reason"].startswith("not installed") for s in payload["skipped"])
+    rows = payload["rows"]
+    assert [(r["context"], r["batch"], r["cache"]) for r in rows] == [
+        (c, b, cache) for c in contexts for b in batches for cache in ran
+    ]
+    for r in rows:
+        assert r["kv_check"] == "ok", r
+        assert r["kv_measured_bytes"] == r["kv_allocated_bytes"] >= r["kv_bytes"] > 0
+        assert r["generated_tokens"] == new_tokens and len(r["runs"]) == 1
+        assert r["prefill_seconds"] > 0 and r["decode_tokens_per_s"] > 0
+        assert 0 <= r["token_match"] <= 1
+        if payload["environment"]["peak_memory_method"] is not None:
+            assert r["peak_process_bytes"] > 0
+        if r["cache"] == "dynamic":
+            assert r["token_match"] == 1.0 and r["first_divergence"] is None
+            assert r["speed_vs_dynamic"] == r["memory_vs_dynamic"] == 1.0
+            # fp32 keys and values of every token held: the prompt and all generated tokens but the last.
+            tokens = r["context"] + new_tokens - 1
+            assert r["kv_bytes"] == 2 * LAYERS * r["batch"] * KV_HEADS * tokens * HEAD_DIM * 4
+        elif r["token_match"] < 1:
+            assert 0 <= r["first_divergence"] < new_tokens
+        if r["cache"].startswith("kivi") and r["context"] == max(contexts):
+            assert r["memory_vs_dynamic"] > 3
+
+
+def importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def test_bench_extra_kivi_options_reach_the_cache(assets, tmp_path, capsys):
+    model_dir, _ = assets
+    common = ["bench", "--model", model_dir, "--contexts", 64, "--batch-sizes", 1, "--new-tokens", 3, "--warmup", 0]
+    common += ["--repeats", 1, "--caches", "kivi-dense", *KIVI]
+    plain = run_json(common, tmp_path, capsys)["rows"][0]
+    wide = run_json([*common, "--kivi-option", "meta_dtype=float32"], tmp_path, capsys)["rows"][0]
+    assert wide["cache"] == "kivi-dense 2-bit (meta_dtype=float32)"
+    assert wide["kv_bytes"] > plain["kv_bytes"]  # fp32 scales and zeros instead of fp16
+
+
+def test_bench_without_dynamic_or_tqdm_runs_without_ratios_or_bars(assets, tmp_path, capsys, monkeypatch):
+    model_dir, _ = assets
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # `import tqdm` fails: the tool runs without progress bars
+    path = tmp_path / "out.json"
+    args = ["bench", "--model", model_dir, "--contexts", 20, "--batch-sizes", 1, "--new-tokens", 3, "--warmup", 0]
+    code, _, err = run([*args, "--repeats", 2, "--caches", "kivi-fused", *KIVI, "--json", path], capsys)
+    assert code == 0, err
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 1 and len(rows[0]["runs"]) == 2
+    assert rows[0]["token_match"] is None and rows[0]["memory_vs_dynamic"] is None
+
+
+class FailingCache(DynamicCache):
+    def update(self, *args, **kwargs):
+        raise RuntimeError("packing failed")
+
+
+@pytest.mark.parametrize("tool", ["bench", "eval-ppl"])
+def test_a_failing_third_party_cache_is_reported_and_the_others_run(assets, tmp_path, capsys, monkeypatch, tool):
+    model_dir, text = assets
+    real_make_cache = bench.make_cache
+
+    def make_cache(spec, *args):
+        return FailingCache() if spec.name == "quanto" else real_make_cache(spec, *args)
+
+    for module in (bench, evaluate):
+        monkeypatch.setattr(module, "unavailable_reason", lambda spec: None)  # as if quanto were installed
+        monkeypatch.setattr(module, "make_cache", make_cache)
+    args = ["--model", model_dir, "--caches", "dynamic", "quanto", *KIVI]
+    if tool == "bench":
+        args += ["--contexts", 20, "--batch-sizes", 1, "--new-tokens", 3, "--warmup", 0, "--repeats", 1]
+    else:
+        args += ["--text", text, "--prefill", 20, "--decode-steps", 4, "--windows", 2]
+    payload = run_json([tool, *args], tmp_path, capsys)
+    assert [r["cache"] for r in payload["rows"]] == ["dynamic"]
+    failures = [s for s in payload["skipped"] if s["reason"] == "failed: RuntimeError: packing failed"]
+    assert failures and all(s["cache"] == "quanto 2-bit" for s in failures)
+
+
+def test_plot_without_matplotlib_is_a_clear_error_before_running(assets, tmp_path, capsys, monkeypatch):
+    model_dir, _ = assets
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, _, err = run(["bench", "--model", model_dir, "--plot", tmp_path / "p.png"], capsys)
+    assert code == 2 and err == "error: --plot needs matplotlib: pip install 'kivi-xpu[bench]'\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eval-ppl
+
+
+def test_eval_ppl_decode_windows_fused_equals_dense(assets, tmp_path, capsys, backend_name):
+    model_dir, text = assets
+    windows, prefill, steps = 3, 40, 24
+    payload = run_json(
+        [
+            "eval-ppl",
+            "--model",
+            model_dir,
+            "--text",
+            text,
+            "--eval-mode",
+            "decode",
+            "--windows",
+            windows,
+            "--prefill",
+            prefill,
+            "--decode-steps",
+            steps,
+            "--caches",
+            "dynamic",
+            "kivi-fused",
+            "kivi-dense",
+            "--bits",
+            2,
+            4,
+            *KIVI,
+            "--backend",
+            backend_name,
+        ],  # fmt: skip
+        tmp_path,
+        capsys,
+    )
+    rows = {r["cache"]: r for r in payload["rows"]}
+    assert list(rows) == ["dynamic", "kivi-fused 2-bit", "kivi-fused 4-bit", "kivi-dense 2-bit", "kivi-dense 4-bit"]
+    assert payload["evaluated"] == {"windows": windows, "prefill": prefill, "decode_steps": steps}
+    for r in rows.values():
+        assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1
+        assert r["scored_tokens"] == windows * steps and len(r["window_perplexities"]) == windows
+        assert r["window_min"] <= r["window_mean"] <= r["window_max"] and r["window_std"] >= 0
+        assert math.isclose(r["perplexity"], math.exp(r["mean_nll"]))
+    assert rows["dynamic"]["delta_vs_dynamic"] == 0 and rows["dynamic"]["window_delta_std"] == 0
+    for bits in (2, 4):
+        fused, dense = rows[f"kivi-fused {bits}-bit"], rows[f"kivi-dense {bits}-bit"]
+        assert fused["perplexity"] == pytest.approx(dense["perplexity"], rel=1e-4)
+        assert fused["window_perplexities"] == pytest.approx(dense["window_perplexities"], rel=1e-4)
+        assert fused["perplexity"] != rows["dynamic"]["perplexity"]  # the quantized history is read
+        assert fused["memory_vs_dynamic"] > 1
+    # 4 bits are closer to full precision than 2 bits.
+    assert abs(rows["kivi-fused 4-bit"]["delta_vs_dynamic"]) < abs(rows["kivi-fused 2-bit"]["delta_vs_dynamic"])
+
+
+def test_eval_ppl_streaming_with_the_whole_text_in_the_window_equals_dynamic(assets, tmp_path, capsys):
+    model_dir, text = assets
+    tokens = 48
+    common = ["eval-ppl", "--model", model_dir, "--text", text, "--eval-mode", "streaming", "--max-tokens", tokens]
+    common += ["--segment-length", 16, "--caches", "dynamic", "kivi-fused", "kivi-dense", "--group-size", 16]
+    exact = run_json([*common, "--residual-length", 64], tmp_path, capsys)
+    assert exact["evaluated"] == {"tokens": tokens, "segment_length": 16}
+    base = exact["rows"][0]
+    assert base["scored_tokens"] == tokens - 1 and len(base["window_perplexities"]) == 3
+    for r in exact["rows"][1:]:
+        assert r["perplexity"] == pytest.approx(base["perplexity"], rel=1e-5)
+    quantized = run_json([*common, "--residual-length", 16], tmp_path, capsys)
+    assert quantized["rows"][0]["perplexity"] == pytest.approx(base["perplexity"], rel=1e-6)
+    for r in quantized["rows"][1:]:
+        assert r["perplexity"] != pytest.approx(base["perplexity"], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input: one `error:` line, exit code 2, no JSON
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "--contexts", 300], "exceed the model's max_position_embeddings (256)"),
+        (["bench", "--contexts", 64, "--bits", 3], "`bits`"),
+        (["bench", "--contexts", 64, "--group-size", 24], "`group_size`"),
+        (["bench", "--new-tokens", 3, "--warmup", 2], "--new-tokens (3) must exceed --warmup (2) + 1"),
+        (["bench", "--contexts", 64, "--batch-sizes", 100, "--text", "TEXT"], "the largest batch x context needs"),
+        (["eval-ppl", "--windows", 50, "--prefill", 100, "--decode-steps", 50], "fewer than --windows 50"),
+        (["eval-ppl", "--prefill", 200, "--decode-steps", 100], "exceed the model's max_position_embeddings"),
+        (["eval-ppl", "--eval-mode", "streaming", "--max-tokens", 300], "exceeds the model's max_position"),
+        (["eval-ppl", "--eval-mode", "streaming"], "more tokens than the model's max_position_embeddings"),
+        (["eval-ppl", "--text", "/nonexistent/text.txt"], "no such file"),
+        (["eval-ppl", "--kivi-option", "no_such_option=1"], "no_such_option"),
+    ],
+)
+def test_bad_input_is_one_error_line_and_no_json(assets, tmp_path, capsys, args, message):
+    model_dir, text = assets
+    args = [text if a == "TEXT" else a for a in args]
+    path = tmp_path / "out.json"
+    extra = [] if "--text" in args or args[0] == "bench" else ["--text", text]
+    code, out, err = run([*args, *extra, "--model", model_dir, "--json", path, "--no-progress"], capsys)
+    assert code == 2
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "--caches", "dynamic", "bogus"], "invalid choice: 'bogus'"),
+        (["eval-ppl", "--caches", "fp8"], "invalid choice: 'fp8'"),
+        (["bench", "--contexts", 0], "must be a positive integer, got '0'"),
+        (["bench", "--batch-sizes", "two"], "must be an integer, got 'two'"),
+        (["eval-ppl", "--eval-mode", "sliding"], "invalid choice: 'sliding'"),
+        (["eval-ppl", "--kivi-option", "sinks"], "expected NAME=VALUE"),
+    ],
+)
+def test_bad_arguments_are_argparse_errors(tmp_path, capsys, args, message):
+    path = tmp_path / "out.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in [*args, "--json", path]])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not path.exists()
+
+
+def test_a_model_that_cannot_load_is_a_clear_error(tmp_path, capsys):
+    empty = tmp_path / "not_a_model"
+    empty.mkdir()
+    path = tmp_path / "out.json"
+    code, _, err = run(["eval-ppl", "--model", empty, "--text", __file__, "--json", path], capsys)
+    assert code == 2 and err.startswith(f"error: cannot load model '{empty}'") and "Traceback" not in err
+    assert not path.exists()
+
+
+def test_a_missing_output_directory_fails_before_running(assets, tmp_path, capsys):
+    model_dir, _ = assets
+    missing = tmp_path / "missing" / "out.png"
+    code, _, err = run(["bench", "--model", model_dir, "--plot", missing], capsys)
+    assert code == 2 and "--plot" in err and "does not exist" in err
+
+
+def test_a_run_that_fails_midway_writes_no_json(assets, tmp_path, capsys, monkeypatch):
+    model_dir, _ = assets
+    real_run_once, calls = bench.run_once, []
+
+    def failing_run_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # after the warm-up runs and the first measured run
+            raise KeyboardInterrupt
+        return real_run_once(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_once", failing_run_once)
+    path = tmp_path / "out.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(
+            ["bench", "--model", str(model_dir), "--contexts", "20", "--batch-sizes", "1", "--new-tokens", "3"]
+            + ["--warmup", "0", "--repeats", "1", "--caches", "dynamic", "kivi-dense", *KIVI, "--json", str(path)]
+        )
+    assert len(calls) == 3 and list(tmp_path.iterdir()) == []
+
+
+# runpy warns that the module is already imported (by this file): harmless, the tool runs from the fresh copy.
+@pytest.mark.filterwarnings("ignore:'kivi_xpu.*found in sys.modules:RuntimeWarning")
+@pytest.mark.parametrize("module", ["kivi_xpu.bench", "kivi_xpu.evaluate"])
+def test_module_entry_points_exit_with_the_tool_status(module, tmp_path, capsys, monkeypatch):
+    # `python -m kivi_xpu.bench` / `python -m kivi_xpu.evaluate`, run in this process.
+    monkeypatch.setattr(sys, "argv", [module, "--model", str(tmp_path), "--json", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module(module, run_name="__main__")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot load model") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wikipedia text
+
+
+WIKITEXT = """{{Infobox country|name=Testland|capital={{nowrap|Test City}}}}
+'''Testland''' is a [[country]] in [[Europe|western Europe]].<ref name="a">{{cite web|url=http://x.org}}</ref> It has
+[[File:Map.png|thumb|A map of [[Testland]] with [[river]]s]]a [http://example.org coastline] and [http://x.org] hills.
+<!-- a comment -->
+{| class="wikitable"
+|-
+| cell || {| inner table |}
+|}
+== History ==
+* Founded in 1900&nbsp;AD.<ref>Source.</ref>
+# Grew ''quickly''.
+
+== See also ==
+* [[Other land]]
+[[Category:Countries]]
+[[de:Testland]]
+"""
+
+
+def test_strip_wiki_markup_keeps_the_prose():
+    assert strip_wiki_markup(WIKITEXT) == (
+        "Testland is a country in western Europe. It has\n"
+        "a coastline and hills.\n\n"
+        "History\n"
+        "Founded in 1900 AD.\n"
+        "Grew quickly."
+    )
+
+
+def test_wiki_articles_skips_redirects_and_other_namespaces():
+    page = "<page><title>{t}</title><ns>{ns}</ns>{extra}<revision><text>{body}</text></revision></page>"
+    dump = (
+        '<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
+        + page.format(t="Kept", ns=0, extra="", body="Some '''bold''' [[text]].")
+        + page.format(t="Moved", ns=0, extra='<redirect title="Kept" />', body="#REDIRECT [[Kept]]")
+        + page.format(t="Talk:Kept", ns=1, extra="", body="Discussion.")
+        + page.format(t="Empty", ns=0, extra="", body="{{stub}}")
+        + "</mediawiki>"
+    )
+    assert wiki_articles(dump.encode()) == [("Kept", "Some bold text.")]
