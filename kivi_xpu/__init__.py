@@ -7,10 +7,20 @@ from .attention import register as _register_attention
 from .attention import use_fused_attention
 from .cache import KiviCache, KiviLayer, KiviMemoryReport
 from .integration import enable as _enable_cache_implementation
+from .qat import KiviQAT, kivi_qat
 
 _register_attention()  # attn_implementation="kivi" works as soon as kivi_xpu is imported
 _enable_cache_implementation()  # so does generate(cache_implementation="kivi", cache_config={...})
 
 __version__ = "0.1.0"
 
-__all__ = ["KiviCache", "KiviLayer", "KiviMemoryReport", "KiviSettings", "use_fused_attention", "__version__"]
+__all__ = [
+    "KiviCache",
+    "KiviLayer",
+    "KiviMemoryReport",
+    "KiviQAT",
+    "KiviSettings",
+    "kivi_qat",
+    "use_fused_attention",
+    "__version__",
+]

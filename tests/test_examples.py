@@ -40,3 +40,14 @@ def test_chat_keeps_one_cache_across_turns():
 def test_assisted_decoding():
     out = run("assisted_decoding.py", "--max-new-tokens", "40")
     assert "assisted decoding: 40 tokens;" in out
+
+
+def test_quantization_aware_fine_tuning_moves_the_streaming_perplexity_down():
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "finetune_qat.py")], capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("streaming ppl with KIVI cache: before "))
+    numbers, alternative = line.split("before ")[1].rstrip(")").split(" (full-precision fine-tuning instead: ")
+    before, after = (float(x) for x in numbers.split(" -> after "))
+    assert after < before and after < float(alternative)  # QAT beats fine-tuning in full precision for this cache
