@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from kivi_xpu.assets import byte_tokenizer
 
 TINY_VOCAB = 256  # one token per byte
 
@@ -15,17 +17,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama + byte tokenizer (offline smoke test)")
     parser.add_argument("--backend", choices=("auto", "sycl", "reference"), default=None)
     parser.add_argument("--device", help="SYCL device filter, e.g. opencl:cpu or level_zero:gpu")
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A 256-token byte-level tokenizer built offline (one token per byte, no merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {symbol: index for index, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="!", eos_token='"')
 
 
 def tiny_llama(num_hidden_layers: int = 2, seed: int = 0, **config) -> LlamaForCausalLM:

@@ -8,6 +8,7 @@ the HuggingFace hub. Both are built once and cached under :func:`cache_root`.
 * :func:`wikipedia_text`: ``gensim==4.4.0`` ships, among its test data, a shortened English Wikipedia dump of
   ~100 articles (CC BY-SA). The helper downloads that wheel once (no dependencies, nothing installed), strips
   the wiki markup and writes the articles as plain text, for perplexity evaluation.
+* :func:`byte_tokenizer`: a byte-level tokenizer built offline, for tiny random models in examples and tests.
 
 Any HF model id or directory works wherever these helpers are used, when the hub is reachable.
 """
@@ -89,6 +90,19 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     partial.replace(target)
     return target
+
+
+def byte_tokenizer():
+    """A 256-token byte-level tokenizer built offline (one token per byte, no merges): real text in and out for
+    tiny random models (vocab_size=256) in examples and tests, without the hub."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: index for index, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="!", eos_token='"')
 
 
 def wikipedia_text(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import DynamicCache, GenerationConfig, PreTrainedTokenizerFast, pipeline
+from transformers import DynamicCache, GenerationConfig, pipeline
 
 from kivi_xpu import KiviCache, KiviLayer, integration
+from kivi_xpu.assets import byte_tokenizer
 
 VOCAB = 256
 WIDE = {"residual_length": 512, "group_size": 32}  # wider than every text below: nothing is quantized
@@ -452,16 +452,6 @@ def test_a_conversation_continues_in_the_same_cache(llama):
     )
     dynamic = llama.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20)
     assert torch.equal(wide, dynamic) and out.shape == dynamic.shape
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A 256-token byte-level tokenizer built offline (no merges): one token per byte."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="!", eos_token='"')
 
 
 @torch.no_grad()
