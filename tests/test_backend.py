@@ -9,6 +9,7 @@ SCRIPT = """
 import warnings
 warnings.simplefilter("always")
 import torch
+torch.manual_seed(0)  # random weights: seeded, and min_new_tokens, so an early EOS cannot shorten the output
 from transformers import LlamaConfig, LlamaForCausalLM
 from kivi_xpu import KiviCache
 config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -16,7 +17,8 @@ config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hi
 model = LlamaForCausalLM(config).eval()
 caches = [KiviCache(config=config, group_size=16, residual_length=16) for _ in range(2)]
 print("backend:", caches[0].backend.name)
-out = model.generate(torch.randint(0, 64, (1, 20)), past_key_values=caches[0], max_new_tokens=30, do_sample=False)
+out = model.generate(torch.randint(0, 64, (1, 20)), past_key_values=caches[0], max_new_tokens=30,
+                     min_new_tokens=30, do_sample=False)
 print("generated:", out.shape[1])
 """
 
