@@ -2,8 +2,9 @@
 [history | tail] against SDPA on dequantized states, and generation through the fused path against the dense path."""
 
 import pytest
+import tiny_models as models
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
 from kivi_xpu import KiviCache, use_fused_attention
 from kivi_xpu.attention import attend_tail_and_history
@@ -92,18 +93,8 @@ def test_softmax_over_history_and_tail_equals_sdpa(backend_name, q_len, padded):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
-def tiny_llama(kv_heads=2):
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=kv_heads,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+def tiny_llama(kv_heads=2):  # 8 query heads, head_dim 16
+    return models.tiny_llama(num_attention_heads=8, num_key_value_heads=kv_heads, pad_token_id=0)
 
 
 def generate(model, attn, backend_name, ids, mask=None, **kwargs):

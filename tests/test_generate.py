@@ -3,24 +3,16 @@ teacher-forced logit error against the full-precision cache."""
 
 import pytest
 import torch
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from kivi_xpu import KiviCache
 
 VOCAB = 256
 
 
-def tiny_llama():  # GQA: 4 query heads share 2 kv heads, head_dim 32
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    return LlamaForCausalLM(config).eval()
+def tiny_gqa_llama():  # GQA: 4 query heads share 2 kv heads, head_dim 32
+    return tiny_llama(seed=None, vocab_size=VOCAB, max_position_embeddings=2048)
 
 
 def tiny_gpt2():  # MHA, head_dim 32
@@ -30,7 +22,7 @@ def tiny_gpt2():  # MHA, head_dim 32
     return GPT2LMHeadModel(config).eval()
 
 
-MODELS = {"llama-gqa": tiny_llama, "gpt2-mha": tiny_gpt2}
+MODELS = {"llama-gqa": tiny_gqa_llama, "gpt2-mha": tiny_gpt2}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

@@ -5,6 +5,7 @@ vs dense vs reference agreement, crop and batch operations, memory, bad input. R
 import random
 
 import pytest
+import tiny_models as models
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -164,15 +165,7 @@ def test_head_dim_errors_say_which_kind():
 
 
 def llama_config(layers=3, head_dim=64):
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=head_dim * 4,
-        intermediate_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
+    return models.tiny_llama_config(num_hidden_layers=layers, hidden_size=head_dim * 4, pad_token_id=0)
 
 
 @pytest.mark.parametrize(
@@ -277,8 +270,7 @@ def test_softmax_over_sinks_history_and_tail_equals_sdpa(backend_name, q_len, pa
 
 
 def tiny_llama(layers=3):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(llama_config(layers=layers, head_dim=32)).eval()
+    return models.tiny_llama(num_hidden_layers=layers, pad_token_id=0)
 
 
 OPTION_SETS = {

@@ -3,7 +3,8 @@ straight-through gradient against a literal per-decode-step implementation, and 
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_llama
+from transformers import AttentionInterface, DynamicCache, Qwen2Config, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from kivi_xpu import KiviCache, KiviSettings
@@ -15,16 +16,8 @@ VOCAB, LENGTH = 101, 70
 
 def llama(**overrides):
     """2 layers, 4 query heads over 2 kv heads (GQA), head_dim 16."""
-    args = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    return LlamaForCausalLM(LlamaConfig(**(args | overrides))).eval()
+    args = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, head_dim=16)
+    return tiny_llama(seed=None, **(args | overrides))
 
 
 def qwen2(**overrides):
