@@ -42,6 +42,13 @@ ARCHITECTURES = {
         ["kivi", "kivi"],
     ),
     "qwen2": (lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)), ["kivi", "kivi"]),
+    # Qwen2 with its sliding window on the layers from `max_window_layers` on: full layer 0, sliding layer 1.
+    "qwen2-sliding": (
+        lambda: transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+        ),
+        ["kivi", "sliding"],
+    ),
     "qwen3": (lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=32)), ["kivi", "kivi"]),
     "phi3": (lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON)), ["kivi", "kivi"]),
     "gpt2": (
@@ -102,6 +109,7 @@ def prompts(batch=2, length=20, seed=1):
 
 def greedy(model, inputs, **kwargs):
     kwargs.setdefault("max_new_tokens", 30)
+    kwargs.setdefault("min_new_tokens", kwargs["max_new_tokens"])  # random weights: an early EOS would end a run
     return model.generate(**inputs, do_sample=False, **kwargs)
 
 
@@ -130,6 +138,7 @@ def test_generate_kwargs_and_generation_config_build_the_configured_cache(llama)
     out = llama.generate(
         **inputs,
         max_new_tokens=5,
+        min_new_tokens=5,
         **kivi(bits=4, group_size=16, residual_length=32, meta_dtype="float32"),
         return_dict_in_generate=True,
     )
@@ -272,7 +281,7 @@ def test_a_model_with_linear_attention_layers_is_refused():
 @torch.no_grad()
 def test_sampling_and_num_return_sequences_match_dynamic_cache_inside_the_window(llama):
     inputs = prompts()
-    kwargs = dict(do_sample=True, top_k=20, max_new_tokens=30, num_return_sequences=3)
+    kwargs = dict(do_sample=True, top_k=20, max_new_tokens=30, min_new_tokens=30, num_return_sequences=3)
     torch.manual_seed(7)
     dynamic = llama.generate(**inputs, **kwargs)
     torch.manual_seed(7)
@@ -299,9 +308,9 @@ def test_sampling_fused_matches_dense_across_many_flushes(llama):
 @torch.no_grad()
 def test_beam_search_with_several_returned_sequences(llama):
     inputs = prompts()
-    kwargs = dict(do_sample=False, num_beams=3, num_return_sequences=2, max_new_tokens=30)
+    kwargs = dict(do_sample=False, num_beams=3, num_return_sequences=2, max_new_tokens=30, min_new_tokens=30)
     assert torch.equal(llama.generate(**inputs, **kwargs, **kivi(**WIDE)), llama.generate(**inputs, **kwargs))
-    kwargs["max_new_tokens"] = 60
+    kwargs["max_new_tokens"] = kwargs["min_new_tokens"] = 60
     dense, fused = fused_and_dense(llama, inputs, **kwargs, **kivi(**NARROW))
     assert dense.shape == (4, 80) and torch.equal(dense, fused)
 
@@ -432,25 +441,37 @@ def test_left_padded_batch_fused_matches_dense(llama):
 @torch.no_grad()
 def test_a_conversation_continues_in_the_same_cache(llama):
     first = prompts(batch=1, length=12)
-    reply = llama.generate(**first, do_sample=False, max_new_tokens=20, **kivi(**NARROW), return_dict_in_generate=True)
+    reply = llama.generate(
+        **first, do_sample=False, max_new_tokens=20, min_new_tokens=20, **kivi(**NARROW), return_dict_in_generate=True
+    )
     cache = reply.past_key_values
     turn = torch.randint(3, VOCAB, (1, 23))  # a multi-token append onto a quantized history
     ids = torch.cat([reply.sequences, turn], dim=1)
     out = llama.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, past_key_values=cache
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=20,
+        min_new_tokens=20,
+        past_key_values=cache,
     )
     assert cache.get_seq_length() == ids.shape[1] + 19
     # The same conversation with a window wider than the text is exactly the full-precision one.
-    reply = llama.generate(**first, do_sample=False, max_new_tokens=20, **kivi(**WIDE), return_dict_in_generate=True)
+    reply = llama.generate(
+        **first, do_sample=False, max_new_tokens=20, min_new_tokens=20, **kivi(**WIDE), return_dict_in_generate=True
+    )
     ids = torch.cat([reply.sequences, turn], dim=1)
     wide = llama.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         do_sample=False,
         max_new_tokens=20,
+        min_new_tokens=20,
         past_key_values=reply.past_key_values,
     )
-    dynamic = llama.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20)
+    dynamic = llama.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, min_new_tokens=20
+    )
     assert torch.equal(wide, dynamic) and out.shape == dynamic.shape
 
 
@@ -494,7 +515,7 @@ def test_cache_implementation_together_with_a_cache_object_is_refused(llama):
 @torch.no_grad()
 def test_use_cache_false_generates_without_a_cache(llama):
     inputs = prompts(batch=1)
-    out = llama.generate(**inputs, max_new_tokens=4, do_sample=False, use_cache=False, **kivi())
+    out = llama.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False, use_cache=False, **kivi())
     assert torch.equal(out, greedy(llama, inputs, max_new_tokens=4))
 
 
