@@ -88,12 +88,27 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
 
 
+# KiviCache arguments the tools set themselves: what --kivi-option says instead.
+OWN_FLAGS = {
+    "bits": "use --bits",
+    "group_size": "use --group-size",
+    "residual_length": "use --residual-length",
+    "meta_dtype": "use --meta-dtype",
+    "backend": "use --backend",
+    "device": "use --device",
+    "attention": "the cache names choose it (kivi-fused, kivi-dense)",
+    "config": "the tool passes the model's config",
+}
+
+
 def kivi_option(text: str) -> tuple[str, object]:
     """``NAME=VALUE`` for an extra ``KiviCache`` keyword argument; VALUE is a Python literal (``4``, ``True``),
     a torch dtype name (``float32``) or else a string."""
     name, sep, raw = text.partition("=")
     if not sep or not name.isidentifier():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a KiviCache keyword argument), got {text!r}")
+    if name in OWN_FLAGS:  # one source per setting, so the labels, the JSON and the HF caches agree with the run
+        raise argparse.ArgumentTypeError(f"{name!r} is not a --kivi-option: {OWN_FLAGS[name]}")
     if raw in DTYPES or raw.removeprefix("torch.") in DTYPES:
         return name, DTYPES[raw.removeprefix("torch.")]
     try:

@@ -23,6 +23,7 @@ from transformers.cache_utils import (
 from .algorithm import KiviSettings
 from .attention import ATTENTION_NAME, FusedStep, attend_tail_and_history, hand_over
 from .backend import Selection, select
+from .ops.checks import FLOAT_DTYPES
 from .storage import DepartedTokens, PackedHistory, TokenBuffer
 
 
@@ -109,8 +110,13 @@ class KiviLayer(CacheLayerMixin):
         super().__init__()
         if attention not in ATTENTION_MODES:
             raise ValueError(f"`attention` must be one of {ATTENTION_MODES}, got {attention!r}")
+        if settings is not None and not isinstance(settings, KiviSettings):
+            raise TypeError(f"`settings` must be a KiviSettings or None, got {type(settings).__name__}")
+        if backend is not None and not isinstance(backend, Selection | str):
+            raise TypeError(f"`backend` must be a backend name, a kivi_xpu.backend.select(...) result or None, got "
+                            f"{type(backend).__name__}")  # fmt: skip
         self.settings = settings if settings is not None else KiviSettings()
-        self.backend = backend if backend is not None else select()
+        self.backend = backend if isinstance(backend, Selection) else select(backend)
         # "auto": fused exactly when `model_config._attn_implementation == "kivi"` (read at every update, so it
         # follows `model.set_attn_implementation`); "dense": always return dense keys/values.
         self.attention, self.model_config = attention, model_config
@@ -231,6 +237,7 @@ class KiviLayer(CacheLayerMixin):
         """Appends ``key_states``/``value_states`` ``[B, H_kv, m, D]`` and returns what attention should read:
         dense ``[B, H_kv, n, D]`` keys and values (``n`` = tokens held after the update), or, when the model uses
         the fused KIVI attention, only the full-precision tails (the layer hands itself to that attention call)."""
+        self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.cumulative_length == 0:
@@ -266,6 +273,33 @@ class KiviLayer(CacheLayerMixin):
         ):
             self._store(packed, residual, departed, new, target)
         return keys_out, values_out
+
+    def _check_states(self, key_states, value_states) -> None:
+        """A clear error for states the layer cannot append, instead of a shape error deep inside the buffers or a
+        layer whose keys and values silently fall out of step."""
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in FLOAT_DTYPES:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"`{name}` must be a [batch, kv_heads, tokens, head_dim] tensor of dtype "
+                    f"{', '.join(str(d) for d in FLOAT_DTYPES)}; got {got}"
+                )
+        k, v = key_states, value_states
+        if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(
+                "`key_states` and `value_states` must share batch, kv_heads, tokens, dtype and device; got "
+                f"{tuple(k.shape)} {k.dtype} on {k.device} and {tuple(v.shape)} {v.dtype} on {v.device}"
+            )
+        if not self.is_initialized:
+            return
+        held = (self.key_residual.batch, self.key_residual.heads, self.key_residual.width, self.value_residual.width)
+        got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
+        if got != held or k.dtype != self.dtype or k.device != self.device:
+            raise ValueError(
+                f"this layer holds states of batch {held[0]}, {held[1]} kv heads, head_dim {held[2]}/{held[3]} "
+                f"(keys/values), {self.dtype} on {self.device}; got batch {got[0]}, {got[1]} kv heads, head_dim "
+                f"{got[2]}/{got[3]}, {k.dtype} on {k.device}: call cache.reset() before changing them"
+            )
 
     def _store(
         self, packed: PackedHistory, residual: TokenBuffer, departed: DepartedTokens, new: torch.Tensor, target: int
@@ -533,6 +567,11 @@ class KiviCache(Cache):
         if config is None:
             super().__init__(layer_class_to_replicate=self._new_lazy_layer)
             return
+        if not hasattr(config, "get_text_config"):
+            hint = ": pass model.config" if hasattr(config, "config") else ""
+            raise TypeError(
+                f"`config` must be a transformers PretrainedConfig or None, got {type(config).__name__}{hint}"
+            )
         decoder_config = config.get_text_config(decoder=True)
         head_dim = _head_dim(decoder_config)
         self.settings.check_head_dim(head_dim)

@@ -40,6 +40,7 @@ from .algorithm import KiviSettings
 from .attention import masked_scores
 from .cache import KiviCache, KiviLayer, _head_dim
 from .ops import reference as ref
+from .ops.checks import FLOAT_DTYPES
 from .ops.reference import group_queries
 
 QAT_ATTENTION_NAME = "kivi_qat"
@@ -62,9 +63,14 @@ def decode_read_masks(
     states); the rest are decoded one token at a time. ``prefill_length`` 0 and 1 both mean a token-by-token decode
     from an empty cache.
     """
+    if not isinstance(settings, KiviSettings):
+        raise TypeError(f"`settings` must be a KiviSettings, got {type(settings).__name__}")
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"`length` must be a non-negative integer, got {length!r}")
     _check_prefill_length(prefill_length)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    return _read_masks(settings, length, prefill_length, device)
+    key_mask, value_mask = _read_masks(settings, length, prefill_length, device)
+    return key_mask.clone(), value_mask.clone()  # the cached masks stay private: qat_attention reads them
 
 
 def _check_prefill_length(prefill_length) -> None:
@@ -136,6 +142,21 @@ def _fully_masked_rows(attention_mask: torch.Tensor | None, n: int) -> torch.Ten
     return rows if bool(rows.any()) else None
 
 
+def _check_qat_states(query, key, value) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in FLOAT_DTYPES:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"`{name}` must be a [batch, heads, tokens, head_dim] tensor of dtype "
+                f"{', '.join(str(d) for d in FLOAT_DTYPES)}; got {got}"
+            )
+    if key.shape[:3] != value.shape[:3] or key.shape[0] != query.shape[0] or key.shape[3] != query.shape[3]:
+        raise ValueError(
+            "`key` and `value` must share batch, kv heads and tokens, and `key` the batch and head_dim of `query`; "
+            f"got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+
+
 def qat_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -165,6 +186,7 @@ def qat_attention(
         queries) give zero probabilities, as torch's SDPA does.
     """
     _check_prefill_length(prefill_length)
+    _check_qat_states(query, key, value)
     b, hq, length, _ = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
     if n != length:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
 from kivi_xpu import KiviCache, KiviLayer, KiviSettings
 from kivi_xpu.backend import select
@@ -208,6 +208,7 @@ def test_gqa_is_stored_at_kv_heads():
         ({"residual_length": 0}, "residual_length"),
         ({"residual_length": 100}, "multiple of `group_size`"),
         ({"meta_dtype": torch.int8}, "meta_dtype"),
+        ({"meta_dtype": "float16"}, "must be a torch.dtype.*got the string 'float16'"),
         ({"backend": "cuda"}, "backend"),
     ],
 )
@@ -215,6 +216,56 @@ def test_constructor_validation(kwargs, match):
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_hidden_layers=1)
     with pytest.raises(ValueError, match=match):
         KiviCache(config=config, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "keys, values, match",
+    [
+        ((1, 2, 3, 32), (1, 2, 5, 32), "`key_states` and `value_states` must share batch, kv_heads, tokens"),
+        ((1, 2, 3, 32), (2, 2, 3, 32), "must share batch"),
+        ((2, 3, 32), (2, 3, 32), r"`key_states` must be a \[batch, kv_heads, tokens, head_dim\] tensor"),
+        ((1, 2, 3, 32), (1, 2, 3, 32, 1), "`value_states` must be"),
+    ],
+)
+def test_update_refuses_states_it_cannot_append(keys, values, match):
+    cache = KiviCache(group_size=16, residual_length=32, backend="reference")
+    with pytest.raises(ValueError, match=match):
+        cache.update(torch.randn(keys), torch.randn(values), 0)
+    with pytest.raises(ValueError, match="dtype torch.float32, torch.float16, torch.bfloat16; got .* torch.int64"):
+        cache.update(torch.ones(1, 2, 3, 32, dtype=torch.long), torch.ones(1, 2, 3, 32, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, what",
+    [
+        ((2, 2, 1, 32), torch.float32, "got batch 2"),
+        ((1, 4, 1, 32), torch.float32, "4 kv heads"),
+        ((1, 2, 1, 16), torch.float32, "head_dim 16/16"),
+        ((1, 2, 1, 32), torch.float16, "torch.float16 on cpu"),
+    ],
+)
+def test_update_refuses_a_change_of_shape_until_reset(shape, dtype, what):
+    cache = KiviCache(group_size=16, residual_length=32, backend="reference")
+    cache.update(torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32), 0)
+    with pytest.raises(ValueError, match=f"holds states of batch 1, 2 kv heads, head_dim 32/32.*{what}.*reset"):
+        cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), 0)
+    assert cache.get_seq_length() == 40  # the refused update left nothing behind
+    cache.reset()
+    cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), 0)
+    assert cache.get_seq_length() == 1
+
+
+def test_wrong_types_for_config_settings_and_backend_are_named():
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, vocab_size=8))
+    with pytest.raises(TypeError, match="`config` must be a transformers PretrainedConfig.*LlamaForCausalLM: pass"):
+        KiviCache(config=model)
+    with pytest.raises(TypeError, match="`config` must be a transformers PretrainedConfig or None, got dict"):
+        KiviCache(config={"num_hidden_layers": 1})
+    with pytest.raises(TypeError, match="`settings` must be a KiviSettings or None, got dict"):
+        KiviLayer({"bits": 2})
+    with pytest.raises(TypeError, match="`backend` must be a backend name"):
+        KiviLayer(None, 3)
+    assert KiviLayer(None, "reference").backend.name == "reference"
 
 
 def test_config_without_attention_fields_is_refused():

@@ -322,6 +322,33 @@ def test_attn_implementation_is_restored_even_after_an_error():
     assert model.config._attn_implementation == "eager"
 
 
+def test_read_masks_handed_out_are_copies():
+    settings = KiviSettings(group_size=4, residual_length=8)
+    keys, values = decode_read_masks(settings, 20)
+    expected = keys.clone(), values.clone()
+    keys.zero_(), values.zero_()  # a caller's edit must not change the noise kivi_qat trains with
+    again = decode_read_masks(settings, 20)
+    assert torch.equal(again[0], expected[0]) and torch.equal(again[1], expected[1]) and bool(again[0].any())
+    with pytest.raises(ValueError, match="`length` must be a non-negative integer"):
+        decode_read_masks(settings, -1)
+    with pytest.raises(TypeError, match="`settings` must be a KiviSettings"):
+        decode_read_masks({"group_size": 4}, 20)
+
+
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        (((1, 4, 8, 16), (1, 2, 8, 16), (1, 1, 8, 16)), "`key` and `value` must share batch, kv heads and tokens"),
+        (((1, 4, 8, 16), (1, 2, 8, 8), (1, 2, 8, 8)), "head_dim of `query`"),
+        (((4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), r"`query` must be a \[batch, heads, tokens, head_dim\]"),
+    ],
+)
+def test_qat_attention_refuses_mismatched_states(shapes, match):
+    query, key, value = (torch.randn(shape) for shape in shapes)
+    with pytest.raises(ValueError, match=match):
+        qat_attention(query, key, value, KiviSettings(group_size=4, residual_length=8))
+
+
 def test_bad_input_raises_clear_errors():
     model = llama()
     with pytest.raises(TypeError, match="unknown kivi_qat option.*residual_lenght"):

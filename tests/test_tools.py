@@ -144,9 +144,9 @@ def test_bench_extra_kivi_options_reach_the_cache(assets, tmp_path, capsys):
     common = ["bench", "--model", model_dir, "--contexts", 64, "--batch-sizes", 1, "--new-tokens", 3, "--warmup", 0]
     common += ["--repeats", 1, "--caches", "kivi-dense", *KIVI]
     plain = run_json(common, tmp_path, capsys)["rows"][0]
-    wide = run_json([*common, "--kivi-option", "meta_dtype=float32"], tmp_path, capsys)["rows"][0]
-    assert wide["cache"] == "kivi-dense 2-bit (meta_dtype=float32)"
-    assert wide["kv_bytes"] > plain["kv_bytes"]  # fp32 scales and zeros instead of fp16
+    wide = run_json([*common, "--kivi-option", "key_bits=4"], tmp_path, capsys)["rows"][0]
+    assert wide["cache"] == "kivi-dense 2-bit (key_bits=4)"
+    assert wide["kv_bytes"] > plain["kv_bytes"]  # 4-bit key codes instead of 2-bit
 
 
 def test_bench_without_dynamic_or_tqdm_runs_without_ratios_or_bars(assets, tmp_path, capsys, monkeypatch):
@@ -307,6 +307,8 @@ def test_bad_input_is_one_error_line_and_no_json(assets, tmp_path, capsys, args,
         (["bench", "--batch-sizes", "two"], "must be an integer, got 'two'"),
         (["eval-ppl", "--eval-mode", "sliding"], "invalid choice: 'sliding'"),
         (["eval-ppl", "--kivi-option", "sinks"], "expected NAME=VALUE"),
+        (["bench", "--kivi-option", "bits=4"], "'bits' is not a --kivi-option: use --bits"),
+        (["eval-ppl", "--kivi-option", "attention=dense"], "the cache names choose it"),
     ],
 )
 def test_bad_arguments_are_argparse_errors(tmp_path, capsys, args, message):

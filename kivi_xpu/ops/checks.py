@@ -48,6 +48,11 @@ def check_float_tensor(t, name: str, rank: int = 4, dtypes=FLOAT_DTYPES) -> None
 
 
 def check_meta_dtype(meta_dtype, name: str = "meta_dtype") -> None:
+    if isinstance(meta_dtype, str):
+        raise ValueError(
+            f"`{name}` must be a torch.dtype, one of ({', '.join(map(str, META_DTYPES))}), got the string "
+            f"{meta_dtype!r} (names are accepted only in generate's cache_config)"
+        )
     if meta_dtype not in META_DTYPES:
         raise ValueError(f"`{name}` must be one of ({_names(META_DTYPES)}), got {meta_dtype!r}")
 
