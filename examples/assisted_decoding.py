@@ -38,6 +38,7 @@ def main(argv=None):
     inputs = chat_inputs(tokenizer, [{"role": "user", "content": PROMPT}])
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.max_new_tokens if args.tiny else None,  # random weights: no early EOS
         do_sample=False,
         cache_implementation="kivi",
         cache_config={"residual_length": 32, "backend": args.backend, "device": args.device},

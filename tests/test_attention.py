@@ -146,7 +146,11 @@ def test_kivi_attention_with_other_caches_is_plain_sdpa():
     for attn in ("sdpa", "kivi"):
         model.set_attn_implementation(attn)
         with torch.no_grad():
-            outs.append(model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=20))
+            outs.append(
+                model.generate(
+                    ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=20, min_new_tokens=20
+                )
+            )
     assert torch.equal(outs[0], outs[1])
 
 
@@ -175,5 +179,7 @@ def test_sliding_window_layers_stay_dense_under_kivi_attention():
         with pytest.warns(UserWarning, match="no layer of this MistralConfig uses full attention"):
             cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend="reference")
         with torch.no_grad():
-            outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=60, do_sample=False))
+            outs.append(
+                model.generate(ids, past_key_values=cache, max_new_tokens=60, min_new_tokens=60, do_sample=False)
+            )
     assert torch.equal(outs[0], outs[1])

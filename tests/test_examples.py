@@ -51,3 +51,6 @@ def test_quantization_aware_fine_tuning_moves_the_streaming_perplexity_down():
     numbers, alternative = line.split("before ")[1].rstrip(")").split(" (full-precision fine-tuning instead: ")
     before, after = (float(x) for x in numbers.split(" -> after "))
     assert after < before and after < float(alternative)  # QAT beats fine-tuning in full precision for this cache
+    # The example's claim: the one-forward QAT emulation gives the streaming KIVI perplexity (printed to 3 decimals).
+    line = next(x for x in result.stdout.splitlines() if x.startswith("(the QAT forward's own ppl"))
+    assert abs(float(line.split("windows: ")[1].split(";")[0]) - after) <= 0.0015, line

@@ -41,7 +41,7 @@ def kivi(model, backend_name, **kwargs):
 def test_greedy_is_token_identical_while_inside_the_residual_window(model, backend_name):
     ids = torch.randint(0, VOCAB, (2, 20))
     mask = torch.ones_like(ids)
-    kwargs = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
     dense = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs)
     cache = kivi(model, backend_name, bits=2)
     quant = model.generate(ids, past_key_values=cache, **kwargs)
@@ -74,10 +74,16 @@ def test_logit_error_is_bounded_and_shrinks_with_more_bits(model, backend_name):
 def test_beam_search_matches_dynamic_cache_inside_the_window_and_runs_beyond(model, backend_name):
     ids = torch.randint(0, VOCAB, (2, 12))
     kwargs = dict(attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=2, do_sample=False)
-    dense = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=30, **kwargs)
-    quant = model.generate(ids, past_key_values=kivi(model, backend_name), max_new_tokens=30, **kwargs)
+    dense = model.generate(
+        ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=30, min_new_tokens=30, **kwargs
+    )
+    quant = model.generate(
+        ids, past_key_values=kivi(model, backend_name), max_new_tokens=30, min_new_tokens=30, **kwargs
+    )
     assert torch.equal(dense, quant)  # reorder_cache and the batch expansion are exact
-    long = model.generate(ids, past_key_values=kivi(model, backend_name, bits=4), max_new_tokens=150, **kwargs)
+    long = model.generate(
+        ids, past_key_values=kivi(model, backend_name, bits=4), max_new_tokens=150, min_new_tokens=150, **kwargs
+    )
     assert long.shape == (4, 12 + 150)
 
 
@@ -118,7 +124,7 @@ def test_continuing_a_conversation_appends_many_tokens_onto_the_history(model, b
 @torch.no_grad()
 def test_cache_without_config_creates_kivi_layers_on_first_use(model, backend_name):
     ids = torch.randint(0, VOCAB, (1, 20))
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=30, do_sample=False)
     dense = model.generate(ids, past_key_values=DynamicCache(), **kwargs)
     cache = KiviCache(group_size=32, residual_length=64, backend=backend_name)
     assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), dense)

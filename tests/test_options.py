@@ -559,9 +559,15 @@ def test_assisted_generation_with_a_recording_kivi_cache():
     assistant = LlamaForCausalLM(llama_config(layers=1, head_dim=32)).eval()
     ids = torch.randint(1, 256, (1, 30))
     cache = KiviCache(config=model.config, group_size=16, residual_length=32, sink_tokens=2, backend="reference")
+    crops = []
+    crop = cache.crop
+    cache.crop = lambda n: (crops.append(n), crop(n))[1]
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, assistant_model=assistant, max_new_tokens=60, do_sample=False)
-    assert out.shape[1] > 60
+        out = model.generate(
+            ids, past_key_values=cache, assistant_model=assistant, max_new_tokens=60, min_new_tokens=60, do_sample=False
+        )
+    assert out.shape[1] == 90
+    assert any(n < 0 for n in crops)  # drafts were rejected: the rollback really ran
     # The cache holds exactly the sequence minus the last token, by the rule, as if built without rollbacks.
     for layer in cache.layers:
         check_counts(layer, out.shape[1] - 1)
