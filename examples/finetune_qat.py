@@ -60,6 +60,12 @@ wind light from the west, sea slight, two fishing boats going north.
 """
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--text", help="UTF-8 text file to train and evaluate on (default: a built-in text); with "
@@ -68,15 +74,15 @@ def parse_args(argv=None):
     p.add_argument("--pretrain-steps", type=int, default=250, help="tiny model: full-precision steps first (250)")
     p.add_argument("--steps", type=int, default=60, help="fine-tuning steps, QAT and full precision each (60)")
     p.add_argument("--lr", type=float, default=None, help="fine-tuning learning rate (tiny: 1e-3; SmolLM2: 1e-5)")
-    p.add_argument("--window", type=int, default=128, help="tokens per training/evaluation window (128)")
-    p.add_argument("--batch", type=int, default=8, help="training windows per step (8)")
-    p.add_argument("--eval-windows", type=int, default=8, help="windows scored by the streaming decode (8)")
+    p.add_argument("--window", type=positive_int, default=128, help="tokens per training/evaluation window (128)")
+    p.add_argument("--batch", type=positive_int, default=8, help="training windows per step (8)")
+    p.add_argument("--eval-windows", type=positive_int, default=8, help="windows scored by the streaming decode (8)")
     p.add_argument("--held-out", action="store_true", help="do not train on the evaluation windows")
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--residual-length", type=int, default=16)
     p.add_argument("--sink-tokens", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (tiny model: 1, which is fastest)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (tiny model: 1, which is fastest)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

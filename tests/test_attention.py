@@ -59,6 +59,8 @@ def test_packed_attention_ops_reject_bad_input(backend_name):
     codes, scales, zeros = ref.quantize_values(torch.randn(1, 2, 10, 64), 32, 2)
     with pytest.raises(ValueError, match="num_tokens"):
         kernels.packed_value_combine(torch.rand(1, 2, 1, 12), codes, scales, zeros, 12, 32, 2)
+    with pytest.raises(ValueError, match="`codes` must hold at least one kv head"):
+        kernels.packed_value_combine(torch.rand(1, 2, 1, 8), codes[:, :0], scales[:, :0], zeros[:, :0], 8, 32, 2)
 
 
 @pytest.mark.parametrize("q_len", (1, 5))

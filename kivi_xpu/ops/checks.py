@@ -153,6 +153,8 @@ def check_attention_args(
     if query.device != codes.device:
         raise ValueError(f"`{name}` is on {query.device} but `codes` is on {codes.device}: all must share a device")
     b, kv_heads = codes.shape[:2]
+    if kv_heads == 0:
+        raise ValueError(f"`codes` must hold at least one kv head, got shape {tuple(codes.shape)}")
     if query.shape[0] != b or query.shape[1] % kv_heads != 0:
         raise ValueError(
             f"`{name}` shape {tuple(query.shape)} must be [batch={b}, a multiple of the {kv_heads} kv heads, ...]"
