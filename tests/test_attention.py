@@ -163,15 +163,7 @@ def test_use_fused_attention_switches_the_model():
 
 
 def test_sliding_window_layers_stay_dense_under_kivi_attention():
-    config = MistralConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=48,
-    )
+    config = MistralConfig(**models.TINY_LLAMA, sliding_window=48)
     torch.manual_seed(0)
     model = MistralForCausalLM(config).eval()
     ids = torch.randint(1, 256, (1, 30))
