@@ -23,7 +23,7 @@ from transformers.cache_utils import (
 from .algorithm import KiviSettings
 from .attention import ATTENTION_NAME, FusedStep, attend_tail_and_history, hand_over
 from .backend import Selection, select
-from .ops.checks import FLOAT_DTYPES
+from .ops.checks import check_float_tensor
 from .storage import DepartedTokens, PackedHistory, TokenBuffer
 
 
@@ -263,7 +263,7 @@ class KiviLayer(CacheLayerMixin):
             self.key_sinks.append(key_states[:, :, :to_sinks])
             self.value_sinks.append(value_states[:, :, :to_sinks])
             key_states, value_states = key_states[:, :, to_sinks:], value_states[:, :, to_sinks:]
-        self.cumulative_length += key_states.shape[2] + max(to_sinks, 0)
+        self.cumulative_length += key_states.shape[2] + to_sinks
         n = self.cumulative_length
         for (_, packed, residual, departed), new, target in zip(
             self._parts(),
@@ -277,13 +277,8 @@ class KiviLayer(CacheLayerMixin):
     def _check_states(self, key_states, value_states) -> None:
         """A clear error for states the layer cannot append, instead of a shape error deep inside the buffers or a
         layer whose keys and values silently fall out of step."""
-        for name, t in (("key_states", key_states), ("value_states", value_states)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in FLOAT_DTYPES:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"`{name}` must be a [batch, kv_heads, tokens, head_dim] tensor of dtype "
-                    f"{', '.join(str(d) for d in FLOAT_DTYPES)}; got {got}"
-                )
+        check_float_tensor(key_states, "key_states")
+        check_float_tensor(value_states, "value_states")
         k, v = key_states, value_states
         if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
             raise ValueError(

@@ -40,7 +40,7 @@ from .algorithm import KiviSettings
 from .attention import masked_scores
 from .cache import KiviCache, KiviLayer, _head_dim
 from .ops import reference as ref
-from .ops.checks import FLOAT_DTYPES
+from .ops.checks import check_float_tensor
 from .ops.reference import group_queries
 
 QAT_ATTENTION_NAME = "kivi_qat"
@@ -144,12 +144,7 @@ def _fully_masked_rows(attention_mask: torch.Tensor | None, n: int) -> torch.Ten
 
 def _check_qat_states(query, key, value) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in FLOAT_DTYPES:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"`{name}` must be a [batch, heads, tokens, head_dim] tensor of dtype "
-                f"{', '.join(str(d) for d in FLOAT_DTYPES)}; got {got}"
-            )
+        check_float_tensor(t, name)
     if key.shape[:3] != value.shape[:3] or key.shape[0] != query.shape[0] or key.shape[3] != query.shape[3]:
         raise ValueError(
             "`key` and `value` must share batch, kv heads and tokens, and `key` the batch and head_dim of `query`; "

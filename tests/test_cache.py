@@ -223,15 +223,21 @@ def test_constructor_validation(kwargs, match):
     [
         ((1, 2, 3, 32), (1, 2, 5, 32), "`key_states` and `value_states` must share batch, kv_heads, tokens"),
         ((1, 2, 3, 32), (2, 2, 3, 32), "must share batch"),
-        ((2, 3, 32), (2, 3, 32), r"`key_states` must be a \[batch, kv_heads, tokens, head_dim\] tensor"),
-        ((1, 2, 3, 32), (1, 2, 3, 32, 1), "`value_states` must be"),
+        (
+            (2, 3, 32),
+            (2, 3, 32),
+            r"`key_states` must have rank 4 \[batch, heads, tokens, head_dim\], got shape \(2, 3, 32\)",
+        ),
+        ((1, 2, 3, 32), (1, 2, 3, 32, 1), r"`value_states` must have rank 4 .* got shape \(1, 2, 3, 32, 1\)"),
     ],
 )
 def test_update_refuses_states_it_cannot_append(keys, values, match):
     cache = KiviCache(group_size=16, residual_length=32, backend="reference")
     with pytest.raises(ValueError, match=match):
         cache.update(torch.randn(keys), torch.randn(values), 0)
-    with pytest.raises(ValueError, match="dtype torch.float32, torch.float16, torch.bfloat16; got .* torch.int64"):
+    with pytest.raises(
+        TypeError, match=r"`key_states` must have dtype in \(float32, float16, bfloat16\), got torch.int64"
+    ):
         cache.update(torch.ones(1, 2, 3, 32, dtype=torch.long), torch.ones(1, 2, 3, 32, dtype=torch.long), 0)
 
 

@@ -340,7 +340,10 @@ def test_read_masks_handed_out_are_copies():
     [
         (((1, 4, 8, 16), (1, 2, 8, 16), (1, 1, 8, 16)), "`key` and `value` must share batch, kv heads and tokens"),
         (((1, 4, 8, 16), (1, 2, 8, 8), (1, 2, 8, 8)), "head_dim of `query`"),
-        (((4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), r"`query` must be a \[batch, heads, tokens, head_dim\]"),
+        (
+            ((4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)),
+            r"`query` must have rank 4 \[batch, heads, tokens, head_dim\], got shape \(4, 8, 16\)",
+        ),
     ],
 )
 def test_qat_attention_refuses_mismatched_states(shapes, match):
