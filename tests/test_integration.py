@@ -441,37 +441,22 @@ def test_left_padded_batch_fused_matches_dense(llama):
 @torch.no_grad()
 def test_a_conversation_continues_in_the_same_cache(llama):
     first = prompts(batch=1, length=12)
-    reply = llama.generate(
-        **first, do_sample=False, max_new_tokens=20, min_new_tokens=20, **kivi(**NARROW), return_dict_in_generate=True
-    )
+    reply = greedy(llama, first, max_new_tokens=20, **kivi(**NARROW), return_dict_in_generate=True)
     cache = reply.past_key_values
     turn = torch.randint(3, VOCAB, (1, 23))  # a multi-token append onto a quantized history
-    ids = torch.cat([reply.sequences, turn], dim=1)
-    out = llama.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=20,
-        min_new_tokens=20,
-        past_key_values=cache,
-    )
+
+    def continued(sequences, **kwargs):
+        ids = torch.cat([sequences, turn], dim=1)
+        return ids, greedy(
+            llama, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, max_new_tokens=20, **kwargs
+        )
+
+    ids, out = continued(reply.sequences, past_key_values=cache)
     assert cache.get_seq_length() == ids.shape[1] + 19
     # The same conversation with a window wider than the text is exactly the full-precision one.
-    reply = llama.generate(
-        **first, do_sample=False, max_new_tokens=20, min_new_tokens=20, **kivi(**WIDE), return_dict_in_generate=True
-    )
-    ids = torch.cat([reply.sequences, turn], dim=1)
-    wide = llama.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=20,
-        min_new_tokens=20,
-        past_key_values=reply.past_key_values,
-    )
-    dynamic = llama.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, min_new_tokens=20
-    )
+    reply = greedy(llama, first, max_new_tokens=20, **kivi(**WIDE), return_dict_in_generate=True)
+    _, wide = continued(reply.sequences, past_key_values=reply.past_key_values)
+    _, dynamic = continued(reply.sequences)
     assert torch.equal(wide, dynamic) and out.shape == dynamic.shape
 
 
@@ -515,7 +500,7 @@ def test_cache_implementation_together_with_a_cache_object_is_refused(llama):
 @torch.no_grad()
 def test_use_cache_false_generates_without_a_cache(llama):
     inputs = prompts(batch=1)
-    out = llama.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False, use_cache=False, **kivi())
+    out = greedy(llama, inputs, max_new_tokens=4, use_cache=False, **kivi())
     assert torch.equal(out, greedy(llama, inputs, max_new_tokens=4))
 
 
