@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import add_model_arguments, chat_inputs, load, tiny_llama
+from common import add_model_arguments, chat_inputs, load, new_token_options, tiny_llama
 from transformers import AutoModelForCausalLM
 
 import kivi_xpu  # noqa: F401  (enables cache_implementation="kivi")
@@ -37,8 +37,7 @@ def main(argv=None):
         drafts = {"assistant_model": AutoModelForCausalLM.from_pretrained(args.assistant, dtype=torch.float32)}
     inputs = chat_inputs(tokenizer, [{"role": "user", "content": PROMPT}])
     kwargs = dict(
-        max_new_tokens=args.max_new_tokens,
-        min_new_tokens=args.max_new_tokens if args.tiny else None,  # random weights: no early EOS
+        **new_token_options(args),
         do_sample=False,
         cache_implementation="kivi",
         cache_config={"residual_length": 32, "backend": args.backend, "device": args.device},

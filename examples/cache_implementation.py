@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import add_model_arguments, chat_inputs, load
+from common import add_model_arguments, chat_inputs, load, new_token_options
 from transformers import GenerationConfig
 
 import kivi_xpu  # noqa: F401  (importing kivi_xpu enables cache_implementation="kivi" and attn_implementation="kivi")
@@ -29,7 +29,7 @@ def main(argv=None):
     inputs = chat_inputs(tokenizer, [{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
     # residual_length=64 (the paper uses 128) so that even this short text gets a quantized history
     cache_config = {"bits": 2, "group_size": 32, "residual_length": 64, "backend": args.backend, "device": args.device}
-    length = {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens if args.tiny else None}
+    length = new_token_options(args)
 
     with torch.no_grad():
         # 1. generate keyword arguments

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import add_model_arguments, chat_inputs, load
+from common import add_model_arguments, chat_inputs, load, new_token_options
 
 from kivi_xpu import KiviCache
 
@@ -40,8 +40,7 @@ def main(argv=None):
             out = model.generate(
                 **inputs,
                 past_key_values=cache,
-                max_new_tokens=args.max_new_tokens,
-                min_new_tokens=args.max_new_tokens if args.tiny else None,
+                **new_token_options(args),
                 do_sample=False,
             )
         answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -19,6 +19,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="SYCL device filter, e.g. opencl:cpu or level_zero:gpu")
 
 
+def new_token_options(args) -> dict:
+    """``max_new_tokens`` for generate; with ``--tiny`` also ``min_new_tokens``, because random weights may emit an
+    early end-of-text token and shorten the run the tests check."""
+    return {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens if args.tiny else None}
+
+
 def tiny_llama(num_hidden_layers: int = 2, seed: int = 0, **config) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(

@@ -11,7 +11,7 @@ import argparse
 import time
 
 import torch
-from common import add_model_arguments, chat_inputs, load
+from common import add_model_arguments, chat_inputs, load, new_token_options
 from transformers import DynamicCache
 
 from kivi_xpu import KiviCache
@@ -53,8 +53,7 @@ def main(argv=None):
             out = model.generate(
                 **inputs,
                 past_key_values=cache,
-                max_new_tokens=args.max_new_tokens,
-                min_new_tokens=args.max_new_tokens if args.tiny else None,
+                **new_token_options(args),
                 do_sample=False,
             )
         seconds = time.perf_counter() - start

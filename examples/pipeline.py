@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import add_model_arguments, load
+from common import add_model_arguments, load, new_token_options
 from transformers import pipeline
 
 import kivi_xpu  # noqa: F401  (enables cache_implementation="kivi")
@@ -26,8 +26,7 @@ def main(argv=None):
     prompt = messages if tokenizer.chat_template else messages[0]["content"]
     result = generator(
         prompt,
-        max_new_tokens=args.max_new_tokens,
-        min_new_tokens=args.max_new_tokens if args.tiny else None,
+        **new_token_options(args),
         do_sample=False,
         cache_implementation="kivi",
         cache_config={"bits": 2, "residual_length": 64, "backend": args.backend, "device": args.device},
