@@ -667,6 +667,15 @@ def run_tool(command: Callable, args) -> int:
     return 0
 
 
+def tool_main(module: str, description: str, add_arguments: Callable, command: Callable, argv=None) -> int:
+    """``python -m <module>`` of a tool: its arguments parsed from ``argv``, then :func:`run_tool`."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {module}", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    return run_tool(command, parser.parse_args(argv))
+
+
 def apply_process_options(args) -> None:
     """``--threads``; ``--no-progress`` also silences transformers' own progress bars (weight loading)."""
     if args.threads:
@@ -1006,11 +1015,7 @@ def command(args) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kivi_xpu.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(parser)
-    return run_tool(command, parser.parse_args(argv))
+    return tool_main("kivi_xpu.bench", __doc__, add_arguments, command, argv)
 
 
 if __name__ == "__main__":

@@ -49,10 +49,10 @@ from .bench import (
     positive_int,
     progress,
     resolve_text,
-    run_tool,
     settings_of,
     text_tokens,
     third_party_failure,
+    tool_main,
     unavailable_reason,
     write_json,
 )
@@ -321,11 +321,7 @@ def command(args) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kivi_xpu.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(parser)
-    return run_tool(command, parser.parse_args(argv))
+    return tool_main("kivi_xpu.evaluate", __doc__, add_arguments, command, argv)
 
 
 if __name__ == "__main__":
