@@ -12,26 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from tiny_models import TINY_LLAMA
 from transformers import DynamicCache, GenerationConfig, pipeline
 
 from kivi_xpu import KiviCache, KiviLayer, integration
 from kivi_xpu.assets import byte_tokenizer
 
-VOCAB = 256
+VOCAB = TINY_LLAMA["vocab_size"]
 WIDE = {"residual_length": 512, "group_size": 32}  # wider than every text below: nothing is quantized
 NARROW = {"residual_length": 16, "group_size": 16}  # a flush every 16 tokens
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# The tiny Llama's fields, shared by every architecture below.
+COMMON = dict(TINY_LLAMA, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 GEMMA_LAYERS = ["sliding_attention", "full_attention"]
 
 # name -> (builder, cache layer types it must get)
