@@ -19,15 +19,16 @@ Prints a markdown table. Not a test: numbers depend on the machine.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from functools import partial
 
 import torch
 
-from kivi_xpu import backend  # noqa: F401  (prepares the SYCL environment before anything loads it)
+from kivi_xpu import backend
+from kivi_xpu.ops import BackendOps, for_backend
 from kivi_xpu.ops import reference as ref
-from kivi_xpu.ops.sycl import SyclKernels
 
 
 def median_seconds(fn, repeats: int, warmup: int) -> float:
@@ -52,7 +53,7 @@ def copy_seconds(num_bytes: int, repeats: int, warmup: int) -> float:
     return median_seconds(lambda: dst.copy_(src), repeats, warmup)
 
 
-def cases(kernels: SyclKernels, x: torch.Tensor, group_size: int, bits: int):
+def cases(kernels: BackendOps, x: torch.Tensor, group_size: int, bits: int):
     """Yields (op name, kernel call, reference call, bytes moved) for the four ops on ``x [B, H, T, D]``."""
     tokens = x.shape[2]
     for layout in ("keys", "values"):
@@ -74,7 +75,7 @@ def cases(kernels: SyclKernels, x: torch.Tensor, group_size: int, bits: int):
         )
 
 
-def attention_rows(kernels: SyclKernels, args):
+def attention_rows(kernels: BackendOps, args):
     """Yields table rows for packed_key_scores / packed_value_combine against dense fp32 torch matmuls."""
     hq, hkv, d, g, bits = args.attn_heads, args.attn_kv_heads, args.attn_head_dim, args.group_size, 2
     meta = getattr(torch, args.attn_meta_dtype)
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--backend", choices=("sycl", "native"), default="sycl", help="kernels to measure")
     parser.add_argument(
         "--device", default=None, help="SYCL filter string (default: $KIVI_XPU_DEVICE / first GPU / CPU)"
     )
@@ -134,25 +136,24 @@ def main() -> None:
     parser.add_argument("--attn-meta-dtype", default="float16")
     args = parser.parse_args()
 
-    kernels = SyclKernels(args.device)
-    print(
-        f"device: {kernels.device} ({kernels.facts['name']}), torch threads: {torch.get_num_threads()}, "
-        f"kernel compile: {kernels.facts['compile_seconds']:.2f} s\n"
-    )
+    if args.device:
+        os.environ[backend.DEVICE_ENV] = args.device  # CPU tensors run on this SYCL device
+    kernels = for_backend(args.backend)
+    print(f"kernels: {backend.select(args.backend).describe()}, torch threads: {torch.get_num_threads()}\n")
     if not args.attention_only:
         quantize_table(kernels, args)
     print(
         f"\nfused attention, decode: Hq={args.attn_heads}, Hkv={args.attn_kv_heads}, D={args.attn_head_dim}, L=1, "
         f"2-bit, G={args.group_size}, {args.attn_meta_dtype} metadata\n"
     )
-    print("| op | B | T | packed MB | SYCL ms | packed GB/s | dense fp32 torch ms | vs dense |")
+    print("| op | B | T | packed MB | kernel ms | packed GB/s | dense fp32 torch ms | vs dense |")
     print("|---|---|---|---|---|---|---|---|")
     for row in attention_rows(kernels, args):
         print(row, flush=True)
 
 
-def quantize_table(kernels: SyclKernels, args) -> None:
-    print("| op | B | dtype | bits | MB moved | SYCL ms | SYCL GB/s | vs copy_ | reference ms | speedup |")
+def quantize_table(kernels: BackendOps, args) -> None:
+    print("| op | B | dtype | bits | MB moved | kernel ms | kernel GB/s | vs copy_ | reference ms | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     copy_cache: dict[int, float] = {}
     for batch in args.batch:

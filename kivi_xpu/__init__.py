@@ -1,7 +1,6 @@
-"""kivi-xpu: a 2-bit KIVI KV cache for HuggingFace transformers, with SYCL kernels."""
+"""kivi-xpu: a 2-bit KIVI KV cache for HuggingFace transformers, with native CPU and SYCL kernels."""
 
-# `backend` first: it points the SYCL runtime at its OpenCL CPU device and kernel cache before anything loads it.
-from . import backend  # noqa: F401, I001
+from . import ops  # noqa: F401  (torch.ops.kivi_xpu.* exist as soon as kivi_xpu is imported)
 from .algorithm import KiviSettings
 from .attention import register as _register_attention
 from .attention import use_fused_attention

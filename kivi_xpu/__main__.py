@@ -26,6 +26,7 @@ def _print_info(facts: dict) -> None:
     print("SYCL devices:")
     for device in facts["devices"] or [{"filter": "-", "name": "none found"}]:
         print(f"  {device['filter']:<20} {device['name']}")
+    print(f"native CPU kernels: {facts['native_isa'] or 'not built: ' + facts.get('native_reason', '')}")
     print(f"backend: {facts['backend']} ({facts['reason']})")
     if facts["backend"] == "sycl":
         d = facts["device_facts"]
@@ -38,7 +39,9 @@ def _print_info(facts: dict) -> None:
     print(f"OCL_ICD_FILENAMES: {facts['OCL_ICD_FILENAMES']}")
     if facts["backend"] == "error":
         return
-    op_backend = "SYCL kernels" if facts["backend"] == "sycl" else "pure-PyTorch reference"
+    op_backend = {"sycl": "SYCL kernels", "native": "native CPU kernels"}.get(
+        facts["backend"], "pure-PyTorch reference"
+    )
     print(f"ops on CPU tensors -> {op_backend}: " + ", ".join(f"torch.ops.kivi_xpu.{op}" for op in OPS))
 
 

@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .ops.reference import group_queries
+from .ops.reference import group_queries, masked_scores, softmax_rows
 
 ATTENTION_NAME = "kivi"
 
@@ -103,21 +103,6 @@ def use_fused_attention(model) -> None:
     model.set_attn_implementation(ATTENTION_NAME)
 
 
-def masked_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Applies a transformers mask (bool, True = attend; or additive float) to ``scores [B, Hq, L, n]``; without
-    a mask the last ``L`` tokens are the queries themselves and attend causally."""
-    if attention_mask is not None:
-        mask = attention_mask[..., -scores.shape[-1] :]
-        if mask.dtype == torch.bool:
-            return scores.masked_fill(~mask, float("-inf"))
-        return scores + mask.float()
-    length, n = scores.shape[-2:]
-    if length == 1:
-        return scores
-    causal = torch.ones(length, n, dtype=torch.bool, device=scores.device).tril(n - length)
-    return scores.masked_fill(~causal, float("-inf"))
-
-
 def attend_tail_and_history(
     query: torch.Tensor,
     scaling: float,
@@ -162,7 +147,7 @@ def attend_tail_and_history(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = masked_scores(scores, attention_mask)
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked rows (padding queries) give zeros
+    probs = softmax_rows(scores)  # fully masked rows (padding queries) give zeros; NaN elsewhere propagates
     history_end = sinks + quantized_values
     out = exact_sum(probs[..., history_end:], values_tail)
     if sinks:

@@ -23,6 +23,7 @@ from transformers.cache_utils import (
 from .algorithm import KiviSettings
 from .attention import ATTENTION_NAME, FusedStep, attend_tail_and_history, hand_over
 from .backend import Selection, select
+from .ops import kernel
 from .ops.checks import check_float_tensor
 from .storage import DepartedTokens, PackedHistory, TokenBuffer
 
@@ -164,9 +165,9 @@ class KiviLayer(CacheLayerMixin):
         self.value_sinks = TokenBuffer(batch, heads, value_dim, self.dtype, self.device, min_rows=sinks)
         self.key_residual = TokenBuffer(batch, heads, key_dim, self.dtype, self.device, min_rows=r)
         self.value_residual = TokenBuffer(batch, heads, value_dim, self.dtype, self.device, min_rows=2 * r)
-        kernels = self.backend.kernels
-        self.packed_keys = PackedHistory("keys", self.settings, batch, heads, key_dim, storage, kernels)
-        self.packed_values = PackedHistory("values", self.settings, batch, heads, value_dim, storage, kernels)
+        name = self.backend.name
+        self.packed_keys = PackedHistory("keys", self.settings, batch, heads, key_dim, storage, name)
+        self.packed_values = PackedHistory("values", self.settings, batch, heads, value_dim, storage, name)
         self.departed_keys, self.departed_values = DepartedTokens(), DepartedTokens()
         self.is_initialized = True
 
@@ -203,19 +204,21 @@ class KiviLayer(CacheLayerMixin):
         """Attention of ``query [B, Hq, L, D]`` over this step's tokens straight from the packed history (on the
         storage device), the exact sinks and the exact tail (on the model's device); ``softcap`` as in
         :func:`~kivi_xpu.attention.attend_tail_and_history`. Returns ``[B, Hq, L, D]``."""
-        kernels, keys, values = self.backend.kernels, self.packed_keys, self.packed_values
+        keys, values = self.packed_keys, self.packed_values
+        key_scores_kernel = kernel("packed_key_scores", self.backend.name)
+        value_combine_kernel = kernel("packed_value_combine", self.backend.name)
 
         def key_scores(q):
             codes, scales, zeros = (b.data for b in keys.buffers())
             q = q.to(keys.device)
             count, group, bits = step.quantized_keys, keys.group_size, keys.bits
-            return kernels.packed_key_scores(q, codes, scales, zeros, count, group, bits).to(self.device)
+            return key_scores_kernel(q, codes, scales, zeros, count, group, bits).to(self.device)
 
         def value_sum(p):
             codes, scales, zeros = (b.data for b in values.buffers())
             p = p.to(values.device)
             count, group, bits = step.quantized_values, values.group_size, values.bits
-            return kernels.packed_value_combine(p, codes, scales, zeros, count, group, bits).to(self.device)
+            return value_combine_kernel(p, codes, scales, zeros, count, group, bits).to(self.device)
 
         return attend_tail_and_history(
             query,

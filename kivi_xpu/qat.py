@@ -37,11 +37,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .algorithm import KiviSettings
-from .attention import masked_scores
 from .cache import KiviCache, KiviLayer, _head_dim
 from .ops import reference as ref
 from .ops.checks import check_float_tensor
-from .ops.reference import group_queries
+from .ops.reference import group_queries, masked_scores
 
 QAT_ATTENTION_NAME = "kivi_qat"
 # Attribute set on every module with a `layer_idx` while kivi_qat is active: (the layer's KiviSettings, or None for a

@@ -11,6 +11,7 @@ import math
 import torch
 
 from .algorithm import KiviSettings
+from .ops import kernel
 from .ops.checks import codes_per_byte
 
 # Capacity grows by 25% (at least one residual block): amortised O(1) copies per token, at most ~20% slack.
@@ -108,7 +109,7 @@ class PackedHistory:
     ``key_group_size`` for keys, ``value_bits`` / ``value_group_size`` for values; see :mod:`kivi_xpu.ops.reference`).
     """
 
-    def __init__(self, kind: str, settings: KiviSettings, batch: int, heads: int, head_dim: int, device, kernels):
+    def __init__(self, kind: str, settings: KiviSettings, batch: int, heads: int, head_dim: int, device, backend: str):
         if kind == "keys":
             self.bits, self.group_size = settings.key_bits, settings.key_group_size
         elif kind == "values":
@@ -121,11 +122,12 @@ class PackedHistory:
             # Token axis last (channel-major); rows are bytes of P tokens (codes) and groups of G tokens (metadata).
             token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 3, per, g
             code_width, meta_width = head_dim, head_dim
-            self._quantize, self._dequantize = kernels.quantize_keys, kernels.dequantize_keys
+            self._quantize, self._dequantize = kernel("quantize_keys", backend), kernel("dequantize_keys", backend)
         else:
             token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 2, 1, 1
             code_width, meta_width = head_dim // per, head_dim // g
-            self._quantize, self._dequantize = kernels.quantize_values, kernels.dequantize_values
+            self._quantize = kernel("quantize_values", backend)
+            self._dequantize = kernel("dequantize_values", backend)
         # Grow by at least one residual block of tokens at a time.
         code_rows, meta_rows = r // self.tokens_per_code_row, r // self.tokens_per_meta_row
         self.codes = TokenBuffer(batch, heads, code_width, torch.uint8, device, code_rows, token_dim)

@@ -8,12 +8,12 @@ from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
 from kivi_xpu import KiviCache, use_fused_attention
 from kivi_xpu.attention import attend_tail_and_history
-from kivi_xpu.backend import select
+from kivi_xpu.ops import for_backend
 from kivi_xpu.ops import reference as ref
 
 
 def kernels_for(backend_name):
-    return select(backend_name).kernels
+    return for_backend(backend_name)
 
 
 @pytest.mark.parametrize("bits", (2, 4, 8))

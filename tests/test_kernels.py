@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from kivi_xpu import backend
+from kivi_xpu import backend, runtime
+from kivi_xpu.ops import for_backend, use_backend
 from kivi_xpu.ops import reference as ref
 
 BITS = (2, 4, 8)
@@ -25,13 +26,14 @@ REQUIRED = os.environ.get("KIVI_XPU_REQUIRE_SYCL") == "1"
 @pytest.fixture(scope="module")
 def kernels():
     try:
-        from kivi_xpu.ops.sycl import SyclKernels
-
-        return SyclKernels()
+        rt = runtime.host_sycl_runtime()
     except (RuntimeError, ImportError) as error:
         if REQUIRED:
             pytest.fail(f"KIVI_XPU_REQUIRE_SYCL=1 but the SYCL kernels are unavailable: {error}")
         pytest.skip(f"SYCL kernels unavailable: {error}")
+    sycl = for_backend("sycl")  # the checked ops on the SYCL backend, plus the raw extension for direct calls
+    sycl._C, sycl.device = rt.module, rt.device
+    return sycl
 
 
 def assert_identical(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -194,13 +196,13 @@ def test_empty_inputs_return_empty_outputs(kernels):
                 assert a.shape == e.shape and a.dtype == e.dtype
 
 
-def test_module_functions_use_default_device(kernels):
-    from kivi_xpu.ops import sycl
-
+def test_registered_ops_run_on_the_host_device(kernels):
     x = make_input((1, 2, 64, 64), torch.float16)
-    for a, e in zip(sycl.quantize_keys(x, 32, 2), ref.quantize_keys(x, 32, 2), strict=True):
-        assert_identical(a, e, "module-level quantize_keys")
-    assert sycl.default_kernels().device == kernels.device
+    with use_backend("sycl"):
+        got = torch.ops.kivi_xpu.quantize_keys(x, 32, 2, torch.float16)
+    for a, e in zip(got, ref.quantize_keys(x, 32, 2), strict=True):
+        assert_identical(a, e, "torch.ops.kivi_xpu.quantize_keys")
+    assert runtime.sycl_runtime_for(x.device).device == kernels.device
 
 
 # ---- fused attention ops (tests/test_attention.py covers shapes and GQA; here dtypes, edges, direct calls) --------
@@ -262,17 +264,13 @@ def test_packed_attention_empty_inputs(kernels):
     assert kernels.packed_value_combine(torch.empty(0, 4, 1, 64), *empty_values, 64, 32, 2).shape == (0, 4, 1, 32)
 
 
-def test_packed_attention_module_functions(kernels):
-    from kivi_xpu.ops import sycl
-
+def test_packed_attention_registered_ops(kernels):
     query, key_pack, probs, value_pack = attention_inputs(1, 2, 3, 1, 64, 32, 32, 2, torch.float16)
-    torch.testing.assert_close(
-        sycl.packed_key_scores(query, *key_pack, 64, 32, 2), kernels.packed_key_scores(query, *key_pack, 64, 32, 2)
-    )
-    torch.testing.assert_close(
-        sycl.packed_value_combine(probs, *value_pack, 64, 32, 2),
-        kernels.packed_value_combine(probs, *value_pack, 64, 32, 2),
-    )
+    with use_backend("sycl"):
+        scores = torch.ops.kivi_xpu.packed_key_scores(query, *key_pack, 64, 32, 2)
+        combined = torch.ops.kivi_xpu.packed_value_combine(probs, *value_pack, 64, 32, 2)
+    torch.testing.assert_close(scores, kernels.packed_key_scores(query, *key_pack, 64, 32, 2))
+    torch.testing.assert_close(combined, kernels.packed_value_combine(probs, *value_pack, 64, 32, 2))
 
 
 def test_packed_attention_direct_calls_are_checked(kernels):
@@ -405,10 +403,8 @@ def test_extension_checks_direct_calls(kernels):
 
 
 def test_unknown_device_filter_names_the_argument(kernels):
-    from kivi_xpu.ops.sycl import SyclKernels
-
     with pytest.raises(ValueError, match="`device`='level_zero:gpu:7'.*available: .*" + kernels.device):
-        SyclKernels("level_zero:gpu:7")
+        runtime.sycl_runtime("level_zero:gpu:7")
     with pytest.raises(ValueError, match="`filter`: no SYCL device matches 'opencl:gpu:5'"):
         kernels._C.init("opencl:gpu:5")
 
@@ -427,14 +423,15 @@ def test_backend_selection(kernels, monkeypatch):
     with pytest.raises(ValueError, match=backend.DEVICE_ENV):
         backend.select()
     monkeypatch.delenv(backend.DEVICE_ENV)
-    facts = backend.info()
+    facts = backend.info("sycl")
     assert facts["kernels_compiled"] and facts["device"] == kernels.device and facts["compile_seconds"] >= 0
 
 
 def test_clean_interpreter_exit(kernels):
     """Kernels and queues live until exit: the interpreter must still exit with status 0."""
     script = (
-        "import torch, kivi_xpu.ops.sycl as s\n"
+        "import torch, kivi_xpu.ops as ops\n"
+        "s = ops.for_backend('sycl')\n"
         "c, sc, z = s.quantize_keys(torch.randn(1, 1, 32, 8), 32, 2)\n"
         "assert s.dequantize_keys(c, sc, z, 32, 32, 2).shape == (1, 1, 32, 8)\n"
         "print('ok')\n"

@@ -8,8 +8,10 @@ import sys
 import pytest
 import torch
 
-from kivi_xpu.ops import library, reference
-from kivi_xpu.ops.library import OPS
+from kivi_xpu import ops
+from kivi_xpu.ops import reference
+
+QUANTIZATION_OPS = ("quantize_keys", "quantize_values", "dequantize_keys", "dequantize_values")
 
 
 def sample_args(op, bits=2, dtype=torch.float32):
@@ -21,13 +23,13 @@ def sample_args(op, bits=2, dtype=torch.float32):
     return (codes, scales, zeros, 32, 32, bits, torch.bfloat16)
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", QUANTIZATION_OPS)
 @pytest.mark.parametrize("bits", (2, 8))
 def test_opcheck(op, bits):
     torch.library.opcheck(getattr(torch.ops.kivi_xpu, op), sample_args(op, bits))
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", QUANTIZATION_OPS)
 def test_registered_op_equals_the_reference(op):
     args = sample_args(op, dtype=torch.float16)
     out = getattr(torch.ops.kivi_xpu, op)(*args)
@@ -57,9 +59,8 @@ def test_fake_tensors_give_shapes_without_computing():
 
 
 def test_cpu_ops_use_the_sycl_kernels_in_ci():
-    kernels = library._cpu_kernels()
     if os.environ.get("KIVI_XPU_REQUIRE_SYCL") == "1":
-        assert kernels is not reference, "CI requires the SYCL kernels behind torch.ops.kivi_xpu on CPU tensors"
+        assert ops.cpu_backend() != "reference", "CI requires fast kernels behind torch.ops.kivi_xpu on CPU tensors"
 
 
 def test_info_command_reports_the_backend():
@@ -82,3 +83,81 @@ def test_unknown_device_is_a_clear_error():
         timeout=300,
     )
     assert result.returncode == 1 and "matches no SYCL device" in result.stdout
+
+
+def attention_args(op, gqa=3, length=2, tokens=96, sinks=2, mask=True):
+    """Arguments of the attention ops on a small GQA layer (2 kv heads, head_dim 32, 2-bit G32)."""
+    keys, values = torch.randn(2, 2, 128, 32), torch.randn(2, 2, 128, 32)
+    key_pack = reference.quantize_keys(keys, 32, 2, torch.float16)
+    value_pack = reference.quantize_values(values, 32, 2, torch.float16)
+    query = torch.randn(2, 2 * gqa, length, 32)
+    if op == "packed_key_scores":
+        return (query, *key_pack, tokens, 32, 2)
+    if op == "packed_value_combine":
+        return (torch.softmax(torch.randn(2, 2 * gqa, length, tokens), -1), *value_pack, tokens, 32, 2)
+    n = sinks + 64 + 40
+    attend = torch.ones(2, 1, length, n, dtype=torch.bool).tril(n - length)
+    attend[1, :, :, :3] = False  # left padding of the second sequence
+    return (
+        query,
+        torch.randn(2, 2, sinks, 32),
+        *key_pack,
+        64,
+        32,
+        2,
+        torch.randn(2, 2, 40, 32),
+        torch.randn(2, 2, sinks, 32),
+        *value_pack,
+        100,
+        32,
+        2,
+        torch.randn(2, 2, 4, 32),
+        attend if mask else None,
+        0.125,
+        0.0,
+    )
+
+
+@pytest.mark.parametrize("op", ("packed_key_scores", "packed_value_combine", "decode_attention"))
+def test_opcheck_attention_ops(op):
+    torch.library.opcheck(getattr(torch.ops.kivi_xpu, op), attention_args(op))
+
+
+def test_every_declared_op_is_covered_by_opcheck():
+    covered = set(QUANTIZATION_OPS) | {"packed_key_scores", "packed_value_combine", "decode_attention"}
+    assert set(ops.OPS) == covered
+
+
+@pytest.mark.parametrize("backend", ("reference", "sycl", "native"))
+def test_decode_attention_backends_agree_with_the_reference(backend):
+    if backend != "reference":
+        from kivi_xpu.backend import select
+
+        try:
+            select(backend)
+        except RuntimeError as error:
+            pytest.skip(str(error))
+    for mask in (True, False):
+        args = attention_args("decode_attention", length=1, mask=mask)
+        if mask:
+            args = (*args[:17], args[17][..., -1:, :], *args[18:])
+        got = ops.call("decode_attention", backend, *args)
+        torch.testing.assert_close(got, reference.decode_attention(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_attention_checks_name_the_argument():
+    args = list(attention_args("decode_attention"))
+    args[16] = torch.randn(2, 2, 5, 32)  # one value token too many
+    with pytest.raises(ValueError, match="value_tail"):
+        torch.ops.kivi_xpu.decode_attention(*args)
+    args = list(attention_args("decode_attention"))
+    args[17] = args[17][..., :10]
+    with pytest.raises(ValueError, match="`mask` shape"):
+        torch.ops.kivi_xpu.decode_attention(*args)
+
+
+def test_unknown_backend_or_op_is_a_clear_error():
+    with pytest.raises(ValueError, match="`backend` must be one of"):
+        ops.for_backend("cuda")
+    with pytest.raises(ValueError, match="`op` must be one of"):
+        ops.kernel("flash", "reference")

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kivi_xpu.ops import for_backend
 from kivi_xpu.ops import reference as ref
 
 BITS = (2, 4, 8)
@@ -122,17 +123,21 @@ def test_dequantize_reads_only_num_tokens_of_larger_buffers():
     assert torch.equal(ref.dequantize_values(codes, scales, zeros, 5, 32, 2), full[:, :, :5])
 
 
+# The argument checks run once per call in front of every backend (kivi_xpu.ops.declarations).
+checked = for_backend("reference")
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda x: ref.quantize_keys(x, 32, 3), "bits"),
-        (lambda x: ref.quantize_keys(x, 30, 2), "group_size"),
-        (lambda x: ref.quantize_keys(x[:, :, :40], 32, 2), "group_size"),
-        (lambda x: ref.quantize_values(x[..., :48], 32, 2), "group_size"),
-        (lambda x: ref.quantize_keys(x.double(), 32, 2), "dtype"),
-        (lambda x: ref.quantize_keys(x[0], 32, 2), "rank"),
-        (lambda x: ref.quantize_keys(x, 32, 2, torch.int8), "meta_dtype"),
-        (lambda x: ref.quantize_keys(x.tolist(), 32, 2), "torch.Tensor"),
+        (lambda x: checked.quantize_keys(x, 32, 3), "bits"),
+        (lambda x: checked.quantize_keys(x, 30, 2), "group_size"),
+        (lambda x: checked.quantize_keys(x[:, :, :40], 32, 2), "group_size"),
+        (lambda x: checked.quantize_values(x[..., :48], 32, 2), "group_size"),
+        (lambda x: checked.quantize_keys(x.double(), 32, 2), "dtype"),
+        (lambda x: checked.quantize_keys(x[0], 32, 2), "rank"),
+        (lambda x: checked.quantize_keys(x, 32, 2, torch.int8), "meta_dtype"),
+        (lambda x: checked.quantize_keys(x.tolist(), 32, 2), "torch.Tensor"),
     ],
 )
 def test_bad_quantize_input_names_the_argument(call, match):
@@ -143,16 +148,16 @@ def test_bad_quantize_input_names_the_argument(call, match):
 def test_bad_dequantize_input_names_the_argument():
     codes, scales, zeros = ref.quantize_keys(torch.randn(1, 2, 64, 64), 32, 2)
     with pytest.raises(ValueError, match="num_tokens"):
-        ref.dequantize_keys(codes, scales, zeros, 96, 32, 2)
+        checked.dequantize_keys(codes, scales, zeros, 96, 32, 2)
     with pytest.raises(ValueError, match="num_tokens"):
-        ref.dequantize_keys(codes, scales, zeros, 48, 32, 2)
+        checked.dequantize_keys(codes, scales, zeros, 48, 32, 2)
     with pytest.raises(ValueError, match="scales"):
-        ref.dequantize_keys(codes, scales[:, :1], zeros[:, :1], 64, 32, 2)
+        checked.dequantize_keys(codes, scales[:, :1], zeros[:, :1], 64, 32, 2)
     with pytest.raises(TypeError, match="scales"):
-        ref.dequantize_keys(codes, scales.float(), zeros, 64, 32, 2)
+        checked.dequantize_keys(codes, scales.float(), zeros, 64, 32, 2)
     with pytest.raises(ValueError, match="contiguous"):
-        ref.dequantize_keys(codes.transpose(2, 3), scales, zeros, 16, 32, 2)
+        checked.dequantize_keys(codes.transpose(2, 3), scales, zeros, 16, 32, 2)
     with pytest.raises(TypeError, match="codes"):
-        ref.dequantize_keys(codes.float(), scales, zeros, 64, 32, 2)
+        checked.dequantize_keys(codes.float(), scales, zeros, 64, 32, 2)
     with pytest.raises(ValueError, match="out_dtype"):
-        ref.dequantize_keys(codes, scales, zeros, 64, 32, 2, torch.int32)
+        checked.dequantize_keys(codes, scales, zeros, 64, 32, 2, torch.int32)

@@ -1,4 +1,9 @@
-"""Quantization ops: the pure-PyTorch reference (:mod:`.reference`), the SYCL kernels' host wrappers
-(:mod:`.sycl`, kernels in ``csrc/``), their torch.library registration (:mod:`.library`), and the shared
-argument checks (:mod:`.checks`). Which implementation a cache uses is chosen by :func:`kivi_xpu.backend.select`.
+"""The KIVI ops: declared once in :mod:`.declarations` (schemas, checks, shape rules) and registered as
+``torch.ops.kivi_xpu.*`` by :mod:`.library`; implementations per backend in :mod:`.reference` (pure PyTorch, the
+default and the ground truth), :mod:`.native` (native CPU kernels) and :mod:`.sycl` (SYCL kernels).
 """
+
+from . import declarations  # noqa: F401  (defines the ops)
+from .library import OPS, BackendOps, call, cpu_backend, for_backend, kernel, register_kernel, use_backend
+
+__all__ = ["OPS", "BackendOps", "call", "cpu_backend", "for_backend", "kernel", "register_kernel", "use_backend"]

@@ -163,3 +163,86 @@ def check_attention_args(
         raise ValueError(f"`query` head_dim {query.shape[3]} does not match the keys' head_dim {codes.shape[2]}")
     if axis == "channels" and query.shape[3] != num_tokens:
         raise ValueError(f"`probs` last dim {query.shape[3]} must equal `num_tokens` ({num_tokens})")
+
+
+def check_decode_args(
+    query,
+    key_sinks,
+    key_codes,
+    key_scales,
+    key_zeros,
+    key_count,
+    key_group,
+    key_bits,
+    key_tail,
+    value_sinks,
+    value_codes,
+    value_scales,
+    value_zeros,
+    value_count,
+    value_group,
+    value_bits,
+    value_tail,
+    mask,
+    scaling,
+    softcap,
+) -> None:
+    """Checks for ``decode_attention``: each packed operand as for dequantization, the exact parts and the query
+    consistent with it (batch, kv heads, head_dims, dtypes, devices), equal token counts for keys and values, and a
+    mask of shape ``[B or 1, 1 or Hq, L, >= n]``."""
+    check_float_tensor(query, "query")
+    check_dequantize_args(key_codes, key_scales, key_zeros, key_count, key_group, key_bits, torch.float32, "tokens")
+    check_dequantize_args(
+        value_codes, value_scales, value_zeros, value_count, value_group, value_bits, torch.float32, "channels"
+    )
+    b, kv_heads, head_dim = key_codes.shape[0], key_codes.shape[1], key_codes.shape[2]
+    value_dim = value_codes.shape[3] * codes_per_byte(value_bits)
+    if kv_heads == 0:
+        raise ValueError(f"`key_codes` must hold at least one kv head, got shape {tuple(key_codes.shape)}")
+    if query.shape[0] != b or query.shape[1] % kv_heads != 0 or query.shape[3] != head_dim:
+        raise ValueError(
+            f"`query` shape {tuple(query.shape)} must be [batch={b}, a multiple of the {kv_heads} kv heads, L, "
+            f"head_dim={head_dim}]"
+        )
+    if tuple(value_codes.shape[:2]) != (b, kv_heads):
+        raise ValueError(f"`value_codes` batch/heads {tuple(value_codes.shape[:2])} must be {(b, kv_heads)}")
+    for name, t, width in (
+        ("key_sinks", key_sinks, head_dim),
+        ("key_tail", key_tail, head_dim),
+        ("value_sinks", value_sinks, value_dim),
+        ("value_tail", value_tail, value_dim),
+    ):
+        check_float_tensor(t, name)
+        if tuple(t.shape[:2]) != (b, kv_heads) or t.shape[3] != width:
+            raise ValueError(f"`{name}` shape {tuple(t.shape)} must be [{b}, {kv_heads}, tokens, {width}]")
+        if t.dtype != key_tail.dtype or t.device != query.device:
+            raise ValueError(
+                f"`{name}` ({t.dtype} on {t.device}) must share the dtype of `key_tail` ({key_tail.dtype}) and the "
+                f"device of `query` ({query.device})"
+            )
+        if t.stride(3) != 1 and t.shape[3] > 1:
+            raise ValueError(f"`{name}` must be contiguous along head_dim (stride 1), got strides {t.stride()}")
+    if key_sinks.shape[2] != value_sinks.shape[2]:
+        raise ValueError(f"`key_sinks` ({key_sinks.shape[2]}) and `value_sinks` ({value_sinks.shape[2]}) differ")
+    n = key_count + key_tail.shape[2]
+    if value_count + value_tail.shape[2] != n:
+        raise ValueError(
+            f"keys hold {n} tokens after the sinks (key_count {key_count} + key_tail {key_tail.shape[2]}) but values "
+            f"hold {value_count + value_tail.shape[2]} (value_count {value_count} + value_tail {value_tail.shape[2]})"
+        )
+    n += key_sinks.shape[2]
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            raise ValueError(f"`mask` must be None or a rank-4 tensor [B, 1 or Hq, L, >= n], got {mask!r:.80}")
+        if mask.dtype != torch.bool and mask.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"`mask` must be bool (True = attend) or float (additive), got {mask.dtype}")
+        hq, length = query.shape[1], query.shape[2]
+        if mask.shape[0] not in (1, b) or mask.shape[1] not in (1, hq) or mask.shape[2] != length or mask.shape[3] < n:
+            raise ValueError(f"`mask` shape {tuple(mask.shape)} must be [1 or {b}, 1 or {hq}, {length}, >= {n} tokens]")
+        if mask.device != query.device:
+            raise ValueError(f"`mask` is on {mask.device} but `query` is on {query.device}")
+    for name, value in (("scaling", scaling), ("softcap", softcap)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"`{name}` must be a float, got {value!r}")
+    if softcap < 0:
+        raise ValueError(f"`softcap` must be 0 (none) or positive, got {softcap}")

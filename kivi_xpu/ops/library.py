@@ -1,83 +1,194 @@
-"""The ops as first-class torch operators: ``torch.ops.kivi_xpu.{quantize,dequantize}_{keys,values}``.
+"""Every KIVI op, declared exactly once: ``torch.ops.kivi_xpu.<name>``.
 
-One schema per op; the pure-PyTorch reference is the ``CompositeExplicitAutograd`` implementation (any
-device); on CPU tensors the SYCL kernels take over when the SYCL backend is available (chosen like a cache's
-default backend: ``$KIVI_XPU_BACKEND`` / ``$KIVI_XPU_DEVICE``, resolved on first call); fake (meta)
-implementations give the output shapes without computing anything, for ``torch.compile`` and export.
+Each :class:`OpDef` holds an op's schema, its argument check (which names the bad argument) and its shape rule
+(``outputs``: empty output tensors allocated like the inputs), from which follow the fake (meta) implementation for
+``torch.compile`` / export and the output allocation of the device kernels. Implementations register per backend
+with :func:`register_kernel` (``reference``: :mod:`.reference`, the pure-PyTorch default; ``native``: :mod:`.native`;
+``sycl``: :mod:`.sycl`), in the manner of bitsandbytes; none re-declares a signature.
+
+Dispatch of ``torch.ops.kivi_xpu.<name>`` follows the tensors' device:
+
+* CPU tensors: the process's backend (``$KIVI_XPU_BACKEND``, default ``auto``: see :mod:`kivi_xpu.backend`), or the
+  one set for this thread by :func:`use_backend`;
+* XPU tensors: the SYCL kernels, on the Level Zero GPU of the tensors' index;
+* any other device: the reference (one warning per device type); meta tensors: the fake.
+
+A cache calls :func:`kernel` (the unchecked implementation of one backend: its internal hot path builds valid
+arguments); tests and users call the checked ops, or :func:`for_backend` to pick a backend explicitly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
+import inspect
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from . import reference
-from .checks import check_dequantize_args, check_quantize_args, codes_per_byte
-
 NAMESPACE = "kivi_xpu"
-OPS = ("quantize_keys", "quantize_values", "dequantize_keys", "dequantize_values")
+IMPLEMENTATIONS = {"reference": ".reference", "native": ".native", "sycl": ".sycl"}
 
+
+@dataclass(frozen=True)
+class OpDef:
+    """One op: ``schema`` (arguments and returns), ``check(*args)`` (raises naming the argument), ``outputs(*args)``
+    (its empty output tensor(s), allocated like the inputs: the shape rule) and the Python ``signature`` with the
+    defaults of the reference implementation."""
+
+    name: str
+    schema: str
+    check: Callable[..., None]
+    outputs: Callable[..., object]
+    signature: inspect.Signature
+
+
+OPS: dict[str, OpDef] = {}
+_KERNELS: dict[tuple[str, str], Callable] = {}
 _lib = torch.library.Library(NAMESPACE, "DEF")
-_QUANTIZE_SCHEMA = "(Tensor x, int group_size, int bits, ScalarType meta_dtype) -> (Tensor, Tensor, Tensor)"
-_DEQUANTIZE_SCHEMA = (
-    "(Tensor codes, Tensor scales, Tensor zeros, int num_tokens, int group_size, int bits, ScalarType out_dtype)"
-    " -> Tensor"
-)
-for _name in OPS:
-    _lib.define(_name + (_QUANTIZE_SCHEMA if _name.startswith("quantize") else _DEQUANTIZE_SCHEMA))
-    _lib.impl(_name, getattr(reference, _name), "CompositeExplicitAutograd")
+
+
+def register_kernel(op: str, backend: str):
+    """Decorator: ``fn`` implements ``op`` for ``backend`` (same arguments as the op, already checked)."""
+    if backend not in IMPLEMENTATIONS:
+        raise ValueError(f"`backend` must be one of {tuple(IMPLEMENTATIONS)}, got {backend!r}")
+
+    def register(fn: Callable) -> Callable:
+        _KERNELS[(op, backend)] = fn
+        return fn
+
+    return register
+
+
+def kernel(op: str, backend: str) -> Callable:
+    """The unchecked implementation of ``op`` for ``backend`` ("reference", "native" or "sycl")."""
+    fn = _KERNELS.get((op, backend))
+    if fn is None:
+        if op not in OPS:
+            raise ValueError(f"`op` must be one of {tuple(OPS)}, got {op!r}")
+        if backend not in IMPLEMENTATIONS:
+            raise ValueError(f"`backend` must be one of {tuple(IMPLEMENTATIONS)}, got {backend!r}")
+        importlib.import_module(IMPLEMENTATIONS[backend], __package__)  # registers that backend's kernels
+        fn = _KERNELS.get((op, backend))
+        if fn is None:  # e.g. the unfused attention ops, which the native backend does not need
+            _warn_reference_once(f"{op!r} on the {backend!r} backend")
+            fn = _KERNELS[(op, backend)] = kernel(op, "reference")
+    return fn
+
+
+def _bind(op: OpDef, args, kwargs) -> tuple:
+    bound = op.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.args
+
+
+def call(op: str, backend: str, *args, **kwargs):
+    """``op`` on ``backend`` with the op's argument check (the defaults of the reference signature apply)."""
+    spec = OPS[op]
+    args = _bind(spec, args, kwargs)
+    spec.check(*args)
+    return kernel(op, backend)(*args)
+
+
+class BackendOps:
+    """The checked ops of one backend as methods: ``for_backend("sycl").quantize_keys(x, 32, 2)``."""
+
+    def __init__(self, backend: str):
+        if backend not in IMPLEMENTATIONS:
+            raise ValueError(f"`backend` must be one of {tuple(IMPLEMENTATIONS)}, got {backend!r}")
+        self.backend = backend
+
+    def __getattr__(self, op: str):
+        if op not in OPS:
+            raise AttributeError(f"no op {op!r}; ops: {tuple(OPS)}")
+        return functools.partial(call, op, self.backend)
+
+    def __repr__(self) -> str:
+        return f"BackendOps({self.backend!r})"
+
+
+def for_backend(backend: str) -> BackendOps:
+    return BackendOps(backend)
+
+
+# ---- dispatch of torch.ops.kivi_xpu.* ---------------------------------------------------------------------------
+
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def use_backend(backend: str):
+    """Within the block, ``torch.ops.kivi_xpu.*`` on CPU tensors runs ``backend``'s kernels on this thread."""
+    if backend not in IMPLEMENTATIONS:
+        raise ValueError(f"`backend` must be one of {tuple(IMPLEMENTATIONS)}, got {backend!r}")
+    previous = getattr(_thread, "backend", None)
+    _thread.backend = backend
+    try:
+        yield
+    finally:
+        _thread.backend = previous
 
 
 @functools.cache
-def _cpu_kernels():
-    """The kernels behind CPU tensors: SYCL on a host-accessible SYCL device when available, else the reference."""
-    from ..backend import select
+def _process_cpu_backend(env_value: str | None) -> str:
+    from ..backend import select  # the choice of backend is not the ops' business; imported late, once
 
-    selection = select()
-    if selection.storage_device("cpu").type != "cpu":
-        return reference  # a GPU was selected: CPU tensors stay on the reference path
-    return selection.kernels
+    return select().name
 
 
-def _cpu_impl(name):
-    def impl(*args):
-        return getattr(_cpu_kernels(), name)(*args)
-
-    impl.__name__ = f"{name}_cpu"
-    return impl
+def cpu_backend() -> str:
+    """The backend serving ``torch.ops.kivi_xpu.*`` on CPU tensors now."""
+    return getattr(_thread, "backend", None) or _process_cpu_backend(os.environ.get("KIVI_XPU_BACKEND"))
 
 
-for _name in OPS:
-    _lib.impl(_name, _cpu_impl(_name), "CPU")
+@functools.cache
+def _warn_reference_once(what: str) -> None:
+    warnings.warn(
+        f"kivi_xpu: no fast kernel for {what}: it runs the pure-PyTorch reference",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
-def _fake_quantize(axis):
-    def fake(x, group_size, bits, meta_dtype):
-        check_quantize_args(x, group_size, bits, meta_dtype, axis)
-        b, h, t, d = x.shape
-        per = codes_per_byte(bits)
-        if axis == "tokens":
-            codes_shape, meta_shape = (b, h, d, t // per), (b, h, d, t // group_size)
+def _first_tensor(args) -> torch.Tensor:
+    return next(a for a in args if isinstance(a, torch.Tensor))
+
+
+def _dispatcher(op: OpDef, which: str):
+    def run(*args):
+        op.check(*args)
+        if which == "cpu":
+            backend = cpu_backend()
+        elif which == "xpu":
+            backend = "sycl"
         else:
-            codes_shape, meta_shape = (b, h, t, d // per), (b, h, t, d // group_size)
-        codes = x.new_empty(codes_shape, dtype=torch.uint8)
-        return codes, x.new_empty(meta_shape, dtype=meta_dtype), x.new_empty(meta_shape, dtype=meta_dtype)
+            _warn_reference_once(f"{_first_tensor(args).device.type} tensors")
+            backend = "reference"
+        return kernel(op.name, backend)(*args)
+
+    run.__name__ = f"{op.name}_{which}"
+    return run
+
+
+def _fake(op: OpDef):
+    def fake(*args):
+        op.check(*args)
+        return op.outputs(*args)
 
     return fake
 
 
-def _fake_dequantize(axis):
-    def fake(codes, scales, zeros, num_tokens, group_size, bits, out_dtype):
-        check_dequantize_args(codes, scales, zeros, num_tokens, group_size, bits, out_dtype, axis)
-        b, h = codes.shape[:2]
-        head_dim = codes.shape[2] if axis == "tokens" else codes.shape[3] * codes_per_byte(bits)
-        return codes.new_empty((b, h, num_tokens, head_dim), dtype=out_dtype)
-
-    return fake
-
-
-torch.library.register_fake(f"{NAMESPACE}::quantize_keys", _fake_quantize("tokens"), lib=_lib)
-torch.library.register_fake(f"{NAMESPACE}::quantize_values", _fake_quantize("channels"), lib=_lib)
-torch.library.register_fake(f"{NAMESPACE}::dequantize_keys", _fake_dequantize("tokens"), lib=_lib)
-torch.library.register_fake(f"{NAMESPACE}::dequantize_values", _fake_dequantize("channels"), lib=_lib)
+def define(name: str, schema: str, check: Callable, outputs: Callable, reference: Callable) -> None:
+    """Declares op ``name``; ``reference`` (a function of :mod:`.reference`) gives the Python signature."""
+    op = OpDef(name, schema, check, outputs, inspect.signature(reference))
+    OPS[name] = op
+    _lib.define(name + schema)
+    _lib.impl(name, _dispatcher(op, "cpu"), "CPU")
+    _lib.impl(name, _dispatcher(op, "xpu"), "XPU")
+    _lib.impl(name, _dispatcher(op, "other"), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", _fake(op), lib=_lib)

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_attention_args, check_dequantize_args, check_quantize_args, codes_per_byte
+from .checks import codes_per_byte
+from .library import register_kernel
 
 
 def _quantize_groups(x: torch.Tensor, dim: int, bits: int, meta_dtype: torch.dtype):
@@ -81,6 +82,7 @@ def unpack(codes: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     return q.reshape(shape[:dim] + [shape[dim] * per] + shape[dim + 1 :])
 
 
+@register_kernel("quantize_keys", "reference")
 def quantize_keys(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
     """Per-channel key quantization.
 
@@ -89,7 +91,6 @@ def quantize_keys(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch
     Returns:
         ``codes`` uint8 ``[B, H, D, T * bits / 8]``, ``scales`` and ``zeros`` ``[B, H, D, T / G]`` in ``meta_dtype``.
     """
-    check_quantize_args(x, group_size, bits, meta_dtype, axis="tokens")
     b, h, t, d = x.shape
     groups = x.float().transpose(2, 3).reshape(b, h, d, t // group_size, group_size)
     q, scale, zero = _quantize_groups(groups, 4, bits, meta_dtype)
@@ -97,6 +98,7 @@ def quantize_keys(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch
     return codes, scale.squeeze(4).contiguous(), zero.squeeze(4).contiguous()
 
 
+@register_kernel("quantize_values", "reference")
 def quantize_values(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
     """Per-token value quantization.
 
@@ -105,7 +107,6 @@ def quantize_values(x: torch.Tensor, group_size: int, bits: int, meta_dtype: tor
     Returns:
         ``codes`` uint8 ``[B, H, T, D * bits / 8]``, ``scales`` and ``zeros`` ``[B, H, T, D / G]`` in ``meta_dtype``.
     """
-    check_quantize_args(x, group_size, bits, meta_dtype, axis="channels")
     b, h, t, d = x.shape
     groups = x.float().reshape(b, h, t, d // group_size, group_size)
     q, scale, zero = _quantize_groups(groups, 4, bits, meta_dtype)
@@ -113,6 +114,7 @@ def quantize_values(x: torch.Tensor, group_size: int, bits: int, meta_dtype: tor
     return codes, scale.squeeze(4).contiguous(), zero.squeeze(4).contiguous()
 
 
+@register_kernel("dequantize_keys", "reference")
 def dequantize_keys(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -123,7 +125,6 @@ def dequantize_keys(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_keys` for the first ``num_tokens`` tokens. Returns ``[B, H, num_tokens, D]``."""
-    check_dequantize_args(codes, scales, zeros, num_tokens, group_size, bits, out_dtype, axis="tokens")
     per = codes_per_byte(bits)
     q = unpack(codes[..., : num_tokens // per], 3, bits).float()
     n_groups = num_tokens // group_size
@@ -132,6 +133,7 @@ def dequantize_keys(
     return (q * scale + zero).to(out_dtype).transpose(2, 3).contiguous()
 
 
+@register_kernel("dequantize_values", "reference")
 def dequantize_values(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -142,7 +144,6 @@ def dequantize_values(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_values` for the first ``num_tokens`` tokens. Returns ``[B, H, num_tokens, D]``."""
-    check_dequantize_args(codes, scales, zeros, num_tokens, group_size, bits, out_dtype, axis="channels")
     q = unpack(codes[:, :, :num_tokens], 3, bits).float()
     scale = scales[:, :, :num_tokens].float().repeat_interleave(group_size, dim=3)
     zero = zeros[:, :, :num_tokens].float().repeat_interleave(group_size, dim=3)
@@ -155,6 +156,7 @@ def group_queries(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.reshape(b, kv_heads, hq // kv_heads * length, width)
 
 
+@register_kernel("packed_key_scores", "reference")
 def packed_key_scores(
     query: torch.Tensor,
     codes: torch.Tensor,
@@ -173,13 +175,13 @@ def packed_key_scores(
     Returns:
         ``[B, Hq, L, num_tokens]`` float32: ``query @ dequantize_keys(...)^T``.
     """
-    check_attention_args("query", query, codes, scales, zeros, num_tokens, group_size, bits, "tokens")
     b, hq, length, _ = query.shape
     keys = dequantize_keys(codes, scales, zeros, num_tokens, group_size, bits, torch.float32)
     scores = group_queries(query, codes.shape[1]) @ keys.transpose(2, 3)
     return scores.reshape(b, hq, length, num_tokens)
 
 
+@register_kernel("packed_value_combine", "reference")
 def packed_value_combine(
     probs: torch.Tensor,
     codes: torch.Tensor,
@@ -197,8 +199,87 @@ def packed_value_combine(
     Returns:
         ``[B, Hq, L, D]`` float32: ``probs @ dequantize_values(...)``.
     """
-    check_attention_args("probs", probs, codes, scales, zeros, num_tokens, group_size, bits, "channels")
     b, hq, length, _ = probs.shape
     values = dequantize_values(codes, scales, zeros, num_tokens, group_size, bits, torch.float32)
     out = group_queries(probs, codes.shape[1]) @ values
     return out.reshape(b, hq, length, values.shape[3])
+
+
+def masked_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Applies a transformers mask (bool, True = attend; or additive float) to ``scores [B, Hq, L, n]``, using the
+    mask's last ``n`` columns; without a mask the last ``L`` tokens are the queries themselves and attend causally."""
+    if attention_mask is not None:
+        mask = attention_mask[..., -scores.shape[-1] :]
+        if mask.dtype == torch.bool:
+            return scores.masked_fill(~mask, float("-inf"))
+        return scores + mask.float()
+    length, n = scores.shape[-2:]
+    if length == 1:
+        return scores
+    causal = torch.ones(length, n, dtype=torch.bool, device=scores.device).tril(n - length)
+    return scores.masked_fill(~causal, float("-inf"))
+
+
+def softmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim where a fully masked row (every score -inf) gives zeros, as a padding query needs;
+    a NaN or +inf score anywhere else propagates as in a dense softmax (never hidden)."""
+    probs = torch.softmax(scores, dim=-1)
+    fully_masked = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    return probs.masked_fill(fully_masked, 0.0)
+
+
+def dense_attention(query, keys, values, attention_mask, scaling: float, softcap: float = 0.0) -> torch.Tensor:
+    """``softmax(mask(softcap(q·kᵀ·scaling)))·v`` in fp32 with GQA: ``query [B, Hq, L, D]``, ``keys [B, Hkv, n, D]``,
+    ``values [B, Hkv, n, Dv]`` -> ``[B, Hq, L, Dv]`` in query's dtype; ``softcap`` 0 means none."""
+    b, hq, length, _ = query.shape
+    kv_heads = keys.shape[1]
+    grouped = group_queries(query.float() * scaling, kv_heads)
+    scores = (grouped @ keys.float().transpose(2, 3)).reshape(b, hq, length, -1)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = softmax_rows(masked_scores(scores, attention_mask))
+    out = group_queries(probs, kv_heads) @ values.float()
+    return out.reshape(b, hq, length, -1).to(query.dtype)
+
+
+@register_kernel("decode_attention", "reference")
+def decode_attention(
+    query: torch.Tensor,
+    key_sinks: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scales: torch.Tensor,
+    key_zeros: torch.Tensor,
+    key_count: int,
+    key_group: int,
+    key_bits: int,
+    key_tail: torch.Tensor,
+    value_sinks: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scales: torch.Tensor,
+    value_zeros: torch.Tensor,
+    value_count: int,
+    value_group: int,
+    value_bits: int,
+    value_tail: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scaling: float = 1.0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of ``query [B, Hq, L, D]`` (unscaled) over a layer's ``n`` tokens held as ``[sinks | packed | tail]``
+    per kind: ``key_sinks [B, Hkv, S, D]`` exact, the first ``key_count`` tokens of the packed keys, ``key_tail
+    [B, Hkv, Tk, D]`` exact (likewise values, with their own count), ``S + key_count + Tk == S + value_count + Tv``.
+    ``mask``: None or a transformers mask whose last ``n`` columns apply (see :func:`masked_scores`); ``softcap`` 0
+    means none. Returns ``[B, Hq, L, Dv]`` in query's dtype. The twin of every fused implementation: it dequantizes
+    the history and attends densely in fp32."""
+    device = query.device
+    keys = [key_sinks.float()]
+    if key_count:
+        keys.append(dequantize_keys(key_codes, key_scales, key_zeros, key_count, key_group, key_bits).to(device))
+    values = [value_sinks.float()]
+    if value_count:
+        values.append(
+            dequantize_values(value_codes, value_scales, value_zeros, value_count, value_group, value_bits).to(device)
+        )
+    keys = torch.cat(keys + [key_tail.float()], dim=2)
+    values = torch.cat(values + [value_tail.float()], dim=2)
+    return dense_attention(query, keys, values, mask, scaling, softcap)

@@ -1,0 +1,110 @@
+"""The KIVI ops, each declared here once: schema, argument check (:mod:`.checks`) and shape rule.
+
+Layouts (``B`` batch, ``H`` kv heads, ``T`` tokens, ``D`` head_dim, ``G`` group size, ``P = 8 // bits`` codes per
+byte; see :mod:`.reference` for the exact semantics):
+
+* keys, per channel, channel-major: codes ``uint8 [B, H, D, T/P]``, scales/zeros ``[B, H, D, T/G]``;
+* values, per token: codes ``uint8 [B, H, T, D/P]``, scales/zeros ``[B, H, T, D/G]``.
+
+Packed buffers may be longer along their token axis than the count of valid tokens (over-allocated storage).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .checks import (
+    check_attention_args,
+    check_decode_args,
+    check_dequantize_args,
+    check_quantize_args,
+    codes_per_byte,
+)
+from .library import define
+
+_QUANTIZE = "(Tensor x, int group_size, int bits, ScalarType meta_dtype) -> (Tensor, Tensor, Tensor)"
+_DEQUANTIZE = (
+    "(Tensor codes, Tensor scales, Tensor zeros, int num_tokens, int group_size, int bits, ScalarType out_dtype)"
+    " -> Tensor"
+)
+_PACKED_ATTENTION = (
+    "(Tensor {dense}, Tensor codes, Tensor scales, Tensor zeros, int num_tokens, int group_size, int bits) -> Tensor"
+)
+_DECODE_ATTENTION = (
+    "(Tensor query, Tensor key_sinks, Tensor key_codes, Tensor key_scales, Tensor key_zeros, int key_count, "
+    "int key_group, int key_bits, Tensor key_tail, Tensor value_sinks, Tensor value_codes, Tensor value_scales, "
+    "Tensor value_zeros, int value_count, int value_group, int value_bits, Tensor value_tail, Tensor? mask, "
+    "float scaling, float softcap) -> Tensor"
+)
+
+
+def _quantized_outputs(axis: str):
+    def outputs(x, group_size, bits, meta_dtype):
+        b, h, t, d = x.shape
+        per = codes_per_byte(bits)
+        if axis == "tokens":  # keys: channel-major
+            codes_shape, meta_shape = (b, h, d, t // per), (b, h, d, t // group_size)
+        else:
+            codes_shape, meta_shape = (b, h, t, d // per), (b, h, t, d // group_size)
+        codes = x.new_empty(codes_shape, dtype=torch.uint8)
+        return codes, x.new_empty(meta_shape, dtype=meta_dtype), x.new_empty(meta_shape, dtype=meta_dtype)
+
+    return outputs
+
+
+def _dequantized_output(axis: str):
+    def outputs(codes, scales, zeros, num_tokens, group_size, bits, out_dtype):
+        b, h = codes.shape[:2]
+        head_dim = codes.shape[2] if axis == "tokens" else codes.shape[3] * codes_per_byte(bits)
+        return codes.new_empty((b, h, num_tokens, head_dim), dtype=out_dtype)
+
+    return outputs
+
+
+def _scores_output(query, codes, scales, zeros, num_tokens, group_size, bits):
+    b, hq, length, _ = query.shape
+    return query.new_empty((b, hq, length, num_tokens), dtype=torch.float32)
+
+
+def _combine_output(probs, codes, scales, zeros, num_tokens, group_size, bits):
+    b, hq, length, _ = probs.shape
+    return probs.new_empty((b, hq, length, codes.shape[3] * codes_per_byte(bits)), dtype=torch.float32)
+
+
+def _decode_output(query, *args):
+    value_tail = args[15]
+    b, hq, length, _ = query.shape
+    return query.new_empty((b, hq, length, value_tail.shape[3]))
+
+
+for _axis, _kind in (("tokens", "keys"), ("channels", "values")):
+    define(
+        f"quantize_{_kind}",
+        _QUANTIZE,
+        lambda x, g, bits, meta, axis=_axis: check_quantize_args(x, g, bits, meta, axis),
+        _quantized_outputs(_axis),
+        getattr(reference, f"quantize_{_kind}"),
+    )
+    define(
+        f"dequantize_{_kind}",
+        _DEQUANTIZE,
+        lambda c, s, z, n, g, bits, out, axis=_axis: check_dequantize_args(c, s, z, n, g, bits, out, axis),
+        _dequantized_output(_axis),
+        getattr(reference, f"dequantize_{_kind}"),
+    )
+define(
+    "packed_key_scores",
+    _PACKED_ATTENTION.format(dense="query"),
+    lambda q, *packed: check_attention_args("query", q, *packed, "tokens"),
+    _scores_output,
+    reference.packed_key_scores,
+)
+define(
+    "packed_value_combine",
+    _PACKED_ATTENTION.format(dense="probs"),
+    lambda p, *packed: check_attention_args("probs", p, *packed, "channels"),
+    _combine_output,
+    reference.packed_value_combine,
+)
+define("decode_attention", _DECODE_ATTENTION, check_decode_args, _decode_output, reference.decode_attention)

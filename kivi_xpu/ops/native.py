@@ -1,0 +1,29 @@
+"""Native CPU implementations of the ops (``kivi_xpu._cpu``, sources in ``csrc/cpu/``): SIMD code for the CPU's ISA
+(AVX-512, AVX2 or a portable baseline, chosen at run time; ``$KIVI_XPU_CPU_ISA`` forces one), run in torch's own
+intra-op thread pool, so they never compete with torch for the cores (size it with ``torch.set_num_threads``).
+Arguments arrive checked (:mod:`.declarations`); the extension re-checks what it relies on."""
+
+from __future__ import annotations
+
+import functools
+
+from ..runtime import load_native_extension
+from .library import register_kernel
+
+NATIVE_OPS = ("quantize_keys", "quantize_values", "dequantize_keys", "dequantize_values", "decode_attention")
+
+
+def _native(op: str):
+    @functools.cache
+    def resolve():
+        return getattr(load_native_extension(), op)
+
+    def run(*args):
+        return resolve()(*args)
+
+    run.__name__ = op
+    return run
+
+
+for _op in NATIVE_OPS:
+    register_kernel(_op, "native")(_native(_op))

@@ -1,0 +1,203 @@
+"""Where the kernels run: the run-time environment, SYCL device discovery and extension loading.
+
+Nothing happens at import. The first call that needs the SYCL runtime (:func:`sycl_runtime`, :func:`sycl_devices`)
+prepares the environment once, before the runtime loads:
+
+* ``OCL_ICD_FILENAMES`` -> the installed ``libintelocl.so`` (the ICD file shipped by pip points nowhere), unless set;
+* ``SYCL_CACHE_PERSISTENT=1`` and ``SYCL_CACHE_DIR`` (``$XDG_CACHE_HOME/kivi_xpu/sycl``, default
+  ``~/.cache/kivi_xpu/sycl``) unless set, so kernels compile once per machine instead of once per process.
+
+A program that loads the SYCL runtime itself (``import dpctl``) before kivi-xpu does should call
+:func:`prepare_environment` first. ``$KIVI_XPU_DEVICE`` (a dpctl filter string such as ``opencl:cpu:0``) names the
+SYCL device; see :func:`select_device`. This module never imports :mod:`kivi_xpu.ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import site
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+DEVICE_ENV = "KIVI_XPU_DEVICE"
+
+
+def _library_dirs() -> list[Path]:
+    """Where pip wheels (intel-opencl-rt, intel-sycl-rt) put shared libraries: ``<prefix>/lib``."""
+    prefixes = [Path(sys.prefix), Path(sys.base_prefix)]
+    prefixes += [Path(p).parents[2] for p in site.getsitepackages() + [site.getusersitepackages()]]
+    return [prefix / "lib" for prefix in dict.fromkeys(prefixes)]
+
+
+def _find_opencl_cpu_runtime() -> str | None:
+    for lib_dir in _library_dirs():
+        candidate = lib_dir / "libintelocl.so"
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kivi_xpu" / "sycl"
+
+
+@functools.cache
+def prepare_environment() -> None:
+    """Sets the variables the SYCL runtime reads when it first loads (once; values the user set are kept)."""
+    if "OCL_ICD_FILENAMES" not in os.environ:
+        runtime = _find_opencl_cpu_runtime()
+        if runtime is not None:
+            os.environ["OCL_ICD_FILENAMES"] = runtime
+    os.environ.setdefault("SYCL_CACHE_PERSISTENT", "1")
+    os.environ.setdefault("SYCL_CACHE_DIR", str(default_cache_dir()))
+
+
+def sycl_devices() -> list[dict[str, str]]:
+    """SYCL devices visible through dpctl: ``[{"filter": "opencl:cpu:0", "name": ...}, ...]`` ([] without dpctl)."""
+    prepare_environment()
+    try:
+        import dpctl
+    except ImportError:
+        return []
+    return [{"filter": d.filter_string, "name": d.name} for d in dpctl.get_devices()]
+
+
+def describe_devices(devices: list[dict[str, str]]) -> str:
+    return ", ".join(f"{d['filter']} ({d['name']})" for d in devices) or "none"
+
+
+def xpu_available() -> bool:
+    """Whether this torch build can allocate on an Intel GPU (``torch.xpu``)."""
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+def select_device(device: str | None = None) -> str:
+    """Canonical filter string of the SYCL device to use: ``device``, else ``$KIVI_XPU_DEVICE``, else the first
+    GPU when torch has XPU support, else the first CPU device. Raises ValueError naming the argument if the filter
+    matches no device, RuntimeError if dpctl is missing or there is no device at all."""
+    prepare_environment()
+    try:
+        import dpctl
+    except ImportError as error:
+        raise RuntimeError(f"dpctl is not installed ({error}): `pip install dpctl intel-opencl-rt`") from None
+    requested, source = (device, "device") if device is not None else (os.environ.get(DEVICE_ENV), DEVICE_ENV)
+    if requested:
+        try:
+            return dpctl.SyclDevice(requested).filter_string
+        except Exception as error:  # dpctl raises SyclDeviceCreationError / TypeError for bad filters
+            available = describe_devices(sycl_devices())
+            raise ValueError(
+                f"`{source}`={requested!r} matches no SYCL device ({error}); available: {available}"
+            ) from None
+    # A GPU only helps when torch can allocate on it (an XPU build of torch); otherwise the CPU device.
+    preferred = ("gpu", "cpu") if xpu_available() else ("cpu", "gpu")
+    devices = dpctl.get_devices()
+    for wanted in preferred:
+        for d in devices:
+            if d.device_type.name == wanted:
+                return d.filter_string
+    raise RuntimeError(f"no SYCL GPU or CPU device found; available: {describe_devices(sycl_devices())}")
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What ``kivi_xpu._C.init`` reports about one SYCL device (see csrc/kivi_ext.cpp)."""
+
+    filter: str  # canonical filter string, e.g. "opencl:cpu:0"
+    name: str
+    backend: str  # "opencl", "level_zero", ...
+    device_type: str  # "cpu", "gpu", ...
+    driver_version: str
+    max_work_group_size: int
+    max_compute_units: int
+    sub_group_sizes: tuple[int, ...]
+    usm_system_allocations: bool  # the device can dereference ordinary host memory (CPU tensors)
+    fp16: bool
+    fp64: bool
+    build_options: tuple[str, ...]
+    compile_seconds: float
+    work_group_sizes: dict
+
+    @classmethod
+    def from_dict(cls, facts: dict) -> DeviceFacts:
+        values = {f.name: facts[f.name] for f in fields(cls)}
+        values["sub_group_sizes"] = tuple(values["sub_group_sizes"])
+        values["build_options"] = tuple(values["build_options"])
+        values["work_group_sizes"] = dict(values["work_group_sizes"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class SyclRuntime:
+    """The SYCL extension initialised for one device: ``module`` is ``kivi_xpu._C``, ``device`` its filter."""
+
+    module: ModuleType
+    device: str
+    facts: DeviceFacts
+
+
+def load_sycl_extension() -> ModuleType:
+    """Imports ``kivi_xpu._C``; RuntimeError with the reason if it was not built or cannot load."""
+    prepare_environment()
+    try:
+        return importlib.import_module("kivi_xpu._C")
+    except ImportError as error:
+        raise RuntimeError(
+            f"the SYCL extension kivi_xpu._C is not available ({error}); it is built by "
+            "`pip install --no-build-isolation -e .` when the intel-sycl-rt runtime is installed"
+        ) from None
+
+
+def load_native_extension() -> ModuleType:
+    """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason if it was not built."""
+    try:
+        return importlib.import_module("kivi_xpu._cpu")
+    except ImportError as error:
+        raise RuntimeError(
+            f"the native CPU extension kivi_xpu._cpu is not available ({error}); it is built by "
+            "`pip install --no-build-isolation -e .`"
+        ) from None
+
+
+@functools.cache
+def _runtime_for(filter_string: str) -> SyclRuntime:
+    module = load_sycl_extension()
+    return SyclRuntime(module, filter_string, DeviceFacts.from_dict(dict(module.init(filter_string))))
+
+
+def sycl_runtime(device: str | None = None) -> SyclRuntime:
+    """The extension initialised for ``device`` (see :func:`select_device`); kernels compile on first use."""
+    load_sycl_extension()  # report a missing extension before looking for devices
+    return _runtime_for(select_device(device))
+
+
+@functools.cache
+def host_sycl_runtime() -> SyclRuntime:
+    """The SYCL device that runs kernels on CPU tensors: ``$KIVI_XPU_DEVICE`` when it can read host memory, else
+    the first SYCL CPU device."""
+    chosen = sycl_runtime()
+    if chosen.facts.usm_system_allocations:
+        return chosen
+    for d in sycl_devices():
+        if d["filter"].split(":")[1] == "cpu":
+            return sycl_runtime(d["filter"])
+    raise RuntimeError(
+        f"no SYCL device can read host memory (CPU tensors); available: {describe_devices(sycl_devices())}"
+    )
+
+
+def sycl_runtime_for(device: torch.device) -> SyclRuntime:
+    """The SYCL device that serves tensors on ``device``: the host device for CPU tensors, the Level Zero GPU of
+    the same index for ``xpu`` tensors."""
+    if device.type == "cpu":
+        return host_sycl_runtime()
+    if device.type == "xpu":
+        return sycl_runtime(f"level_zero:gpu:{device.index or 0}")
+    raise ValueError(f"tensors on {device} cannot be served by a SYCL device (expected cpu or xpu tensors)")
