@@ -6,6 +6,8 @@ so that bad input never reaches a kernel (where it could read out of bounds) and
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -165,36 +167,40 @@ def check_attention_args(
         raise ValueError(f"`probs` last dim {query.shape[3]} must equal `num_tokens` ({num_tokens})")
 
 
-def check_decode_args(
-    query,
-    key_sinks,
-    key_codes,
-    key_scales,
-    key_zeros,
-    key_count,
-    key_group,
-    key_bits,
-    key_tail,
-    value_sinks,
-    value_codes,
-    value_scales,
-    value_zeros,
-    value_count,
-    value_group,
-    value_bits,
-    value_tail,
-    mask,
-    scaling,
-    softcap,
-) -> None:
+class KindOperands(NamedTuple):
+    """One kind (keys or values) of a ``decode_attention`` call, its tokens in position order: ``sinks [B, Hkv, S, D]``
+    exact, the first ``count`` tokens of the packed ``codes``/``scales``/``zeros`` (``group`` size, ``bits``), then
+    ``tail [B, Hkv, T, D]`` exact."""
+
+    sinks: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    count: int
+    group: int
+    bits: int
+    tail: torch.Tensor
+
+
+def split_decode_args(args: tuple) -> tuple:
+    """``decode_attention``'s arguments after ``query`` -> ``(keys, values, mask, scaling, softcap)`` with ``keys``
+    and ``values`` as :class:`KindOperands` (the op's schema is flat; its parts have names here)."""
+    return KindOperands(*args[:8]), KindOperands(*args[8:16]), *args[16:]
+
+
+def check_decode_args(query, *args) -> None:
     """Checks for ``decode_attention``: each packed operand as for dequantization, the exact parts and the query
     consistent with it (batch, kv heads, head_dims, dtypes, devices), equal token counts for keys and values, and a
     mask of shape ``[B or 1, 1 or Hq, L, >= n]``."""
+    keys, values, mask, scaling, softcap = split_decode_args(args)
     check_float_tensor(query, "query")
-    check_dequantize_args(key_codes, key_scales, key_zeros, key_count, key_group, key_bits, torch.float32, "tokens")
     check_dequantize_args(
-        value_codes, value_scales, value_zeros, value_count, value_group, value_bits, torch.float32, "channels"
+        keys.codes, keys.scales, keys.zeros, keys.count, keys.group, keys.bits, torch.float32, "tokens"
     )
+    check_dequantize_args(
+        values.codes, values.scales, values.zeros, values.count, values.group, values.bits, torch.float32, "channels"
+    )
+    key_codes, value_codes, value_bits = keys.codes, values.codes, values.bits
     b, kv_heads, head_dim = key_codes.shape[0], key_codes.shape[1], key_codes.shape[2]
     value_dim = value_codes.shape[3] * codes_per_byte(value_bits)
     if kv_heads == 0:
@@ -207,30 +213,31 @@ def check_decode_args(
     if tuple(value_codes.shape[:2]) != (b, kv_heads):
         raise ValueError(f"`value_codes` batch/heads {tuple(value_codes.shape[:2])} must be {(b, kv_heads)}")
     for name, t, width in (
-        ("key_sinks", key_sinks, head_dim),
-        ("key_tail", key_tail, head_dim),
-        ("value_sinks", value_sinks, value_dim),
-        ("value_tail", value_tail, value_dim),
+        ("key_sinks", keys.sinks, head_dim),
+        ("key_tail", keys.tail, head_dim),
+        ("value_sinks", values.sinks, value_dim),
+        ("value_tail", values.tail, value_dim),
     ):
         check_float_tensor(t, name)
         if tuple(t.shape[:2]) != (b, kv_heads) or t.shape[3] != width:
             raise ValueError(f"`{name}` shape {tuple(t.shape)} must be [{b}, {kv_heads}, tokens, {width}]")
-        if t.dtype != key_tail.dtype or t.device != query.device:
+        if t.dtype != keys.tail.dtype or t.device != query.device:
             raise ValueError(
-                f"`{name}` ({t.dtype} on {t.device}) must share the dtype of `key_tail` ({key_tail.dtype}) and the "
+                f"`{name}` ({t.dtype} on {t.device}) must share the dtype of `key_tail` ({keys.tail.dtype}) and the "
                 f"device of `query` ({query.device})"
             )
         if t.stride(3) != 1 and t.shape[3] > 1:
             raise ValueError(f"`{name}` must be contiguous along head_dim (stride 1), got strides {t.stride()}")
-    if key_sinks.shape[2] != value_sinks.shape[2]:
-        raise ValueError(f"`key_sinks` ({key_sinks.shape[2]}) and `value_sinks` ({value_sinks.shape[2]}) differ")
-    n = key_count + key_tail.shape[2]
-    if value_count + value_tail.shape[2] != n:
+    if keys.sinks.shape[2] != values.sinks.shape[2]:
+        raise ValueError(f"`key_sinks` ({keys.sinks.shape[2]}) and `value_sinks` ({values.sinks.shape[2]}) differ")
+    n = keys.count + keys.tail.shape[2]
+    if values.count + values.tail.shape[2] != n:
         raise ValueError(
-            f"keys hold {n} tokens after the sinks (key_count {key_count} + key_tail {key_tail.shape[2]}) but values "
-            f"hold {value_count + value_tail.shape[2]} (value_count {value_count} + value_tail {value_tail.shape[2]})"
+            f"keys hold {n} tokens after the sinks (key_count {keys.count} + key_tail {keys.tail.shape[2]}) but values "
+            f"hold {values.count + values.tail.shape[2]} (value_count {values.count} + value_tail "
+            f"{values.tail.shape[2]})"
         )
-    n += key_sinks.shape[2]
+    n += keys.sinks.shape[2]
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
             raise ValueError(f"`mask` must be None or a rank-4 tensor [B, 1 or Hq, L, >= n], got {mask!r:.80}")

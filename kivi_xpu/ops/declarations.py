@@ -20,6 +20,7 @@ from .checks import (
     check_dequantize_args,
     check_quantize_args,
     codes_per_byte,
+    split_decode_args,
 )
 from .library import define
 
@@ -73,9 +74,9 @@ def _combine_output(probs, codes, scales, zeros, num_tokens, group_size, bits):
 
 
 def _decode_output(query, *args):
-    value_tail = args[15]
+    _, values, *_ = split_decode_args(args)
     b, hq, length, _ = query.shape
-    return query.new_empty((b, hq, length, value_tail.shape[3]))
+    return query.new_empty((b, hq, length, values.tail.shape[3]))
 
 
 for _axis, _kind in (("tokens", "keys"), ("channels", "values")):
@@ -93,18 +94,15 @@ for _axis, _kind in (("tokens", "keys"), ("channels", "values")):
         _dequantized_output(_axis),
         getattr(reference, f"dequantize_{_kind}"),
     )
-define(
-    "packed_key_scores",
-    _PACKED_ATTENTION.format(dense="query"),
-    lambda q, *packed: check_attention_args("query", q, *packed, "tokens"),
-    _scores_output,
-    reference.packed_key_scores,
-)
-define(
-    "packed_value_combine",
-    _PACKED_ATTENTION.format(dense="probs"),
-    lambda p, *packed: check_attention_args("probs", p, *packed, "channels"),
-    _combine_output,
-    reference.packed_value_combine,
-)
+for _name, _dense, _axis, _outputs in (
+    ("packed_key_scores", "query", "tokens", _scores_output),
+    ("packed_value_combine", "probs", "channels", _combine_output),
+):
+    define(
+        _name,
+        _PACKED_ATTENTION.format(dense=_dense),
+        lambda t, *packed, dense=_dense, axis=_axis: check_attention_args(dense, t, *packed, axis),
+        _outputs,
+        getattr(reference, _name),
+    )
 define("decode_attention", _DECODE_ATTENTION, check_decode_args, _decode_output, reference.decode_attention)

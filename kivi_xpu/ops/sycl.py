@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import SyclRuntime, sycl_runtime_for
-from .checks import codes_per_byte
+from .checks import codes_per_byte, split_decode_args
 from .library import OPS, register_kernel
 from .reference import group_queries, masked_scores, softmax_rows
 
@@ -100,60 +100,41 @@ def packed_value_combine(probs, codes, scales, zeros, num_tokens, group_size, bi
 
 
 @register_kernel("decode_attention", "sycl")
-def decode_attention(
-    query,
-    key_sinks,
-    key_codes,
-    key_scales,
-    key_zeros,
-    key_count,
-    key_group,
-    key_bits,
-    key_tail,
-    value_sinks,
-    value_codes,
-    value_scales,
-    value_zeros,
-    value_count,
-    value_group,
-    value_bits,
-    value_tail,
-    mask,
-    scaling,
-    softcap,
-):
+def decode_attention(query, *args):
     """The two SYCL attention kernels composed: scores of ``[sinks | packed keys | key tail]``, one softmax, then
     ``[sinks | packed values | value tail]`` combined. The packed history stays on its (storage) device; the exact
     parts and the result on the query's device."""
+    keys, values, mask, scaling, softcap = split_decode_args(args)
     b, hq, length, _ = query.shape
-    kv_heads = key_tail.shape[1]
+    kv_heads = keys.tail.shape[1]
     q = query.float() * scaling
     grouped = group_queries(q, kv_heads)
 
-    def exact_scores(keys):
-        return (grouped @ keys.float().transpose(2, 3)).reshape(b, hq, length, -1)
+    def exact_scores(k):
+        return (grouped @ k.float().transpose(2, 3)).reshape(b, hq, length, -1)
 
-    def exact_sum(p, values):
-        return (group_queries(p, kv_heads) @ values.float()).reshape(b, hq, length, -1)
+    def exact_sum(p, v):
+        return (group_queries(p, kv_heads) @ v.float()).reshape(b, hq, length, -1)
 
-    sinks = key_sinks.shape[2]
-    parts = [exact_scores(key_sinks)] if sinks else []
-    if key_count:
-        history = packed_key_scores(
-            q.to(key_codes.device), key_codes, key_scales, key_zeros, key_count, key_group, key_bits
-        )
+    sinks = keys.sinks.shape[2]
+    parts = [exact_scores(keys.sinks)] if sinks else []
+    if keys.count:
+        q_storage = q.to(keys.codes.device)
+        history = packed_key_scores(q_storage, keys.codes, keys.scales, keys.zeros, keys.count, keys.group, keys.bits)
         parts.append(history.to(query.device))
-    parts.append(exact_scores(key_tail))
+    parts.append(exact_scores(keys.tail))
     scores = torch.cat(parts, dim=-1)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     probs = softmax_rows(masked_scores(scores, mask))
-    history_end = sinks + value_count
-    out = exact_sum(probs[..., history_end:], value_tail)
+    history_end = sinks + values.count
+    out = exact_sum(probs[..., history_end:], values.tail)
     if sinks:
-        out += exact_sum(probs[..., :sinks], value_sinks)
-    if value_count:
-        p = probs[..., sinks:history_end].contiguous().to(value_codes.device)
-        combined = packed_value_combine(p, value_codes, value_scales, value_zeros, value_count, value_group, value_bits)
+        out += exact_sum(probs[..., :sinks], values.sinks)
+    if values.count:
+        p = probs[..., sinks:history_end].contiguous().to(values.codes.device)
+        combined = packed_value_combine(
+            p, values.codes, values.scales, values.zeros, values.count, values.group, values.bits
+        )
         out += combined.to(query.device)
     return out.to(query.dtype)
