@@ -13,9 +13,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from kivi_xpu import bench, evaluate
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import strip_wiki_markup, wiki_articles
+from kivi_xpu.tools import bench
+from kivi_xpu.tools import eval_ppl as evaluate
 
 MAX_POSITIONS = 256
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
@@ -358,9 +359,9 @@ def test_a_run_that_fails_midway_writes_no_json(assets, tmp_path, capsys, monkey
 
 # runpy warns that the module is already imported (by this file): harmless, the tool runs from the fresh copy.
 @pytest.mark.filterwarnings("ignore:'kivi_xpu.*found in sys.modules:RuntimeWarning")
-@pytest.mark.parametrize("module", ["kivi_xpu.bench", "kivi_xpu.evaluate"])
+@pytest.mark.parametrize("module", ["kivi_xpu.tools.bench", "kivi_xpu.tools.eval_ppl"])
 def test_module_entry_points_exit_with_the_tool_status(module, tmp_path, capsys, monkeypatch):
-    # `python -m kivi_xpu.bench` / `python -m kivi_xpu.evaluate`, run in this process.
+    # `python -m kivi_xpu.tools.bench` / `python -m kivi_xpu.tools.eval_ppl`, run in this process.
     monkeypatch.setattr(sys, "argv", [module, "--model", str(tmp_path), "--json", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module(module, run_name="__main__")
