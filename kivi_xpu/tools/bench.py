@@ -48,14 +48,16 @@ from .cli import (
     progress,
     tool_main,
 )
+from .curve import curve
 from .io import check_output_path, write_json
 from .loading import check_positions, load_model, load_tokenizer, resolve_text, text_tokens
 from .machine import environment
 from .memory import KvBytes, PeakMemory, kv_bytes, release_freed_memory
 from .options import ToolError, ToolOptions
-from .plots import bench_plot, check_matplotlib
-from .report import bench_table
+from .plots import bench_plot, check_matplotlib, curve_plot
+from .report import bench_table, curve_table, machine_line
 from .specs import CacheSpec, cache_specs, check_cache_options, make_cache, third_party_failure, unavailable_reason
+from .timing import add_step_ratios, competitors, timed_decode
 
 
 @dataclass(kw_only=True)
@@ -69,6 +71,8 @@ class BenchOptions(ToolOptions):
     repeats: int = 3  # runs per configuration, medians reported
     text: str | None = None  # prompts from this text file or "wikipedia" instead of random ids
     plot: str | None = None  # PNG path
+    contend: int = 0  # CPU-bound competitor processes running during every measured run
+    curve: bool = False  # the long-context curve on a tiny random Llama (kivi_xpu.tools.curve) instead
 
 
 DEFAULTS = BenchOptions()
@@ -108,6 +112,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cache_arguments(p)
     add_output_arguments(p)
     p.add_argument("--plot", metavar="PATH", help="write a PNG: KV memory and decode tokens/s against context")
+    p.add_argument(
+        "--contend",
+        type=nonnegative_int,
+        default=DEFAULTS.contend,
+        metavar="N",
+        help="N CPU-bound competitor processes run during every measured run of every cache (default 0)",
+    )
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="long-context curve: decode ms/token and KV bytes against --contexts for dynamic, static and KIVI "
+        "on a tiny random Llama whose caches are filled with random K/V (no --model, no --text)",
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,6 +172,8 @@ class Row:
     speed_vs_dynamic: float | None = None
     prefill_vs_dynamic: float | None = None
     memory_vs_dynamic: float | None = None
+    ms_per_step_vs_dynamic: float | None = None  # decode ms/step over DynamicCache's (above 1: slower)
+    ms_per_step_vs_static: float | None = None  # decode ms/step over StaticCache's
     runs: list[dict] = field(default_factory=list)
 
 
@@ -166,7 +185,7 @@ def run_once(
     release_freed_memory()
     baseline = meter.current()
     meter.reset()
-    cache = make_cache(spec, model.config, options)
+    cache = make_cache(spec, model.config, options, ids.shape[1] + new_tokens)
     start = time.perf_counter()
     logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     prefill_seconds = time.perf_counter() - start
@@ -176,14 +195,8 @@ def run_once(
     del logits
     release_freed_memory()
     meter.reset()
-    timed_start = None
-    for step in range(1, new_tokens):
-        if step == warmup + 1:
-            timed_start = time.perf_counter()
-        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        tokens.append(token)
-        bar.update(1)
-    decode_seconds = time.perf_counter() - timed_start
+    decoded, decode_seconds = timed_decode(model, cache, token, new_tokens - 1, warmup, bar)
+    tokens += decoded
     peak_decode = meter.peak()
     run = Run(
         prefill_seconds,
@@ -278,7 +291,8 @@ def measure(
                     bar.set_description_str(f"ctx {context} batch {batch} {spec.label} run {repeat + 1}")
                     start = bar.n
                     measured = (model, spec, ids, options.new_tokens, options.warmup, options, meter, bar)
-                    run, reason = third_party_failure(spec, run_once, *measured)
+                    with competitors(options.contend):
+                        run, reason = third_party_failure(spec, run_once, *measured)
                     if reason:
                         failed.append({"cache": spec.label, "context": context, "batch": batch, "reason": reason})
                         del runs[spec]  # not run again in this configuration
@@ -292,7 +306,8 @@ def measure(
 
 
 def benchmark(options: BenchOptions) -> dict:
-    """Runs the benchmark the options describe and returns the JSON payload (``rows``, ``skipped``, ...)."""
+    """Runs the benchmark the options describe (``--curve``: :func:`kivi_xpu.tools.curve.curve`) and returns the
+    JSON payload (``rows``, ``skipped``, ...)."""
     if options.new_tokens < options.warmup + 2:
         raise ToolError(
             f"--new-tokens ({options.new_tokens}) must exceed --warmup ({options.warmup}) + 1: the prefill yields the "
@@ -302,6 +317,8 @@ def benchmark(options: BenchOptions) -> dict:
     check_output_path(options.plot, "--plot")
     if options.plot:
         check_matplotlib("--plot")
+    if options.curve:
+        return curve(options)
     apply_process_options(options)
     model, model_path = load_model(options.model, options.dtype)
     check_positions(model, max(options.contexts) + options.new_tokens, "context + new tokens")
@@ -333,6 +350,7 @@ def benchmark(options: BenchOptions) -> dict:
 
 
 def add_ratios(results: list[Row], runs: dict[CacheSpec, list[Run]]) -> None:
+    add_step_ratios(results)
     base = next((r for r in results if r.name == "dynamic"), None)
     if base is None:
         return
@@ -348,9 +366,9 @@ def command(args) -> None:
     """``kivi-xpu bench``: run, print the table, write --plot and --json."""
     options = BenchOptions.from_namespace(args)
     payload = benchmark(options)
-    print(bench_table(payload), flush=True)
+    print((curve_table if options.curve else bench_table)(payload), machine_line(payload), sep="\n", flush=True)
     if options.plot:
-        bench_plot(payload, options.plot)
+        (curve_plot if options.curve else bench_plot)(payload, options.plot)
     if options.json:
         write_json(options.json, payload)
 

@@ -141,7 +141,7 @@ def decode_nll(model, spec, windows: torch.Tensor, prefill: int, window_batch: i
     model.set_attn_implementation(spec.attn_implementation)
     nll, held = [], None
     for chunk in windows.split(window_batch):
-        cache = make_cache(spec, model.config, options)
+        cache = make_cache(spec, model.config, options, windows.shape[1])
         model(chunk[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
         losses = []
         for i in range(steps):
@@ -161,7 +161,7 @@ def streaming_nll(model, spec, tokens: torch.Tensor, options, bar) -> tuple:
     """Negative log-likelihoods ``[N - 1]`` of tokens 1..N-1 of ``tokens [N]``, fed one at a time from an empty
     cache, and the KV bytes the cache held at the end."""
     model.set_attn_implementation(spec.attn_implementation)
-    cache = make_cache(spec, model.config, options)
+    cache = make_cache(spec, model.config, options, tokens.numel())
     ids = tokens.view(1, -1)
     losses = []
     for position in range(ids.shape[1] - 1):

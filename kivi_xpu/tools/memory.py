@@ -61,7 +61,8 @@ def accounted_bytes(cache) -> tuple[int, int]:
         return report.total_bytes, report.allocated_bytes
     total = 0
     for layer in cache.layers:
-        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+        # cumulative_length: the token counter tensor of a StaticCache layer (8 bytes).
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values", "cumulative_length"):
             total += sum(t.nbytes for t in _flat_tensors(getattr(layer, name, None)))
     return total, total
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-CACHE_NAMES = ("dynamic", "kivi-fused", "kivi-dense", "quanto", "hqq")
+CACHE_NAMES = ("dynamic", "static", "kivi-fused", "kivi-dense", "quanto", "hqq")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -58,3 +58,26 @@ def bench_plot(payload: dict, path: str) -> None:
     fig.suptitle(f"{Path(payload['model']).name}: {payload['date'][:10]}")
     fig.tight_layout()
     write_png(path, fig)
+
+
+def curve_plot(payload: dict, path: str) -> None:
+    """Decode ms/step (left) and KV MiB (right) against context length (log-x), one line per cache and batch."""
+    plt = _pyplot()
+    rows = payload["rows"]
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(12, 5))
+    for key in dict.fromkeys((r["cache"], r["batch"]) for r in rows):
+        points = sorted((r["context"], r) for r in rows if (r["cache"], r["batch"]) == key)
+        contexts, label = [c for c, _ in points], f"{key[0]} (batch {key[1]})"
+        speed.plot(contexts, [r["ms_per_step"] for _, r in points], marker="o", label=label)
+        memory.plot(contexts, [r["kv_bytes"] / MIB for _, r in points], marker="o", label=label)
+    speed.set_title("decode time per step")
+    speed.set_ylabel("ms/step")
+    memory.set_title("KV cache memory")
+    memory.set_ylabel("KV MiB")
+    contexts = sorted({r["context"] for r in rows})
+    for ax in (speed, memory):
+        ax.set_yscale("log")
+        _context_axis(ax, contexts)
+    fig.suptitle(f"{payload['model']}: {payload['date'][:10]} ({payload['environment']['cpu']['model']})")
+    fig.tight_layout()
+    write_png(path, fig)

@@ -20,9 +20,10 @@ def _signed(value: float | None, digits: int = 3, percent: bool = False) -> str:
 
 
 BENCH_HEADER = (
-    "| cache | context | batch | prefill s | prefill vs Dynamic | decode tok/s | speed vs Dynamic | KV MiB | "
-    "KV smaller by | decode peak MiB | token match | first divergence | notes |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| cache | context | batch | prefill s | prefill vs Dynamic | decode tok/s | speed vs Dynamic | ms/step | "
+    "step vs Dynamic | step vs Static | KV MiB | KV smaller by | decode peak MiB | token match | first divergence | "
+    "notes |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -38,13 +39,50 @@ def bench_table(payload: dict) -> str:
         lines.append(
             f"| {r['cache']} | {r['context']} | {r['batch']} | {r['prefill_seconds']:.3f} | "
             f"{_ratio(r['prefill_vs_dynamic'])} | {r['decode_tokens_per_s']:.1f} | {_ratio(r['speed_vs_dynamic'])} | "
-            f"{_mib(r['kv_bytes'])} | {_ratio(r['memory_vs_dynamic'])} | {_mib(r['peak_decode_bytes'])} | {match} | "
-            f"{divergence} | {notes} |"
+            f"{_steps(r)} | {_mib(r['kv_bytes'])} | {_ratio(r['memory_vs_dynamic'])} | "
+            f"{_mib(r['peak_decode_bytes'])} | {match} | {divergence} | {notes} |"
         )
     for s in payload["skipped"]:
         where = ["—" if s[k] is None else str(s[k]) for k in ("context", "batch")]
-        lines.append(f"| {s['cache']} | {' | '.join(where)} | — | — | — | — | — | — | — | — | — | {s['reason']} |")
+        lines.append(f"| {s['cache']} | {' | '.join(where)} | {' | '.join(['—'] * 12)} | {s['reason']} |")
     return "\n".join(lines)
+
+
+def _steps(r: dict) -> str:
+    """``ms/step | vs Dynamic | vs Static`` cells of a row."""
+    return f"{r['ms_per_step']:.2f} | {_ratio(r['ms_per_step_vs_dynamic'])} | {_ratio(r['ms_per_step_vs_static'])}"
+
+
+CURVE_HEADER = (
+    "| cache | context | batch | ms/step | step vs Dynamic | step vs Static | decode tok/s | KV MiB | fill s | "
+    "notes |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def curve_table(payload: dict) -> str:
+    lines = [CURVE_HEADER]
+    for r in payload["rows"]:
+        notes = "" if r["kv_check"] == "ok" else f"KV check: {r['kv_check']}"
+        lines.append(
+            f"| {r['cache']} | {r['context']} | {r['batch']} | {_steps(r)} | {r['decode_tokens_per_s']:.1f} | "
+            f"{_mib(r['kv_bytes'])} | {r['fill_seconds']:.2f} | {notes} |"
+        )
+    for s in payload["skipped"]:
+        lines.append(f"| {s['cache']} | — | — | — | — | — | — | — | — | {s['reason']} |")
+    return "\n".join(lines)
+
+
+def machine_line(payload: dict) -> str:
+    """What a table was measured on: CPU model and ISA, the KIVI kernels' implementation, the competitor count."""
+    env, settings = payload["environment"], payload["settings"]
+    kernels = env["kivi_kernels"]
+    implementation = "—" if kernels is None else kernels["backend"] + (f" ({kernels['isa']})" if kernels["isa"] else "")
+    return (
+        f"CPU: {env['cpu']['model']}; ISA: {' '.join(env['cpu']['isa']) or 'none of interest'}; torch threads: "
+        f"{env['torch_threads']}; KIVI kernels: {implementation}; competitor processes (--contend): "
+        f"{settings['contend']}"
+    )
 
 
 PPL_HEADER = (

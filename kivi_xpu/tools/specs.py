@@ -5,19 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from ..cache import KiviCache
 from .cli import first_line
 from .options import CACHE_NAMES, DTYPES, ToolError, ToolOptions
 
+FULL_PRECISION = ("dynamic", "static")
 HF_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
 HF_PACKAGES = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq.core.quantize", "hqq")}
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """One cache configuration: a name from ``CACHE_NAMES``, a bit width (``None`` for ``dynamic``) and, for KIVI,
+    """One cache configuration: a name from ``CACHE_NAMES``, a bit width (``None`` for the full-precision
+    ``dynamic`` and ``static``) and, for KIVI,
     the extra ``--kivi-option`` settings as text (shown in the label)."""
 
     name: str
@@ -35,12 +37,13 @@ class CacheSpec:
 
 
 def cache_specs(options: ToolOptions) -> list[CacheSpec]:
-    """The configurations to run (caches x bits), ``dynamic`` first (the reference of every ratio)."""
+    """The configurations to run (caches x bits), the full-precision ``dynamic`` and ``static`` first (the
+    references of the ratios)."""
     names = list(dict.fromkeys(options.caches))
     kivi_options = ", ".join(f"{k}={_short(v)}" for k, v in options.kivi_options)
-    specs = [CacheSpec("dynamic")] if "dynamic" in names else []
+    specs = [CacheSpec(name) for name in FULL_PRECISION if name in names]
     for name in names:
-        if name != "dynamic":
+        if name not in FULL_PRECISION:
             extra = kivi_options if name.startswith("kivi") else ""
             specs += [CacheSpec(name, b, extra) for b in dict.fromkeys(options.bits)]
     return specs
@@ -78,9 +81,14 @@ def kivi_kwargs(options: ToolOptions, bits: int) -> dict:
     return kwargs
 
 
-def make_cache(spec: CacheSpec, config, options: ToolOptions):
+def make_cache(spec: CacheSpec, config, options: ToolOptions, max_cache_len: int | None = None):
+    """A fresh cache for ``spec``; ``max_cache_len`` (tokens) sizes a ``StaticCache`` and is ignored by the others."""
     if spec.name == "dynamic":
         return DynamicCache(config=config)
+    if spec.name == "static":
+        if max_cache_len is None:
+            raise ValueError("a StaticCache needs `max_cache_len` (context + new tokens)")
+        return StaticCache(config=config, max_cache_len=max_cache_len)
     if spec.name in ("kivi-fused", "kivi-dense"):
         attention = "auto" if spec.name == "kivi-fused" else "dense"
         return KiviCache(config=config, attention=attention, **kivi_kwargs(options, spec.bits))
