@@ -85,8 +85,9 @@ class CurveRow:
 
 
 @torch.no_grad()
-def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batch: int, bar) -> tuple:
-    """(decode seconds per timed step, KvBytes, fill seconds) of one fresh cache filled to ``context`` tokens."""
+def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batch: int, contend: int, bar) -> tuple:
+    """(decode seconds per timed step, KvBytes, fill seconds) of one fresh cache filled to ``context`` tokens, its
+    decode steps run next to ``contend`` competitor processes."""
     model.set_attn_implementation(spec.attn_implementation)
     release_freed_memory()
     cache = make_cache(spec, model.config, options, context + options.new_tokens)
@@ -94,7 +95,7 @@ def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batc
     fill_seconds = fill(cache, model.config, batch, context, model.dtype, generator)
     token = torch.randint(0, model.config.vocab_size, (batch, 1), generator=generator)
     steps = options.new_tokens - 1
-    with competitors(options.contend):
+    with competitors(contend):
         _, seconds = timed_decode(model, cache, token, steps, options.warmup, bar)
     kv = kv_bytes(cache)
     del cache
@@ -127,13 +128,13 @@ def curve(options: BenchOptions) -> dict:
     total = (len(configurations) * options.repeats + 1) * len(specs) * steps
     with progress(not options.no_progress, total=total, desc="curve", unit="step") as bar:
         for spec in specs:  # one untimed run per cache: kernel compilation, first-touch allocations
-            curve_once(model, spec, options, min(options.contexts), 1, bar)
+            curve_once(model, spec, options, min(options.contexts), 1, 0, bar)
         for context, batch in configurations:
             runs = {spec: [] for spec in specs}
             for repeat in range(options.repeats):
                 for spec in specs:  # caches take turns, so that load changes hit all of them alike
                     bar.set_description_str(f"ctx {context} batch {batch} {spec.label} run {repeat + 1}")
-                    runs[spec].append(curve_once(model, spec, options, context, batch, bar))
+                    runs[spec].append(curve_once(model, spec, options, context, batch, options.contend, bar))
             results = [summarize(spec, context, batch, spec_runs) for spec, spec_runs in runs.items()]
             add_step_ratios(results)
             rows += results
