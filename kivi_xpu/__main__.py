@@ -2,9 +2,9 @@
 
 * ``info``: versions, SYCL devices, the chosen backend and whether the kernels compile;
 * ``bench``: prefill time, decode speed, KV memory, peak memory and token match of several caches
-  (:mod:`kivi_xpu.bench`, also ``python -m kivi_xpu.bench``);
+  (:mod:`kivi_xpu.tools.bench`, also ``python -m kivi_xpu.tools.bench``);
 * ``eval-ppl``: perplexity on a text with the cache in the loop, decode or streaming mode
-  (:mod:`kivi_xpu.evaluate`, also ``python -m kivi_xpu.evaluate``).
+  (:mod:`kivi_xpu.tools.eval_ppl`, also ``python -m kivi_xpu.tools.eval_ppl``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import json
 import sys
 
 from . import __version__, backend
-from . import bench as bench_tool
-from . import evaluate as evaluate_tool
 from .ops.library import OPS
+from .tools import bench as bench_tool
+from .tools import eval_ppl as evaluate_tool
+from .tools.cli import run_tool
 
 
 def _print_info(facts: dict) -> None:
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
         sub.set_defaults(func=tool.command)
     args = parser.parse_args(argv)
     if args.command != "info":
-        return bench_tool.run_tool(args.func, args)
+        return run_tool(args.func, args)
 
     facts = backend.info(args.backend, args.device)
     if args.json:

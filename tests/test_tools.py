@@ -13,9 +13,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from kivi_xpu import bench, evaluate
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import strip_wiki_markup, wiki_articles
+from kivi_xpu.tools import bench
+from kivi_xpu.tools import eval_ppl as evaluate
 
 MAX_POSITIONS = 256
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
@@ -96,6 +97,12 @@ def test_bench_reports_consistent_rows_a_table_and_a_plot(assets, tmp_path, caps
             *KIVI,
             "--plot",
             plot,
+            "--caches",
+            "dynamic",
+            "kivi-fused",
+            "kivi-dense",
+            "quanto",
+            "hqq",
         ],  # fmt: skip
         tmp_path,
         capsys,
@@ -358,9 +365,9 @@ def test_a_run_that_fails_midway_writes_no_json(assets, tmp_path, capsys, monkey
 
 # runpy warns that the module is already imported (by this file): harmless, the tool runs from the fresh copy.
 @pytest.mark.filterwarnings("ignore:'kivi_xpu.*found in sys.modules:RuntimeWarning")
-@pytest.mark.parametrize("module", ["kivi_xpu.bench", "kivi_xpu.evaluate"])
+@pytest.mark.parametrize("module", ["kivi_xpu.tools.bench", "kivi_xpu.tools.eval_ppl"])
 def test_module_entry_points_exit_with_the_tool_status(module, tmp_path, capsys, monkeypatch):
-    # `python -m kivi_xpu.bench` / `python -m kivi_xpu.evaluate`, run in this process.
+    # `python -m kivi_xpu.tools.bench` / `python -m kivi_xpu.tools.eval_ppl`, run in this process.
     monkeypatch.setattr(sys, "argv", [module, "--model", str(tmp_path), "--json", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module(module, run_name="__main__")
@@ -414,3 +421,82 @@ def test_wiki_articles_skips_redirects_and_other_namespaces():
         + "</mediawiki>"
     )
     assert wiki_articles(dump.encode()) == [("Kept", "Some bold text.")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench: StaticCache baseline, machine facts, --contend, --curve
+
+
+def check_step_ratios(rows):
+    """Every row's decode ms/step ratios equal its ms/step over the Dynamic and Static rows' of its configuration."""
+    for r in rows:
+        same = {x["name"]: x for x in rows if (x["context"], x["batch"]) == (r["context"], r["batch"])}
+        for baseline in ("dynamic", "static"):
+            expected = r["ms_per_step"] / same[baseline]["ms_per_step"]
+            assert r[f"ms_per_step_vs_{baseline}"] == pytest.approx(expected)
+        assert r["ms_per_step"] > 0 and r["kv_check"] == "ok", r
+
+
+def check_machine_facts(payload, out):
+    env = payload["environment"]
+    assert set(env["cpu"]) == {"model", "isa"} and isinstance(env["cpu"]["isa"], list)
+    assert env["kivi_kernels"]["backend"] in ("sycl", "reference", "native")
+    assert f"CPU: {env['cpu']['model']}; ISA: " in out and f"KIVI kernels: {env['kivi_kernels']['backend']}" in out
+
+
+def test_bench_static_baseline_machine_facts_and_competitors(assets, tmp_path, capsys):
+    model_dir, _ = assets
+    path = tmp_path / "out.json"
+    args = ["bench", "--model", model_dir, "--contexts", "20,40", "--batch-sizes", 1, "--new-tokens", 4]
+    args += ["--warmup", 1, "--repeats", 1, "--caches", "dynamic", "static", "kivi-fused", *KIVI, "--contend", 1]
+    code, out, err = run([*args, "--json", path, "--no-progress"], capsys)
+    assert code == 0, err
+    payload = json.loads(path.read_text())
+    assert payload["settings"]["contend"] == 1 and "competitor processes (--contend): 1" in out
+    check_machine_facts(payload, out)
+    rows = payload["rows"]
+    assert [(r["context"], r["cache"]) for r in rows] == [
+        (c, cache) for c in (20, 40) for cache in ("dynamic", "static", "kivi-fused 2-bit")
+    ]
+    check_step_ratios(rows)
+    for r in rows:
+        if r["name"] == "static":  # the same model and prompt as Dynamic: the same greedy tokens
+            assert r["token_match"] == 1.0
+            # preallocated for context + new tokens (fp32 K and V), plus one 8-byte token counter per layer
+            assert r["kv_bytes"] == 2 * LAYERS * KV_HEADS * (r["context"] + 4) * HEAD_DIM * 4 + 8 * LAYERS
+
+
+def test_competitors_run_during_the_block_and_are_killed_even_on_interrupt():
+    from kivi_xpu.tools.timing import competitors
+
+    with pytest.raises(KeyboardInterrupt), competitors(2) as processes:
+        assert len(processes) == 2 and all(p.poll() is None for p in processes)
+        raise KeyboardInterrupt
+    assert all(p.returncode is not None for p in processes)
+
+
+def test_bench_curve_writes_rows_for_every_context_a_table_and_a_plot(tmp_path, capsys):
+    path, plot = tmp_path / "curve.json", tmp_path / "curve.png"
+    args = ["bench", "--curve", "--contexts", "32,96", "--batch-sizes", 1, "--new-tokens", 3, "--warmup", 1]
+    args += ["--repeats", 1, "--caches", "dynamic", "static", "kivi-fused", "quanto", *KIVI, "--plot", plot]
+    code, out, err = run([*args, "--json", path, "--no-progress"], capsys)
+    assert code == 0, err
+    assert out.startswith("| cache |") and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    payload = json.loads(path.read_text())
+    check_machine_facts(payload, out)
+    assert payload["curve_model"]["max_position_embeddings"] == 96 + 3 and payload["context_fill"]
+    assert [s["cache"] for s in payload["skipped"]] == ["quanto 2-bit"]
+    rows = payload["rows"]
+    assert [(r["context"], r["name"]) for r in rows] == [
+        (c, name) for c in (32, 96) for name in ("dynamic", "static", "kivi-fused")
+    ]
+    check_step_ratios(rows)
+    kv = {(r["name"], r["context"]): r["kv_bytes"] for r in rows}
+    for name in ("dynamic", "static", "kivi-fused"):
+        assert kv[name, 96] > kv[name, 32]
+
+
+def test_bench_curve_refuses_a_model_or_text(assets, capsys):
+    model_dir, _ = assets
+    code, _, err = run(["bench", "--curve", "--model", model_dir, "--no-progress"], capsys)
+    assert code == 2 and err == "error: --curve runs its own tiny random Llama on random K/V: drop --model and --text\n"

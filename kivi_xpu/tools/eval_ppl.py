@@ -2,7 +2,7 @@
 
     kivi-xpu eval-ppl --model smollm2 --text wikipedia --eval-mode decode --prefill 512 --decode-steps 256 --windows 4
     kivi-xpu eval-ppl --model smollm2 --text wikipedia --eval-mode streaming --max-tokens 2048
-    python -m kivi_xpu.evaluate ...     (the same options)
+    python -m kivi_xpu.tools.eval_ppl ...  (the same options)
 
 ``--eval-mode decode``: ``--windows`` consecutive, non-overlapping windows of ``P + D + 1`` tokens from the start of
 the text (``P = --prefill``, ``D = --decode-steps``). Each window prefills its first P tokens into an empty cache
@@ -32,47 +32,63 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .bench import (
-    ToolError,
-    accounted_bytes,
+from .cli import (
     add_cache_arguments,
     add_model_arguments,
     add_output_arguments,
     apply_process_options,
-    cache_specs,
-    check_cache_options,
-    check_output_path,
-    environment,
-    load_model,
-    load_tokenizer,
-    make_cache,
     positive_int,
     progress,
-    resolve_text,
-    settings_of,
-    text_tokens,
-    third_party_failure,
     tool_main,
-    unavailable_reason,
-    write_json,
 )
+from .io import check_output_path, write_json
+from .loading import load_model, load_tokenizer, model_limit, resolve_text, text_tokens
+from .machine import environment
+from .memory import accounted_bytes
+from .options import ToolError, ToolOptions
+from .report import ppl_table
+from .specs import cache_specs, check_cache_options, make_cache, third_party_failure, unavailable_reason
 
 MODES = ("decode", "streaming")
 
 
+@dataclass(kw_only=True)
+class EvalOptions(ToolOptions):
+    """The settings of ``kivi-xpu eval-ppl`` (see the module docstring)."""
+
+    text: str = "wikipedia"  # a UTF-8 text file or "wikipedia"
+    eval_mode: str = "decode"  # one of MODES
+    prefill: int = 512  # decode mode: P
+    decode_steps: int = 256  # decode mode: D
+    windows: int = 4  # decode mode: K
+    window_batch: int | None = None  # decode mode: windows per batch (None: all)
+    max_tokens: int | None = None  # streaming mode: the first N tokens (None: the whole text)
+    segment_length: int = 256  # streaming mode: scored tokens per segment
+
+
+DEFAULTS = EvalOptions()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``kivi-xpu eval-ppl`` / ``python -m kivi_xpu.evaluate``."""
+    """The options of ``kivi-xpu eval-ppl`` / ``python -m kivi_xpu.tools.eval_ppl``."""
     add_model_arguments(p)
     p.add_argument(
         "--text",
-        default="wikipedia",
+        default=DEFAULTS.text,
         help="UTF-8 text file, or 'wikipedia' (default): ~100 Wikipedia articles from the gensim 4.4.0 wheel, "
         "obtained through pip (kivi_xpu.assets.wikipedia_text)",
     )
-    p.add_argument("--eval-mode", choices=MODES, default="decode", help="decode (default) or streaming")
-    p.add_argument("--prefill", type=positive_int, default=512, help="decode mode: P, tokens prefilled per window")
-    p.add_argument("--decode-steps", type=positive_int, default=256, help="decode mode: D, teacher-forced steps scored")
-    p.add_argument("--windows", type=positive_int, default=4, help="decode mode: number of windows")
+    p.add_argument("--eval-mode", choices=MODES, default=DEFAULTS.eval_mode, help="decode (default) or streaming")
+    p.add_argument(
+        "--prefill", type=positive_int, default=DEFAULTS.prefill, help="decode mode: P, tokens prefilled per window"
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=positive_int,
+        default=DEFAULTS.decode_steps,
+        help="decode mode: D, teacher-forced steps scored",
+    )
+    p.add_argument("--windows", type=positive_int, default=DEFAULTS.windows, help="decode mode: number of windows")
     p.add_argument("--window-batch", type=positive_int, help="decode mode: windows per batch (default: all)")
     p.add_argument(
         "--max-tokens",
@@ -81,7 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the model's max_position_embeddings)",
     )
     p.add_argument(
-        "--segment-length", type=positive_int, default=256, help="streaming mode: scored tokens per segment (256)"
+        "--segment-length",
+        type=positive_int,
+        default=DEFAULTS.segment_length,
+        help="streaming mode: scored tokens per segment (256)",
     )
     add_cache_arguments(p)
     add_output_arguments(p)
@@ -115,14 +134,14 @@ def _std(values: list[float]) -> float:
 
 
 @torch.no_grad()
-def decode_nll(model, spec, windows: torch.Tensor, prefill: int, window_batch: int, args, bar) -> tuple:
+def decode_nll(model, spec, windows: torch.Tensor, prefill: int, window_batch: int, options, bar) -> tuple:
     """Negative log-likelihoods ``[K, D]`` of the D teacher-forced decode predictions of each window
     (``windows [K, P + D + 1]``), and the KV bytes the first batch's cache held at the end."""
     steps = windows.shape[1] - prefill - 1
     model.set_attn_implementation(spec.attn_implementation)
     nll, held = [], None
     for chunk in windows.split(window_batch):
-        cache = make_cache(spec, model.config, args)
+        cache = make_cache(spec, model.config, options, windows.shape[1])
         model(chunk[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
         losses = []
         for i in range(steps):
@@ -138,11 +157,11 @@ def decode_nll(model, spec, windows: torch.Tensor, prefill: int, window_batch: i
 
 
 @torch.no_grad()
-def streaming_nll(model, spec, tokens: torch.Tensor, args, bar) -> tuple:
+def streaming_nll(model, spec, tokens: torch.Tensor, options, bar) -> tuple:
     """Negative log-likelihoods ``[N - 1]`` of tokens 1..N-1 of ``tokens [N]``, fed one at a time from an empty
     cache, and the KV bytes the cache held at the end."""
     model.set_attn_implementation(spec.attn_implementation)
-    cache = make_cache(spec, model.config, args)
+    cache = make_cache(spec, model.config, options, tokens.numel())
     ids = tokens.view(1, -1)
     losses = []
     for position in range(ids.shape[1] - 1):
@@ -188,140 +207,107 @@ def add_deltas(rows: list[PplRow]) -> None:
         row.memory_vs_dynamic = base.kv_bytes / row.kv_bytes if row.kv_bytes else None
 
 
-def model_limit(model) -> int | None:
-    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-
-
-def evaluation_tokens(args, model, model_path: str) -> torch.Tensor:
+def evaluation_tokens(options: EvalOptions, model, model_path: str) -> torch.Tensor:
     """``[K, P + D + 1]`` windows (decode mode) or ``[N]`` tokens (streaming mode), with clear errors when the text
     is too short or the lengths exceed the model's context."""
     limit = model_limit(model)
-    path = resolve_text(args.text)
-    tokenizer = load_tokenizer(model_path, args.model)
-    if args.eval_mode == "decode":
-        if limit is not None and args.prefill + args.decode_steps > limit:
+    path = resolve_text(options.text)
+    tokenizer = load_tokenizer(model_path, options.model)
+    if options.eval_mode == "decode":
+        if limit is not None and options.prefill + options.decode_steps > limit:
             raise ToolError(
-                f"--prefill + --decode-steps = {args.prefill + args.decode_steps} positions exceed the model's "
+                f"--prefill + --decode-steps = {options.prefill + options.decode_steps} positions exceed the model's "
                 f"max_position_embeddings ({limit})"
             )
-        length = args.prefill + args.decode_steps + 1
-        needed = args.windows * length
+        length = options.prefill + options.decode_steps + 1
+        needed = options.windows * length
         ids = text_tokens(tokenizer, path, needed)
         if len(ids) < needed:
             raise ToolError(
-                f"--text {args.text!r} has {len(ids)} tokens, fewer than --windows {args.windows} x (--prefill "
-                f"{args.prefill} + --decode-steps {args.decode_steps} + 1) = {needed}"
+                f"--text {options.text!r} has {len(ids)} tokens, fewer than --windows {options.windows} x (--prefill "
+                f"{options.prefill} + --decode-steps {options.decode_steps} + 1) = {needed}"
             )
-        return ids.view(args.windows, length)
-    if args.max_tokens is not None and limit is not None and args.max_tokens > limit:
-        raise ToolError(f"--max-tokens {args.max_tokens} exceeds the model's max_position_embeddings ({limit})")
+        return ids.view(options.windows, length)
+    if options.max_tokens is not None and limit is not None and options.max_tokens > limit:
+        raise ToolError(f"--max-tokens {options.max_tokens} exceeds the model's max_position_embeddings ({limit})")
     # Without --max-tokens: the whole text, of which one token more than the limit is enough to reject it.
-    wanted = args.max_tokens if args.max_tokens is not None else (limit + 1 if limit is not None else None)
+    wanted = options.max_tokens if options.max_tokens is not None else (limit + 1 if limit is not None else None)
     ids = text_tokens(tokenizer, path, wanted)
-    if args.max_tokens is None and limit is not None and len(ids) > limit:
+    if options.max_tokens is None and limit is not None and len(ids) > limit:
         raise ToolError(
-            f"--text {args.text!r} has more tokens than the model's max_position_embeddings ({limit}): pass "
+            f"--text {options.text!r} has more tokens than the model's max_position_embeddings ({limit}): pass "
             "--max-tokens N to evaluate its first N tokens"
         )
-    if args.max_tokens is not None and len(ids) < args.max_tokens:
-        raise ToolError(f"--text {args.text!r} has {len(ids)} tokens, fewer than --max-tokens {args.max_tokens}")
+    if options.max_tokens is not None and len(ids) < options.max_tokens:
+        raise ToolError(f"--text {options.text!r} has {len(ids)} tokens, fewer than --max-tokens {options.max_tokens}")
     if len(ids) < 2:
-        raise ToolError(f"--text {args.text!r} has {len(ids)} token(s): at least 2 are needed to score one")
+        raise ToolError(f"--text {options.text!r} has {len(ids)} token(s): at least 2 are needed to score one")
     return ids
 
 
-def evaluate(args) -> dict:
-    """Runs the evaluation described by ``args`` and returns the JSON payload (``rows``, ``skipped``, ...)."""
-    check_output_path(args.json, "--json")
-    apply_process_options(args)
-    model, model_path = load_model(args.model, args.dtype)
-    specs = cache_specs(args)
-    check_cache_options(specs, model.config, args)
-    tokens = evaluation_tokens(args, model, model_path)
+def evaluate(options: EvalOptions) -> dict:
+    """Runs the evaluation the options describe and returns the JSON payload (``rows``, ``skipped``, ...)."""
+    check_output_path(options.json, "--json")
+    apply_process_options(options)
+    model, model_path = load_model(options.model, options.dtype)
+    specs = cache_specs(options)
+    check_cache_options(specs, model.config, options)
+    tokens = evaluation_tokens(options, model, model_path)
     skipped = [{"cache": s.label, "reason": r} for s in specs if (r := unavailable_reason(s))]
     runnable = [s for s in specs if unavailable_reason(s) is None]
-    decode = args.eval_mode == "decode"
-    window_batch = args.window_batch or args.windows
-    steps_per_cache = math.ceil(args.windows / window_batch) * args.decode_steps if decode else len(tokens) - 1
+    decode = options.eval_mode == "decode"
+    window_batch = options.window_batch or options.windows
+    steps_per_cache = math.ceil(options.windows / window_batch) * options.decode_steps if decode else len(tokens) - 1
     rows = []
-    with progress(not args.no_progress, total=len(runnable) * steps_per_cache, desc="eval-ppl", unit="step") as bar:
+    with progress(not options.no_progress, total=len(runnable) * steps_per_cache, desc="eval-ppl", unit="step") as bar:
         for spec in runnable:
-            bar.set_description_str(f"{args.eval_mode} {spec.label}")
+            bar.set_description_str(f"{options.eval_mode} {spec.label}")
             start = bar.n
             if decode:
                 result, reason = third_party_failure(
-                    spec, decode_nll, model, spec, tokens, args.prefill, window_batch, args, bar
+                    spec, decode_nll, model, spec, tokens, options.prefill, window_batch, options, bar
                 )
             else:
-                result, reason = third_party_failure(spec, streaming_nll, model, spec, tokens, args, bar)
+                result, reason = third_party_failure(spec, streaming_nll, model, spec, tokens, options, bar)
             if reason:
                 model.set_attn_implementation("sdpa")
                 skipped.append({"cache": spec.label, "reason": reason})
                 bar.update(start + steps_per_cache - bar.n)  # the steps it will not run
                 continue
             nll, held = result
-            windows = list(nll) if decode else list(nll.split(args.segment_length))
-            rows.append(make_row(spec, args.eval_mode, nll.flatten(), windows, held))
+            windows = list(nll) if decode else list(nll.split(options.segment_length))
+            rows.append(make_row(spec, options.eval_mode, nll.flatten(), windows, held))
     add_deltas(rows)
     scored = {
-        "decode": {"windows": args.windows, "prefill": args.prefill, "decode_steps": args.decode_steps},
-        "streaming": {"tokens": len(tokens), "segment_length": args.segment_length},
-    }[args.eval_mode]
+        "decode": {"windows": options.windows, "prefill": options.prefill, "decode_steps": options.decode_steps},
+        "streaming": {"tokens": len(tokens), "segment_length": options.segment_length},
+    }[options.eval_mode]
     return {
         "tool": "kivi-xpu eval-ppl",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": args.model,
+        "model": options.model,
         "model_path": model_path,
-        "text": args.text,
-        "mode": args.eval_mode,
+        "text": options.text,
+        "mode": options.eval_mode,
         "evaluated": scored,
-        "settings": settings_of(args),
-        "environment": environment(args),
+        "settings": options.settings(),
+        "environment": environment(options),
         "rows": [asdict(r) for r in rows],
         "skipped": skipped,
     }
 
 
-def _signed(value: float | None, digits: int = 3, percent: bool = False) -> str:
-    if value is None:
-        return "—"
-    return f"{100 * value:+.{digits}f}%" if percent else f"{value:+.{digits}f}"
-
-
-TABLE_HEADER = (
-    "| cache | mode | perplexity | Δ vs Dynamic | Δ % | windows | window ppl mean ± std | window min / max | "
-    "window Δ mean ± std | scored tokens | KV MiB |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
-)
-
-
-def markdown_table(payload: dict) -> str:
-    lines = [TABLE_HEADER]
-    for r in payload["rows"]:
-        delta_spread = (
-            "—" if r["window_delta_mean"] is None else f"{r['window_delta_mean']:+.3f} ± {r['window_delta_std']:.3f}"
-        )
-        lines.append(
-            f"| {r['cache']} | {r['mode']} | {r['perplexity']:.3f} | {_signed(r['delta_vs_dynamic'])} | "
-            f"{_signed(r['relative_delta_vs_dynamic'], 2, percent=True)} | {len(r['window_perplexities'])} | "
-            f"{r['window_mean']:.3f} ± {r['window_std']:.3f} | {r['window_min']:.3f} / {r['window_max']:.3f} | "
-            f"{delta_spread} | {r['scored_tokens']} | {r['kv_bytes'] / (1 << 20):.2f} |"
-        )
-    for s in payload["skipped"]:
-        lines.append(f"| {s['cache']} | — | — | — | — | — | — | — | — | — | {s['reason']} |")
-    return "\n".join(lines)
-
-
 def command(args) -> None:
     """``kivi-xpu eval-ppl``: run, print the table, write --json."""
-    payload = evaluate(args)
-    print(markdown_table(payload), flush=True)
-    if args.json:
-        write_json(args.json, payload)
+    options = EvalOptions.from_namespace(args)
+    payload = evaluate(options)
+    print(ppl_table(payload), flush=True)
+    if options.json:
+        write_json(options.json, payload)
 
 
 def main(argv=None) -> int:
-    return tool_main("kivi_xpu.evaluate", __doc__, add_arguments, command, argv)
+    return tool_main("kivi_xpu.tools.eval_ppl", __doc__, add_arguments, command, argv)
 
 
 if __name__ == "__main__":

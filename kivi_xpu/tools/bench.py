@@ -1,0 +1,381 @@
+"""Benchmark of KV caches side by side in one process: prefill time, decode speed, KV memory, peak process memory
+and greedy agreement with the full-precision ``DynamicCache``.
+
+    kivi-xpu bench --model smollm2 --contexts 512 1024 2048 4096 --batch-sizes 1 4 --json bench.json --plot bench.png
+    python -m kivi_xpu.tools.bench ...  (the same options)
+
+For every (context, batch) each cache prefills the same prompt (random token ids, or consecutive slices of a text
+with ``--text``) and greedily generates ``--new-tokens`` tokens; the first ``--warmup`` decode steps are not
+timed. Every configuration runs ``--repeats`` times, the caches taking turns so that a change in machine load
+hits all of them alike; the table gives medians and ratios to ``DynamicCache`` from the same run. One untimed
+warm-up run per cache precedes all measurements (kernel compilation, first-touch allocations).
+
+Caches: ``dynamic`` (transformers' ``DynamicCache``, full precision), ``kivi-fused`` (``KiviCache`` read by the
+fused ``attn_implementation="kivi"``), ``kivi-dense`` (``KiviCache`` returning dense dequantized keys/values to
+SDPA), ``quanto`` and ``hqq`` (transformers' ``QuantizedCache`` with that backend, when its package is installed).
+Quantized caches run at every ``--bits`` value; the HF caches use the same group size and residual length as KIVI.
+
+Memory: the KV bytes come from the cache's own accounting (``KiviCache.memory_report()``; the tensors the layers
+hold for the others) and are cross-checked against the distinct tensor storages reachable from the cache object
+(deduplicated by storage address); a disagreement is stated in the notes column. The peak memory columns are the
+process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` before each phase; elsewhere
+a 1 ms psutil sampler) above its resident set at the start of the run, after returning freed memory to the OS:
+what this configuration needed on top of the model, during the prefill and during the decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cli import (
+    Flatten,
+    add_cache_arguments,
+    add_model_arguments,
+    add_output_arguments,
+    apply_process_options,
+    nonnegative_int,
+    positive_int,
+    positive_ints,
+    progress,
+    tool_main,
+)
+from .curve import curve
+from .io import check_output_path, write_json
+from .loading import check_positions, load_model, load_tokenizer, resolve_text, text_tokens
+from .machine import environment
+from .memory import KvBytes, PeakMemory, kv_bytes, release_freed_memory
+from .options import ToolError, ToolOptions
+from .plots import bench_plot, check_matplotlib, curve_plot
+from .report import bench_table, curve_table, machine_line
+from .specs import CacheSpec, cache_specs, check_cache_options, make_cache, third_party_failure, unavailable_reason
+from .timing import add_step_ratios, competitors, timed_decode
+
+
+@dataclass(kw_only=True)
+class BenchOptions(ToolOptions):
+    """The settings of ``kivi-xpu bench`` (see the module docstring)."""
+
+    contexts: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096])  # prompt lengths
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4])
+    new_tokens: int = 64  # greedy tokens per run; the prefill yields the first
+    warmup: int = 2  # untimed decode steps at the start of a run
+    repeats: int = 3  # runs per configuration, medians reported
+    text: str | None = None  # prompts from this text file or "wikipedia" instead of random ids
+    plot: str | None = None  # PNG path
+    contend: int = 0  # CPU-bound competitor processes running during every measured run
+    curve: bool = False  # the long-context curve on a tiny random Llama (kivi_xpu.tools.curve) instead
+
+
+DEFAULTS = BenchOptions()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kivi-xpu bench`` / ``python -m kivi_xpu.tools.bench``."""
+    add_model_arguments(p)
+    p.add_argument(
+        "--contexts",
+        type=positive_ints,
+        nargs="+",
+        action=Flatten,
+        default=DEFAULTS.contexts,
+        help="prompt lengths (space- or comma-separated)",
+    )
+    p.add_argument(
+        "--batch-sizes", type=positive_ints, nargs="+", action=Flatten, default=DEFAULTS.batch_sizes, help="batch sizes"
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        default=DEFAULTS.new_tokens,
+        help="greedy tokens generated per run (the prefill yields the first; token match is over all of them)",
+    )
+    p.add_argument(
+        "--warmup", type=nonnegative_int, default=DEFAULTS.warmup, help="untimed decode steps at the start of a run"
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=DEFAULTS.repeats, help="runs per configuration; medians reported"
+    )
+    p.add_argument(
+        "--text",
+        help="prompts from this text file, or 'wikipedia' (kivi_xpu.assets.wikipedia_text), instead of random "
+        "token ids; needs the model's tokenizer",
+    )
+    add_cache_arguments(p)
+    add_output_arguments(p)
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: KV memory and decode tokens/s against context")
+    p.add_argument(
+        "--contend",
+        type=nonnegative_int,
+        default=DEFAULTS.contend,
+        metavar="N",
+        help="N CPU-bound competitor processes run during every measured run of every cache (default 0)",
+    )
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="long-context curve: decode ms/token and KV bytes against --contexts for dynamic, static and KIVI "
+        "on a tiny random Llama whose caches are filled with random K/V (no --model, no --text)",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+@dataclass
+class Run:
+    """One prefill + greedy decode of one cache configuration."""
+
+    prefill_seconds: float
+    decode_seconds: float  # the timed decode steps
+    timed_steps: int
+    tokens: torch.Tensor  # [B, new_tokens] greedy tokens
+    kv: KvBytes
+    peak_prefill_bytes: int | None  # peak resident set during the prefill, above the resident set before the run
+    peak_decode_bytes: int | None  # same, during the decode steps
+    peak_process_bytes: int | None  # the process's absolute peak resident set during the run
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens.shape[0] * self.timed_steps / self.decode_seconds
+
+
+@dataclass
+class Row:
+    cache: str
+    name: str
+    bits: int | None
+    context: int
+    batch: int
+    prefill_seconds: float
+    decode_tokens_per_s: float
+    ms_per_step: float
+    kv_bytes: int
+    kv_allocated_bytes: int
+    kv_measured_bytes: int
+    kv_check: str
+    peak_prefill_bytes: int | None
+    peak_decode_bytes: int | None
+    peak_process_bytes: int | None
+    generated_tokens: int
+    token_match: float | None = None
+    first_divergence: int | None = None
+    speed_vs_dynamic: float | None = None
+    prefill_vs_dynamic: float | None = None
+    memory_vs_dynamic: float | None = None
+    ms_per_step_vs_dynamic: float | None = None  # decode ms/step over DynamicCache's (above 1: slower)
+    ms_per_step_vs_static: float | None = None  # decode ms/step over StaticCache's
+    runs: list[dict] = field(default_factory=list)
+
+
+@torch.no_grad()
+def run_once(
+    model, spec: CacheSpec, ids: torch.Tensor, new_tokens: int, warmup: int, options: BenchOptions, meter, bar
+) -> Run:
+    model.set_attn_implementation(spec.attn_implementation)
+    release_freed_memory()
+    baseline = meter.current()
+    meter.reset()
+    cache = make_cache(spec, model.config, options, ids.shape[1] + new_tokens)
+    start = time.perf_counter()
+    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    prefill_seconds = time.perf_counter() - start
+    peak_prefill = meter.peak()
+    token = logits.argmax(-1, keepdim=True)
+    tokens = [token]
+    del logits
+    release_freed_memory()
+    meter.reset()
+    decoded, decode_seconds = timed_decode(model, cache, token, new_tokens - 1, warmup, bar)
+    tokens += decoded
+    peak_decode = meter.peak()
+    run = Run(
+        prefill_seconds,
+        decode_seconds,
+        new_tokens - 1 - warmup,
+        torch.cat(tokens, dim=1),
+        kv_bytes(cache),
+        None if baseline is None else peak_prefill - baseline,
+        None if baseline is None else peak_decode - baseline,
+        None if baseline is None else max(peak_prefill, peak_decode),
+    )
+    del cache
+    model.set_attn_implementation("sdpa")
+    return run
+
+
+def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> tuple[float, int | None]:
+    """(fraction of equal tokens, first position where any sequence differs or ``None``) of ``[B, N]`` tokens."""
+    equal = tokens == reference
+    differing = (~equal).any(dim=0).nonzero()
+    return equal.float().mean().item(), (int(differing[0]) if len(differing) else None)
+
+
+def summarize(spec: CacheSpec, context: int, runs: list[Run]) -> Row:
+    first = runs[0]
+    peaks = [[getattr(r, f) for r in runs] for f in ("peak_prefill_bytes", "peak_decode_bytes", "peak_process_bytes")]
+    rate = statistics.median(r.tokens_per_s for r in runs)
+    return Row(
+        cache=spec.label,
+        name=spec.name,
+        bits=spec.bits,
+        context=context,
+        batch=first.tokens.shape[0],
+        prefill_seconds=statistics.median(r.prefill_seconds for r in runs),
+        decode_tokens_per_s=rate,
+        ms_per_step=1000 * statistics.median(r.decode_seconds / r.timed_steps for r in runs),
+        kv_bytes=first.kv.held,
+        kv_allocated_bytes=first.kv.allocated,
+        kv_measured_bytes=first.kv.measured,
+        kv_check=first.kv.check,
+        peak_prefill_bytes=None if None in peaks[0] else max(peaks[0]),
+        peak_decode_bytes=None if None in peaks[1] else max(peaks[1]),
+        peak_process_bytes=None if None in peaks[2] else max(peaks[2]),
+        generated_tokens=first.tokens.shape[1],
+        runs=[{"prefill_seconds": r.prefill_seconds, "decode_tokens_per_s": r.tokens_per_s} for r in runs],
+    )
+
+
+def prompts(options: BenchOptions, model, model_path: str, total: int) -> Callable[[int, int], torch.Tensor]:
+    """A function ``(batch, context) -> ids [batch, context]``: random ids (seeded) or consecutive text slices."""
+    if options.text is None:
+        generator = torch.Generator().manual_seed(0)
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        return lambda batch, context: torch.randint(0, vocab, (batch, context), generator=generator)
+    path = resolve_text(options.text)
+    ids = text_tokens(load_tokenizer(model_path, options.model), path, total)
+    if len(ids) < total:
+        raise ToolError(
+            f"--text {options.text!r} has {len(ids)} tokens; the largest batch x context needs {total}: use a longer "
+            "text or smaller --contexts/--batch-sizes"
+        )
+    return lambda batch, context: ids[: batch * context].view(batch, context)
+
+
+def measure(
+    model, runnable: list[CacheSpec], make_prompt, options: BenchOptions, meter: PeakMemory
+) -> tuple[list[Row], list[dict]]:
+    """The warm-up runs, then every (context, batch) configuration ``--repeats`` times per cache; returns the rows
+    and the configurations that failed (``skipped`` entries)."""
+    show, failed = not options.no_progress, []
+    # One untimed run per cache: kernel compilation and first-touch allocations stay out of the measurements.
+    warm_context = min(min(options.contexts), 2 * options.residual_length)
+    warm_ids = make_prompt(1, warm_context)
+    with progress(show, total=len(runnable) * (options.warmup + 1), desc="warm-up", leave=False) as bar:
+        for spec in runnable:
+            start = bar.n
+            warm = (model, spec, warm_ids, options.warmup + 2, options.warmup, options, meter, bar)
+            _, reason = third_party_failure(spec, run_once, *warm)
+            if reason:
+                failed.append({"cache": spec.label, "context": warm_context, "batch": 1, "reason": f"warm-up {reason}"})
+                bar.update(start + options.warmup + 1 - bar.n)  # the steps it will not run
+
+    rows = []
+    configurations = [(c, b) for c in options.contexts for b in options.batch_sizes]
+    total_steps = len(configurations) * options.repeats * len(runnable) * (options.new_tokens - 1)
+    with progress(show, total=total_steps, desc="bench", unit="step") as bar:
+        for context, batch in configurations:
+            ids = make_prompt(batch, context)
+            runs: dict[CacheSpec, list[Run]] = {spec: [] for spec in runnable}
+            for repeat in range(options.repeats):
+                for spec in list(runs):  # caches take turns, so that load changes hit all of them alike
+                    bar.set_description_str(f"ctx {context} batch {batch} {spec.label} run {repeat + 1}")
+                    start = bar.n
+                    measured = (model, spec, ids, options.new_tokens, options.warmup, options, meter, bar)
+                    with competitors(options.contend):
+                        run, reason = third_party_failure(spec, run_once, *measured)
+                    if reason:
+                        failed.append({"cache": spec.label, "context": context, "batch": batch, "reason": reason})
+                        del runs[spec]  # not run again in this configuration
+                        bar.update(start + (options.repeats - repeat) * (options.new_tokens - 1) - bar.n)
+                    else:
+                        runs[spec].append(run)
+            results = [summarize(spec, context, spec_runs) for spec, spec_runs in runs.items()]
+            add_ratios(results, runs)
+            rows += results
+    return rows, failed
+
+
+def benchmark(options: BenchOptions) -> dict:
+    """Runs the benchmark the options describe (``--curve``: :func:`kivi_xpu.tools.curve.curve`) and returns the
+    JSON payload (``rows``, ``skipped``, ...)."""
+    if options.new_tokens < options.warmup + 2:
+        raise ToolError(
+            f"--new-tokens ({options.new_tokens}) must exceed --warmup ({options.warmup}) + 1: the prefill yields the "
+            "first token, the warm-up steps are not timed, and at least one decode step must be"
+        )
+    check_output_path(options.json, "--json")
+    check_output_path(options.plot, "--plot")
+    if options.plot:
+        check_matplotlib("--plot")
+    if options.curve:
+        return curve(options)
+    apply_process_options(options)
+    model, model_path = load_model(options.model, options.dtype)
+    check_positions(model, max(options.contexts) + options.new_tokens, "context + new tokens")
+    specs = cache_specs(options)
+    check_cache_options(specs, model.config, options)
+    unavailable = {spec: reason for spec in specs if (reason := unavailable_reason(spec))}
+    skipped = [{"cache": s.label, "context": None, "batch": None, "reason": r} for s, r in unavailable.items()]
+    runnable = [s for s in specs if s not in unavailable]
+    make_prompt = prompts(options, model, model_path, max(c * b for c in options.contexts for b in options.batch_sizes))
+    meter = PeakMemory()
+    # The model and the libraries live until the end: frozen, they are not rescanned by the collection before
+    # every run (which otherwise takes most of a second).
+    gc.collect()
+    gc.freeze()
+    try:
+        rows, failed = measure(model, runnable, make_prompt, options, meter)
+    finally:
+        gc.unfreeze()
+    return {
+        "tool": "kivi-xpu bench",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": options.model,
+        "model_path": model_path,
+        "settings": options.settings(),
+        "environment": environment(options) | {"peak_memory_method": meter.method},
+        "rows": [asdict(r) for r in rows],
+        "skipped": skipped + failed,
+    }
+
+
+def add_ratios(results: list[Row], runs: dict[CacheSpec, list[Run]]) -> None:
+    add_step_ratios(results)
+    base = next((r for r in results if r.name == "dynamic"), None)
+    if base is None:
+        return
+    reference_tokens = runs[CacheSpec("dynamic")][0].tokens
+    for row, spec_runs in zip(results, runs.values(), strict=True):
+        row.speed_vs_dynamic = row.decode_tokens_per_s / base.decode_tokens_per_s
+        row.prefill_vs_dynamic = base.prefill_seconds / row.prefill_seconds
+        row.memory_vs_dynamic = base.kv_bytes / row.kv_bytes
+        row.token_match, row.first_divergence = agreement(spec_runs[0].tokens, reference_tokens)
+
+
+def command(args) -> None:
+    """``kivi-xpu bench``: run, print the table, write --plot and --json."""
+    options = BenchOptions.from_namespace(args)
+    payload = benchmark(options)
+    print((curve_table if options.curve else bench_table)(payload), machine_line(payload), sep="\n", flush=True)
+    if options.plot:
+        (curve_plot if options.curve else bench_plot)(payload, options.plot)
+    if options.json:
+        write_json(options.json, payload)
+
+
+def main(argv=None) -> int:
+    return tool_main("kivi_xpu.tools.bench", __doc__, add_arguments, command, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""``kivi-xpu bench --curve``: decode ms/step and KV bytes against long contexts (up to 128k tokens and beyond)
+for ``DynamicCache``, ``StaticCache`` and KIVI, on a tiny random Llama.
+
+A long context is built without a prefill (a 128k-token prefill through SDPA would need a 128k x 128k mask): every
+layer of a fresh cache receives ``context`` tokens of random keys and values (standard normal, seeded) through one
+``cache.update`` call, exactly as a prefill would hand them over. Then ``--new-tokens - 1`` greedy decode steps
+run through the model, the first ``--warmup`` untimed; only those steps are timed. The model has the per-layer
+attention shape of a mid-size model (4 KV heads of 128 channels) but tiny projections, so that attention over the
+cache dominates a step; no grouped-query attention, so that SDPA never repeats the history per query head. fp32
+KV: 8 KiB per token (1 GiB at 131072 tokens) for the dense caches, which with the copy ``DynamicCache`` makes per
+step fits in a few GiB for every cache.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from .cli import apply_process_options, progress
+from .machine import environment
+from .memory import kv_bytes, release_freed_memory
+from .options import DTYPES, ToolError, ToolOptions
+from .specs import CacheSpec, cache_specs, check_cache_options, make_cache
+from .timing import add_step_ratios, competitors, timed_decode
+
+if TYPE_CHECKING:
+    from .bench import BenchOptions
+
+CURVE_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=128,
+)
+CURVE_CACHES = ("dynamic", "static", "kivi-fused", "kivi-dense")
+FILL = "random K/V (standard normal, seeded) written into every layer by one cache.update call; no prefill"
+
+
+def curve_model(max_positions: int, dtype: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(**CURVE_LLAMA, max_position_embeddings=max_positions)
+    return LlamaForCausalLM(config).to(DTYPES[dtype]).eval()
+
+
+@torch.no_grad()
+def fill(cache, config, batch: int, context: int, dtype: torch.dtype, generator: torch.Generator) -> float:
+    """Writes ``context`` tokens of random ``[batch, H_kv, context, D]`` keys and values into every layer of
+    ``cache``; returns the seconds."""
+    shape = (batch, config.num_key_value_heads, context, config.head_dim)
+    start = time.perf_counter()
+    for layer in range(config.num_hidden_layers):
+        keys, values = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+        cache.update(keys, values, layer)
+        del keys, values
+    return time.perf_counter() - start
+
+
+@dataclass
+class CurveRow:
+    cache: str
+    name: str
+    bits: int | None
+    context: int
+    batch: int
+    ms_per_step: float  # median over the repeats of the timed decode steps' mean
+    decode_tokens_per_s: float
+    kv_bytes: int
+    kv_allocated_bytes: int
+    kv_measured_bytes: int
+    kv_check: str
+    fill_seconds: float  # median time to write the context's random K/V (not a prefill time)
+    ms_per_step_vs_dynamic: float | None = None
+    ms_per_step_vs_static: float | None = None
+    runs_ms_per_step: list[float] = field(default_factory=list)
+
+
+@torch.no_grad()
+def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batch: int, contend: int, bar) -> tuple:
+    """(decode seconds per timed step, KvBytes, fill seconds) of one fresh cache filled to ``context`` tokens, its
+    decode steps run next to ``contend`` competitor processes."""
+    model.set_attn_implementation(spec.attn_implementation)
+    release_freed_memory()
+    cache = make_cache(spec, model.config, options, context + options.new_tokens)
+    generator = torch.Generator().manual_seed(context)
+    fill_seconds = fill(cache, model.config, batch, context, model.dtype, generator)
+    token = torch.randint(0, model.config.vocab_size, (batch, 1), generator=generator)
+    steps = options.new_tokens - 1
+    with competitors(contend):
+        _, seconds = timed_decode(model, cache, token, steps, options.warmup, bar)
+    kv = kv_bytes(cache)
+    del cache
+    model.set_attn_implementation("sdpa")
+    return seconds / (steps - options.warmup), kv, fill_seconds
+
+
+def curve_specs(options: ToolOptions) -> tuple[list[CacheSpec], list[dict]]:
+    """The requested caches that the curve runs, and the others as ``skipped`` entries."""
+    specs = cache_specs(options)
+    skipped = [
+        {"cache": s.label, "context": None, "batch": None, "reason": f"--curve runs {', '.join(CURVE_CACHES)}"}
+        for s in specs
+        if s.name not in CURVE_CACHES
+    ]
+    return [s for s in specs if s.name in CURVE_CACHES], skipped
+
+
+def curve(options: BenchOptions) -> dict:
+    """Runs the long-context curve (options already checked by ``bench.benchmark``); returns the JSON payload."""
+    if options.text is not None or options.model != ToolOptions.model:
+        raise ToolError("--curve runs its own tiny random Llama on random K/V: drop --model and --text")
+    apply_process_options(options)
+    model = curve_model(max(options.contexts) + options.new_tokens, options.dtype)
+    specs, skipped = curve_specs(options)
+    check_cache_options(specs, model.config, options)
+    configurations = [(c, b) for c in options.contexts for b in options.batch_sizes]
+    steps = options.new_tokens - 1
+    rows = []
+    total = (len(configurations) * options.repeats + 1) * len(specs) * steps
+    with progress(not options.no_progress, total=total, desc="curve", unit="step") as bar:
+        for spec in specs:  # one untimed run per cache: kernel compilation, first-touch allocations
+            curve_once(model, spec, options, min(options.contexts), 1, 0, bar)
+        for context, batch in configurations:
+            runs = {spec: [] for spec in specs}
+            for repeat in range(options.repeats):
+                for spec in specs:  # caches take turns, so that load changes hit all of them alike
+                    bar.set_description_str(f"ctx {context} batch {batch} {spec.label} run {repeat + 1}")
+                    runs[spec].append(curve_once(model, spec, options, context, batch, options.contend, bar))
+            results = [summarize(spec, context, batch, spec_runs) for spec, spec_runs in runs.items()]
+            add_step_ratios(results)
+            rows += results
+            gc.collect()
+    text = model.config
+    return {
+        "tool": "kivi-xpu bench --curve",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": "tiny random Llama (kivi_xpu.tools.curve.CURVE_LLAMA)",
+        "curve_model": CURVE_LLAMA | {"max_position_embeddings": text.max_position_embeddings, "dtype": options.dtype},
+        "context_fill": FILL,
+        "settings": options.settings(),
+        "environment": environment(options),
+        "rows": [asdict(r) for r in rows],
+        "skipped": skipped,
+    }
+
+
+def summarize(spec: CacheSpec, context: int, batch: int, runs: list[tuple]) -> CurveRow:
+    seconds = [s for s, _, _ in runs]
+    kv = runs[0][1]
+    step = statistics.median(seconds)
+    return CurveRow(
+        cache=spec.label,
+        name=spec.name,
+        bits=spec.bits,
+        context=context,
+        batch=batch,
+        ms_per_step=1000 * step,
+        decode_tokens_per_s=batch / step,
+        kv_bytes=kv.held,
+        kv_allocated_bytes=kv.allocated,
+        kv_measured_bytes=kv.measured,
+        kv_check=kv.check,
+        fill_seconds=statistics.median(f for _, _, f in runs),
+        runs_ms_per_step=[1000 * s for s in seconds],
+    )

