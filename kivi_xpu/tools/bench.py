@@ -172,8 +172,8 @@ class Row:
     speed_vs_dynamic: float | None = None
     prefill_vs_dynamic: float | None = None
     memory_vs_dynamic: float | None = None
-    ms_per_step_vs_dynamic: float | None = None  # decode ms/step over DynamicCache's (above 1: slower)
-    ms_per_step_vs_static: float | None = None  # decode ms/step over StaticCache's
+    step_speedup_vs_dynamic: float | None = None  # DynamicCache's decode ms/step over this row's (above 1: faster)
+    step_speedup_vs_static: float | None = None  # StaticCache's decode ms/step over this row's
     runs: list[dict] = field(default_factory=list)
 
 

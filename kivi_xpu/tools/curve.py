@@ -79,8 +79,8 @@ class CurveRow:
     kv_measured_bytes: int
     kv_check: str
     fill_seconds: float  # median time to write the context's random K/V (not a prefill time)
-    ms_per_step_vs_dynamic: float | None = None
-    ms_per_step_vs_static: float | None = None
+    step_speedup_vs_dynamic: float | None = None
+    step_speedup_vs_static: float | None = None
     runs_ms_per_step: list[float] = field(default_factory=list)
 
 

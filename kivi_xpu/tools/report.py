@@ -21,7 +21,7 @@ def _signed(value: float | None, digits: int = 3, percent: bool = False) -> str:
 
 BENCH_HEADER = (
     "| cache | context | batch | prefill s | prefill vs Dynamic | decode tok/s | speed vs Dynamic | ms/step | "
-    "step vs Dynamic | step vs Static | KV MiB | KV smaller by | decode peak MiB | token match | first divergence | "
+    "step speedup vs Dynamic | step speedup vs Static | KV MiB | KV smaller by | decode peak MiB | token match | first divergence | "
     "notes |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
@@ -50,11 +50,11 @@ def bench_table(payload: dict) -> str:
 
 def _steps(r: dict) -> str:
     """``ms/step | vs Dynamic | vs Static`` cells of a row."""
-    return f"{r['ms_per_step']:.2f} | {_ratio(r['ms_per_step_vs_dynamic'])} | {_ratio(r['ms_per_step_vs_static'])}"
+    return f"{r['ms_per_step']:.2f} | {_ratio(r['step_speedup_vs_dynamic'])} | {_ratio(r['step_speedup_vs_static'])}"
 
 
 CURVE_HEADER = (
-    "| cache | context | batch | ms/step | step vs Dynamic | step vs Static | decode tok/s | KV MiB | fill s | "
+    "| cache | context | batch | ms/step | step speedup vs Dynamic | step speedup vs Static | decode tok/s | KV MiB | fill s | "
     "notes |\n"
     "|---|---|---|---|---|---|---|---|---|---|"
 )

@@ -71,10 +71,10 @@ BASELINES = ("dynamic", "static")
 
 
 def add_step_ratios(rows: list) -> None:
-    """Sets ``ms_per_step_vs_dynamic`` / ``ms_per_step_vs_static`` of each row (objects with ``name`` and
-    ``ms_per_step``, all from one configuration of one run) to its decode ms/step over that baseline's; ``None``
-    where the baseline did not run. Above 1: slower than the baseline."""
+    """Sets ``step_speedup_vs_dynamic`` / ``step_speedup_vs_static`` of each row (objects with ``name`` and
+    ``ms_per_step``, all from one configuration of one run) to that baseline's decode ms/step over its own (the
+    issue's convention); ``None`` where the baseline did not run. Above 1: faster than the baseline."""
     for baseline in BASELINES:
         base = next((r for r in rows if r.name == baseline), None)
         for row in rows:
-            setattr(row, f"ms_per_step_vs_{baseline}", None if base is None else row.ms_per_step / base.ms_per_step)
+            setattr(row, f"step_speedup_vs_{baseline}", None if base is None else base.ms_per_step / row.ms_per_step)
