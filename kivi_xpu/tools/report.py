@@ -21,8 +21,8 @@ def _signed(value: float | None, digits: int = 3, percent: bool = False) -> str:
 
 BENCH_HEADER = (
     "| cache | context | batch | prefill s | prefill vs Dynamic | decode tok/s | speed vs Dynamic | ms/step | "
-    "step speedup vs Dynamic | step speedup vs Static | KV MiB | KV smaller by | decode peak MiB | token match | first divergence | "
-    "notes |\n"
+    "step speedup vs Dynamic | step speedup vs Static | KV MiB | KV smaller by | decode peak MiB | token match | "
+    "first divergence | notes |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -54,8 +54,8 @@ def _steps(r: dict) -> str:
 
 
 CURVE_HEADER = (
-    "| cache | context | batch | ms/step | step speedup vs Dynamic | step speedup vs Static | decode tok/s | KV MiB | fill s | "
-    "notes |\n"
+    "| cache | context | batch | ms/step | step speedup vs Dynamic | step speedup vs Static | decode tok/s | KV MiB | "
+    "fill s | notes |\n"
     "|---|---|---|---|---|---|---|---|---|---|"
 )
 
