@@ -1,6 +1,8 @@
 """Fused attention on the packed history: the packed score/value ops against dense math, the softmax over
 [history | tail] against SDPA on dequantized states, and generation through the fused path against the dense path."""
 
+from types import SimpleNamespace
+
 import pytest
 import tiny_models as models
 import torch
@@ -8,12 +10,14 @@ from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
 from kivi_xpu import KiviCache, use_fused_attention
 from kivi_xpu.attention import attend_tail_and_history
-from kivi_xpu.backend import select
+from kivi_xpu.ops import kernel
 from kivi_xpu.ops import reference as ref
 
 
 def kernels_for(backend_name):
-    return select(backend_name).kernels
+    """The fused attention ops of a backend, as attributes."""
+    ops = ("packed_key_scores", "packed_value_combine")
+    return SimpleNamespace(**{name: kernel(name, backend_name) for name in ops})
 
 
 @pytest.mark.parametrize("bits", (2, 4, 8))
@@ -95,6 +99,54 @@ def test_softmax_over_history_and_tail_equals_sdpa(backend_name, q_len, padded):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_fully_masked_rows_give_zeros_and_nan_elsewhere_propagates():
+    b, hq, kv_heads, d, n = 2, 4, 2, 16, 9
+    query, keys, values = torch.randn(b, hq, 2, d), torch.randn(b, kv_heads, n, d), torch.randn(b, kv_heads, n, d)
+    mask = torch.ones(b, 1, 2, n, dtype=torch.bool).tril(n - 2)
+    mask[1, :, 0] = False  # the first query of the second sequence is padding: it attends to nothing
+    out = attend_tail_and_history(query, d**-0.5, mask, None, keys, values, None, 0)
+    assert torch.equal(out[1, :, 0], torch.zeros(hq, d))
+    rep = hq // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask
+    )
+    torch.testing.assert_close(out[0], expected[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[1, :, 1], expected[1, :, 1], rtol=1e-4, atol=1e-5)
+    # A NaN key reaches every row that attends to it, as in a dense softmax: never hidden as zeros.
+    keys[:, :, 3, 0] = float("nan")
+    out = attend_tail_and_history(query, d**-0.5, mask, None, keys, values, None, 0)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[1, :, 1]).all()
+    assert torch.equal(out[1, :, 0], torch.zeros(hq, d))  # the padding row still attends to nothing
+
+
+def test_decode_attention_op_reads_over_allocated_buffers_with_and_without_sinks(backend_name):
+    b, hq, kv_heads, d, g, bits = 2, 6, 2, 32, 16, 2
+    decode_attention = kernel("decode_attention", backend_name)
+    for sinks in (0, 3):
+        tk, tv, n = 32, 41, 60
+        keys, values = torch.randn(b, kv_heads, n, d), torch.randn(b, kv_heads, n, d)
+        spare = torch.randn(b, kv_heads, 2 * g, d)  # codes beyond `count` must never be read
+        kc, ks, kz = ref.quantize_keys(torch.cat([keys[:, :, sinks : sinks + tk], spare], dim=2), g, bits)
+        vc, vs, vz = ref.quantize_values(torch.cat([values[:, :, sinks : sinks + tv], spare], dim=2), g, bits)
+        dense_k, dense_v = keys.clone(), values.clone()
+        dense_k[:, :, sinks : sinks + tk] = ref.dequantize_keys(kc, ks, kz, tk, g, bits)
+        dense_v[:, :, sinks : sinks + tv] = ref.dequantize_values(vc, vs, vz, tv, g, bits)
+        query = torch.randn(b, hq, 1, d)
+        out = decode_attention(
+            query,
+            *(keys[:, :, :sinks], kc, ks, kz, tk, g, bits, keys[:, :, sinks + tk :]),
+            *(values[:, :, :sinks], vc, vs, vz, tv, g, bits, values[:, :, sinks + tv :]),
+            None,
+            d**-0.5,
+            0.0,
+        )
+        rep = hq // kv_heads
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, dense_k.repeat_interleave(rep, 1), dense_v.repeat_interleave(rep, 1)
+        )
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
 def tiny_llama(kv_heads=2):  # 8 query heads, head_dim 16
     return models.tiny_llama(num_attention_heads=8, num_key_value_heads=kv_heads, pad_token_id=0)
 
@@ -114,7 +166,7 @@ def test_fused_greedy_generation_matches_the_dense_path_for_200_tokens(backend_n
     dense, _ = generate(model, "sdpa", backend_name, ids, max_new_tokens=200, min_new_tokens=200)
     fused, cache = generate(model, "kivi", backend_name, ids, max_new_tokens=200, min_new_tokens=200)
     assert torch.equal(dense, fused)
-    assert cache.layers[0].packed_keys.num_tokens == 224  # the history really was packed
+    assert cache.layers[0].keys_stream.packed.num_tokens == 224  # the history really was packed
 
 
 def test_fused_batched_left_padded_generation_matches_the_dense_path(backend_name):
