@@ -32,13 +32,9 @@ ATTENTION_MODES = ("auto", "dense")
 
 class KiviLayer(CacheLayerMixin):
     """One attention layer's KIVI cache: transformers' layer protocol over two :class:`~kivi_xpu.stream.KindStream`
-    (``keys_stream``, ``values_stream``; ``None`` until the first ``update``). The mixin's ``keys`` / ``values``
-    (dense tensors in transformers' own layers) stay ``None``.
-
-    With ``S = settings.sink_tokens`` and ``R = settings.residual_length``, it holds ``n`` tokens as (see
-    :mod:`kivi_xpu.algorithm`): the first ``min(n, S)`` keys and values exactly (the sinks); keys
-    ``[S, S + settings.quantized_key_count(n))`` packed per channel and the rest (fewer than ``R``) exactly;
-    values ``[S, S + settings.quantized_value_count(n))`` packed per token and the newest ``min(n - S, R)`` exactly.
+    (``keys_stream``, ``values_stream``; ``None`` until the first ``update``), which split the tokens into exact
+    sinks, packed history and exact window by the rule of :mod:`kivi_xpu.algorithm`. The mixin's ``keys`` /
+    ``values`` (dense tensors in transformers' own layers) stay ``None``.
 
     ``update`` returns dense ``[B, H_kv, n, D]`` keys and values ``[sinks | dequantized history | exact tail]`` for
     attention implementations that need them (the history dequantized into a temporary, never kept). Under the
