@@ -1,4 +1,5 @@
-"""Transformers glue: :class:`KiviLayer` (one layer's KIVI cache) and :class:`KiviCache` (the ``Cache`` container).
+"""Transformers glue: :class:`KiviLayer` (one layer's KIVI cache, over two :class:`~kivi_xpu.stream.KindStream`)
+and :class:`KiviCache` (the ``Cache`` container).
 
 The full-precision residual window stays on the device where the model computes; the packed low-bit
 history lives on the storage device chosen by the backend (the SYCL device when the SYCL kernels are used).
@@ -9,7 +10,6 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
 
 import torch
 from transformers.cache_utils import (
@@ -21,75 +21,28 @@ from transformers.cache_utils import (
 )
 
 from .algorithm import KiviSettings
-from .attention import ATTENTION_NAME, FusedStep, attend_tail_and_history, hand_over
+from .attention import ATTENTION_NAME, DecodeInputs, dense_states, hand_over
 from .backend import Selection, select
-from .ops import kernel
+from .memory import KiviMemoryReport
 from .ops.checks import check_float_tensor
-from .storage import DepartedTokens, PackedHistory, TokenBuffer
-
-
-@dataclass
-class KiviMemoryReport:
-    """Bytes held by a KIVI cache (or one layer of it), against the same tokens stored densely.
-
-    ``code_bytes``, ``meta_bytes`` (scales and zero points) and ``residual_bytes`` (full-precision window)
-    count the tokens actually held; ``allocated_bytes`` counts the storage reserved, including spare
-    capacity for growth. ``dense_bytes`` is what a ``DynamicCache`` would hold for the same tokens in
-    the model dtype.
-    """
-
-    tokens: int = 0
-    code_bytes: int = 0
-    meta_bytes: int = 0
-    residual_bytes: int = 0
-    allocated_bytes: int = 0
-    dense_bytes: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return self.code_bytes + self.meta_bytes + self.residual_bytes
-
-    @property
-    def compression_ratio(self) -> float:
-        """Dense bytes / KIVI bytes for the tokens held (``inf`` for an empty cache)."""
-        return self.dense_bytes / self.total_bytes if self.total_bytes else float("inf")
-
-    def __add__(self, other: KiviMemoryReport) -> KiviMemoryReport:
-        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        summed["tokens"] = max(self.tokens, other.tokens)  # tokens per layer, not a sum over layers
-        return KiviMemoryReport(**summed)
-
-    def __str__(self) -> str:
-        mib = 1 << 20
-        return (
-            f"KIVI cache: {self.tokens} tokens, codes {self.code_bytes / mib:.2f} MiB, scales+zeros "
-            f"{self.meta_bytes / mib:.2f} MiB, full-precision residual {self.residual_bytes / mib:.2f} MiB, "
-            f"total {self.total_bytes / mib:.2f} MiB (allocated {self.allocated_bytes / mib:.2f} MiB) vs dense "
-            f"{self.dense_bytes / mib:.2f} MiB: {self.compression_ratio:.2f}x smaller"
-        )
-
+from .stream import KindStream
 
 ATTENTION_MODES = ("auto", "dense")
 
 
 class KiviLayer(CacheLayerMixin):
-    """One attention layer's KIVI cache.
-
-    With ``S = settings.sink_tokens`` and ``R = settings.residual_length``, it holds ``n`` tokens as (see
-    :mod:`kivi_xpu.algorithm`):
-
-    * the first ``min(n, S)`` keys and values exactly (``key_sinks`` / ``value_sinks``, ``[B, H_kv, <=S, D]``);
-    * keys ``[S, S + qk)`` packed per channel (``packed_keys``, ``qk = settings.quantized_key_count(n)``) and the
-      rest exactly (``key_residual``, fewer than ``R`` tokens);
-    * values ``[S, S + qv)`` packed per token (``packed_values``, ``qv = settings.quantized_value_count(n)``) and
-      the newest ``min(n - S, R)`` exactly (``value_residual``).
+    """One attention layer's KIVI cache: transformers' layer protocol over two :class:`~kivi_xpu.stream.KindStream`
+    (``keys_stream``, ``values_stream``; ``None`` until the first ``update``), which split the tokens into exact
+    sinks, packed history and exact window by the rule of :mod:`kivi_xpu.algorithm`. The mixin's ``keys`` /
+    ``values`` (dense tensors in transformers' own layers) stay ``None``.
 
     ``update`` returns dense ``[B, H_kv, n, D]`` keys and values ``[sinks | dequantized history | exact tail]`` for
     attention implementations that need them (the history dequantized into a temporary, never kept). Under the
-    fused KIVI attention it returns only the exact tails and the attention reads the sinks, the packed history in
-    place and the tails (see :mod:`kivi_xpu.attention`).
+    fused KIVI attention it returns only the exact tails and hands a :class:`~kivi_xpu.attention.DecodeInputs` to
+    the attention call, which reads the sinks, the packed history in place and the tails.
 
-    ``settings`` (a :class:`~kivi_xpu.KiviSettings`) is this layer's configuration (per-layer overrides applied).
+    ``settings`` (a :class:`~kivi_xpu.KiviSettings`) is this layer's configuration (per-layer overrides applied);
+    ``backend`` the :class:`~kivi_xpu.backend.Selection` whose kernels (by name) read and write the codes.
 
     Rollback: while ``record_past`` is True (``activate_past_recording()``, as transformers' assisted decoding
     does), the layer also keeps exact copies of the tokens that left the full-precision windows since the last
@@ -104,7 +57,7 @@ class KiviLayer(CacheLayerMixin):
     def __init__(
         self,
         settings: KiviSettings | None = None,
-        backend: Selection | None = None,
+        backend: Selection | str | None = None,
         attention: str = "auto",
         model_config=None,
     ):
@@ -121,7 +74,8 @@ class KiviLayer(CacheLayerMixin):
         # "auto": fused exactly when `model_config._attn_implementation == "kivi"` (read at every update, so it
         # follows `model.set_attn_implementation`); "dense": always return dense keys/values.
         self.attention, self.model_config = attention, model_config
-        self.cumulative_length = 0
+        self.keys_stream: KindStream | None = None
+        self.values_stream: KindStream | None = None
         self._record_past = False
 
     def __repr__(self) -> str:
@@ -130,6 +84,15 @@ class KiviLayer(CacheLayerMixin):
             f"KiviLayer(key_bits={s.key_bits}, value_bits={s.value_bits}, key_group_size={s.key_group_size}, "
             f"value_group_size={s.value_group_size}, residual_length={s.residual_length}, sink_tokens={s.sink_tokens})"
         )
+
+    def _streams(self) -> tuple[KindStream, ...]:
+        """(keys, values) streams, or () before the first update."""
+        return () if self.keys_stream is None else (self.keys_stream, self.values_stream)
+
+    @property
+    def cumulative_length(self) -> int:
+        """Tokens held (each stream holds them all)."""
+        return 0 if self.keys_stream is None else self.keys_stream.length
 
     @property
     def record_past(self) -> bool:
@@ -141,7 +104,8 @@ class KiviLayer(CacheLayerMixin):
     def record_past(self, value: bool) -> None:
         self._record_past = bool(value)
         if not value:
-            self._forget_departed()
+            for stream in self._streams():
+                stream.forget_departed()
 
     def activate_past_recording(self) -> None:
         """Called by transformers before speculative steps that it may roll back with ``crop``."""
@@ -155,126 +119,42 @@ class KiviLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        batch, heads, _, key_dim = key_states.shape
-        value_dim = value_states.shape[-1]
-        self.settings.check_head_dim(key_dim, "keys")
-        self.settings.check_head_dim(value_dim, "values")
-        storage = self.backend.storage_device(self.device)
-        r, sinks = self.settings.residual_length, self.settings.sink_tokens
-        self.key_sinks = TokenBuffer(batch, heads, key_dim, self.dtype, self.device, min_rows=sinks)
-        self.value_sinks = TokenBuffer(batch, heads, value_dim, self.dtype, self.device, min_rows=sinks)
-        self.key_residual = TokenBuffer(batch, heads, key_dim, self.dtype, self.device, min_rows=r)
-        self.value_residual = TokenBuffer(batch, heads, value_dim, self.dtype, self.device, min_rows=2 * r)
-        name = self.backend.name
-        self.packed_keys = PackedHistory("keys", self.settings, batch, heads, key_dim, storage, name)
-        self.packed_values = PackedHistory("values", self.settings, batch, heads, value_dim, storage, name)
-        self.departed_keys, self.departed_values = DepartedTokens(), DepartedTokens()
+        self.settings.check_head_dim(key_states.shape[-1], "keys")
+        self.settings.check_head_dim(value_states.shape[-1], "values")
+        storage, name = self.backend.storage_device(self.device), self.backend.name
+        self.keys_stream = KindStream("keys", self.settings, key_states, storage, name)
+        self.values_stream = KindStream("values", self.settings, value_states, storage, name)
         self.is_initialized = True
-
-    def _parts(self):
-        """(sinks, packed history, exact residual, departed copies) for keys, then for values."""
-        return (
-            (self.key_sinks, self.packed_keys, self.key_residual, self.departed_keys),
-            (self.value_sinks, self.packed_values, self.value_residual, self.departed_values),
-        )
 
     @property
     def fused(self) -> bool:
         """Whether the model reads this layer through the fused KIVI attention (``attn_implementation="kivi"``)."""
         return self.attention == "auto" and getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
 
-    def dense_states(self, step: FusedStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense ``[B, H_kv, n, D]`` keys and values of a step: exact sinks + dequantized history (a temporary) +
-        exact tail."""
-        out = []
-        for packed, count, sinks, tail in (
-            (self.packed_keys, step.quantized_keys, step.keys_sinks, step.keys_tail),
-            (self.packed_values, step.quantized_values, step.values_sinks, step.values_tail),
-        ):
-            parts = [sinks] if sinks is not None and sinks.shape[2] else []
-            if count:
-                parts.append(packed.dequantize(self.dtype, count=count).to(self.device))
-            parts.append(tail)
-            out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-        return out[0], out[1]
-
-    def fused_attention(
-        self, step: FusedStep, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None = None
-    ) -> torch.Tensor:
-        """Attention of ``query [B, Hq, L, D]`` over this step's tokens straight from the packed history (on the
-        storage device), the exact sinks and the exact tail (on the model's device); ``softcap`` as in
-        :func:`~kivi_xpu.attention.attend_tail_and_history`. Returns ``[B, Hq, L, D]``."""
-        keys, values = self.packed_keys, self.packed_values
-        key_scores_kernel = kernel("packed_key_scores", self.backend.name)
-        value_combine_kernel = kernel("packed_value_combine", self.backend.name)
-
-        def key_scores(q):
-            codes, scales, zeros = (b.data for b in keys.buffers())
-            q = q.to(keys.device)
-            count, group, bits = step.quantized_keys, keys.group_size, keys.bits
-            return key_scores_kernel(q, codes, scales, zeros, count, group, bits).to(self.device)
-
-        def value_sum(p):
-            codes, scales, zeros = (b.data for b in values.buffers())
-            p = p.to(values.device)
-            count, group, bits = step.quantized_values, values.group_size, values.bits
-            return value_combine_kernel(p, codes, scales, zeros, count, group, bits).to(self.device)
-
-        return attend_tail_and_history(
-            query,
-            scaling,
-            attention_mask,
-            key_scores,
-            step.keys_tail,
-            step.values_tail,
-            value_sum,
-            step.quantized_values,
-            keys_sinks=step.keys_sinks,
-            values_sinks=step.values_sinks,
-            softcap=softcap,
-        )
-
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Appends ``key_states``/``value_states`` ``[B, H_kv, m, D]`` and returns what attention should read:
         dense ``[B, H_kv, n, D]`` keys and values (``n`` = tokens held after the update), or, when the model uses
-        the fused KIVI attention, only the full-precision tails (the layer hands itself to that attention call)."""
+        the fused KIVI attention, only the full-precision tails (handing the rest over to that attention call)."""
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.cumulative_length == 0:
             keys_out, values_out = key_states, value_states  # prefill attends to the exact states
         else:
-            step = FusedStep(
-                self,
-                torch.cat([self.key_residual.view(), key_states], dim=2),
-                torch.cat([self.value_residual.view(), value_states], dim=2),
-                self.packed_keys.num_tokens,
-                self.packed_values.num_tokens,
-                keys_sinks=self.key_sinks.view() if len(self.key_sinks) else None,
-                values_sinks=self.value_sinks.view() if len(self.value_sinks) else None,
+            inputs = DecodeInputs(
+                self.keys_stream.decode_inputs(key_states),
+                self.values_stream.decode_inputs(value_states),
+                self.backend.name,
             )
             if self.fused:
-                hand_over(step)
-                keys_out, values_out = step.keys_tail, step.values_tail
+                hand_over(inputs)
+                keys_out, values_out = inputs.keys.tail, inputs.values.tail
             else:
-                keys_out, values_out = self.dense_states(step)
-        # The first tokens of the sequence fill the sinks; the streaming rule applies to the tokens after them.
-        to_sinks = min(key_states.shape[2], self.settings.sink_tokens - len(self.key_sinks))
-        if to_sinks > 0:
-            self.key_sinks.append(key_states[:, :, :to_sinks])
-            self.value_sinks.append(value_states[:, :, :to_sinks])
-            key_states, value_states = key_states[:, :, to_sinks:], value_states[:, :, to_sinks:]
-        self.cumulative_length += key_states.shape[2] + to_sinks
-        n = self.cumulative_length
-        for (_, packed, residual, departed), new, target in zip(
-            self._parts(),
-            (key_states, value_states),
-            (self.settings.quantized_key_count(n), self.settings.quantized_value_count(n)),
-            strict=True,
-        ):
-            self._store(packed, residual, departed, new, target)
+                keys_out, values_out = dense_states(inputs)
+        self.keys_stream.append(key_states, self.record_past)
+        self.values_stream.append(value_states, self.record_past)
         return keys_out, values_out
 
     def _check_states(self, key_states, value_states) -> None:
@@ -290,7 +170,8 @@ class KiviLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             return
-        held = (self.key_residual.batch, self.key_residual.heads, self.key_residual.width, self.value_residual.width)
+        keys, values = self.keys_stream, self.values_stream
+        held = (keys.batch, keys.heads, keys.head_dim, values.head_dim)
         got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
         if got != held or k.dtype != self.dtype or k.device != self.device:
             raise ValueError(
@@ -298,28 +179,6 @@ class KiviLayer(CacheLayerMixin):
                 f"(keys/values), {self.dtype} on {self.device}; got batch {got[0]}, {got[1]} kv heads, head_dim "
                 f"{got[2]}/{got[3]}, {k.dtype} on {k.device}: call cache.reset() before changing them"
             )
-
-    def _store(
-        self, packed: PackedHistory, residual: TokenBuffer, departed: DepartedTokens, new: torch.Tensor, target: int
-    ) -> None:
-        """Appends ``new`` tokens and quantizes exactly what the KIVI rule says must leave the full-precision
-        window (oldest first), so that ``target`` tokens are packed. New tokens that leave at once go straight to
-        the packed store, so a long prefill never passes through (and never inflates) the residual buffer."""
-        leaving = max(target - packed.num_tokens, 0)
-        from_residual = min(leaving, len(residual))
-        from_new = leaving - from_residual
-        if leaving:
-            if from_residual and from_new:
-                block = torch.cat([residual.view(), new[:, :, :from_new]], dim=2)
-            elif from_residual:
-                block = residual.view()[:, :, :from_residual]
-            else:
-                block = new[:, :, :from_new]
-            packed.append(block)
-            if self.record_past:  # an exact copy (the residual rows will be overwritten)
-                departed.append(block.to(self.dtype, copy=True))
-        residual.drop_front(from_residual)
-        residual.append(new[:, :, from_new:])
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -333,23 +192,7 @@ class KiviLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Drops every stored token; the next ``update`` starts from scratch (shapes may change)."""
         self.is_initialized = False
-        self.cumulative_length = 0
-        for name in (
-            "key_sinks",
-            "value_sinks",
-            "key_residual",
-            "value_residual",
-            "packed_keys",
-            "packed_values",
-            "departed_keys",
-            "departed_values",
-        ):
-            self.__dict__.pop(name, None)
-
-    def _forget_departed(self) -> None:
-        if self.is_initialized:
-            self.departed_keys.clear()
-            self.departed_values.clear()
+        self.keys_stream = self.values_stream = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` tokens (transformers 5 passes a negative count).
@@ -372,61 +215,26 @@ class KiviLayer(CacheLayerMixin):
             raise ValueError(
                 f"`crop` takes a negative number of tokens to remove (transformers >= 5), got {tokens_to_remove}"
             )
-        if not self.is_initialized:
-            return
-        if tokens_to_remove < 0:
-            n = max(0, self.cumulative_length + tokens_to_remove)
-            after_sinks = max(0, n - self.settings.sink_tokens)
-            targets = (self.settings.quantized_key_count(n), self.settings.quantized_value_count(n))
-            for (sinks, packed, residual, departed), target in zip(self._parts(), targets, strict=True):
-                sinks.truncate(min(n, len(sinks)))
-                self._truncate(packed, residual, departed, target, after_sinks)
-            self.cumulative_length = n
-        self._forget_departed()
-
-    def _truncate(
-        self, packed: PackedHistory, residual: TokenBuffer, departed: DepartedTokens, target: int, new_length: int
-    ) -> None:
-        """Cuts one kind to ``new_length`` tokens after the sinks, of which ``target`` stay packed."""
-        quantized = packed.num_tokens
-        if target >= quantized:
-            residual.truncate(new_length - quantized)
-            return
-        # Tokens [target, end) go back to the full-precision window: the recorded ones (the last len(departed)
-        # packed tokens) exactly, older ones dequantized (from `target`, group-aligned: keys are read in whole groups).
-        end = min(new_length, quantized)
-        recorded_from = quantized - len(departed)
-        exact_from = max(target, recorded_from)
-        window = []
-        if target < min(exact_from, end):
-            restored = packed.dequantize(self.dtype, start=target, count=exact_from)
-            window.append(restored[:, :, : min(exact_from, end) - target].to(self.device))
-        if end > exact_from:
-            window.append(departed.tokens(exact_from - recorded_from, end - recorded_from))
-        window.append(residual.view()[:, :, : max(0, new_length - quantized)])
-        window = torch.cat(window, dim=2)
-        packed.truncate(target)
-        residual.truncate(0)
-        residual.append(window)
+        length = max(0, self.cumulative_length + tokens_to_remove)
+        for stream in self._streams():
+            if tokens_to_remove < 0:
+                stream.truncate(length)
+            stream.forget_departed()
 
     def _select_batch(self, index: torch.Tensor) -> None:
-        for parts in self._parts():
-            for holder in parts:
-                holder.select_batch(index)
+        for stream in self._streams():
+            stream.select_batch(index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorders every stored tensor (codes included) along the batch."""
-        if self.is_initialized:
-            self._select_batch(beam_idx)
+        self._select_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            batch = self.key_residual.batch
-            self._select_batch(torch.arange(batch).repeat_interleave(repeats))
+            self._select_batch(torch.arange(self.keys_stream.batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._select_batch(torch.as_tensor(indices, dtype=torch.long))
+        self._select_batch(torch.as_tensor(indices, dtype=torch.long))
 
     def offload(self):
         raise NotImplementedError("KiviCache does not support offloading: its history is already compressed")
@@ -437,19 +245,9 @@ class KiviLayer(CacheLayerMixin):
     def memory_report(self) -> KiviMemoryReport:
         """Bytes of this layer; ``residual_bytes`` counts the exact sinks and windows, ``allocated_bytes`` also the
         copies kept for an exact rollback while recording."""
-        if not self.is_initialized:
-            return KiviMemoryReport()
-        report = KiviMemoryReport(tokens=self.cumulative_length)
-        for sinks, packed, residual, departed in self._parts():
-            codes, meta = packed.nbytes()
-            report.code_bytes += codes
-            report.meta_bytes += meta
-            report.residual_bytes += sinks.nbytes() + residual.nbytes()
-            report.allocated_bytes += (
-                packed.allocated_bytes() + sinks.allocated_bytes() + residual.allocated_bytes()
-            ) + departed.allocated_bytes()
-            element = residual.data.element_size()
-            report.dense_bytes += residual.batch * residual.heads * residual.width * self.cumulative_length * element
+        report = KiviMemoryReport()
+        for stream in self._streams():
+            report = report + stream.memory_report()
         return report
 
 

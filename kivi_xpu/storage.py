@@ -107,6 +107,7 @@ class PackedHistory:
 
     with ``P = 8 // bits`` codes per byte and ``G`` the group size of that kind (``settings.key_bits`` /
     ``key_group_size`` for keys, ``value_bits`` / ``value_group_size`` for values; see :mod:`kivi_xpu.ops.reference`).
+    The codes are written and read by the ``quantize_<kind>`` / ``dequantize_<kind>`` ops of ``backend`` (a name).
     """
 
     def __init__(self, kind: str, settings: KiviSettings, batch: int, heads: int, head_dim: int, device, backend: str):
@@ -116,18 +117,15 @@ class PackedHistory:
             self.bits, self.group_size = settings.value_bits, settings.value_group_size
         else:
             raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
-        self.kind, self.settings = kind, settings
+        self.kind, self.settings, self.backend = kind, settings, backend
         per, g, r = codes_per_byte(self.bits), self.group_size, settings.residual_length
         if kind == "keys":
             # Token axis last (channel-major); rows are bytes of P tokens (codes) and groups of G tokens (metadata).
             token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 3, per, g
             code_width, meta_width = head_dim, head_dim
-            self._quantize, self._dequantize = kernel("quantize_keys", backend), kernel("dequantize_keys", backend)
         else:
             token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 2, 1, 1
             code_width, meta_width = head_dim // per, head_dim // g
-            self._quantize = kernel("quantize_values", backend)
-            self._dequantize = kernel("dequantize_values", backend)
         # Grow by at least one residual block of tokens at a time.
         code_rows, meta_rows = r // self.tokens_per_code_row, r // self.tokens_per_meta_row
         self.codes = TokenBuffer(batch, heads, code_width, torch.uint8, device, code_rows, token_dim)
@@ -144,7 +142,8 @@ class PackedHistory:
 
     def append(self, x: torch.Tensor) -> None:
         """Quantizes and appends ``x [B, H, n, D]`` (for keys, ``n`` is a multiple of the group size)."""
-        parts = self._quantize(x.to(self.device), self.group_size, self.bits, self.settings.meta_dtype)
+        quantize = kernel(f"quantize_{self.kind}", self.backend)
+        parts = quantize(x.to(self.device), self.group_size, self.bits, self.settings.meta_dtype)
         for buf, part in zip(self.buffers(), parts, strict=True):
             buf.append(part)
         self.num_tokens += x.shape[2]
@@ -159,7 +158,8 @@ class PackedHistory:
             codes = self.codes.rows(code_start, self.codes.capacity).contiguous()
             scales = self.scales.rows(meta_start, self.scales.capacity).contiguous()
             zeros = self.zeros.rows(meta_start, self.zeros.capacity).contiguous()
-        return self._dequantize(codes, scales, zeros, count - start, self.group_size, self.bits, out_dtype)
+        dequantize = kernel(f"dequantize_{self.kind}", self.backend)
+        return dequantize(codes, scales, zeros, count - start, self.group_size, self.bits, out_dtype)
 
     def truncate(self, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens (group-aligned for keys)."""

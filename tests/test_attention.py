@@ -7,13 +7,19 @@ import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
 from kivi_xpu import KiviCache, use_fused_attention
-from kivi_xpu.attention import attend_tail_and_history
 from kivi_xpu.ops import for_backend
 from kivi_xpu.ops import reference as ref
 
 
 def kernels_for(backend_name):
+    """The checked ops of a backend, as attributes."""
     return for_backend(backend_name)
+
+
+def no_history(b, kv_heads, d, group=16, bits=2):
+    """Empty packed keys and values ([B, Hkv, *, 0...] buffers, count 0): attention over exact states only."""
+    empty = torch.empty(b, kv_heads, 0, d)
+    return ref.quantize_keys(empty, group, bits), ref.quantize_values(empty, group, bits)
 
 
 @pytest.mark.parametrize("bits", (2, 4, 8))
@@ -78,21 +84,75 @@ def test_softmax_over_history_and_tail_equals_sdpa(backend_name, q_len, padded):
     mask = torch.ones(b, 1, q_len, n, dtype=torch.bool).tril(n - q_len)
     if padded:
         mask[1, ..., :9] = False  # the second sequence is left-padded by 9 tokens
-    out = attend_tail_and_history(
+    out = kernels.decode_attention(
         query,
-        d**-0.5,
+        *(keys[:, :, :0], kc, ks, kz, tk, g, bits, keys[:, :, tk:]),
+        *(values[:, :, :0], vc, vs, vz, tv, g, bits, values[:, :, tv:]),
         mask if padded else None,
-        lambda q: kernels.packed_key_scores(q, kc, ks, kz, tk, g, bits),
-        keys[:, :, tk:],
-        values[:, :, tv:],
-        lambda p: kernels.packed_value_combine(p, vc, vs, vz, tv, g, bits),
-        tv,
+        d**-0.5,
+        0.0,
     )
     rep = hq // kv_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, dense_k.repeat_interleave(rep, 1), dense_v.repeat_interleave(rep, 1), attn_mask=mask
     )
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_fully_masked_rows_give_zeros_and_nan_elsewhere_propagates(backend_name):
+    b, hq, kv_heads, d, n = 2, 4, 2, 16, 9
+    query, keys, values = torch.randn(b, hq, 2, d), torch.randn(b, kv_heads, n, d), torch.randn(b, kv_heads, n, d)
+    mask = torch.ones(b, 1, 2, n, dtype=torch.bool).tril(n - 2)
+    mask[1, :, 0] = False  # the first query of the second sequence is padding: it attends to nothing
+    (kc, ks, kz), (vc, vs, vz) = no_history(b, kv_heads, d)
+
+    def attend(keys, values):
+        packed_keys, packed_values = (keys[:, :, :0], kc, ks, kz, 0, 16, 2), (values[:, :, :0], vc, vs, vz, 0, 16, 2)
+        return kernels_for(backend_name).decode_attention(
+            query, *packed_keys, keys, *packed_values, values, mask, d**-0.5, 0.0
+        )
+
+    out = attend(keys, values)
+    assert torch.equal(out[1, :, 0], torch.zeros(hq, d))
+    rep = hq // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask
+    )
+    torch.testing.assert_close(out[0], expected[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[1, :, 1], expected[1, :, 1], rtol=1e-4, atol=1e-5)
+    # A NaN key reaches every row that attends to it, as in a dense softmax: never hidden as zeros.
+    keys[:, :, 3, 0] = float("nan")
+    out = attend(keys, values)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[1, :, 1]).all()
+    assert torch.equal(out[1, :, 0], torch.zeros(hq, d))  # the padding row still attends to nothing
+
+
+def test_decode_attention_op_reads_over_allocated_buffers_with_and_without_sinks(backend_name):
+    b, hq, kv_heads, d, g, bits = 2, 6, 2, 32, 16, 2
+    decode_attention = kernels_for(backend_name).decode_attention
+    for sinks in (0, 3):
+        tk, tv, n = 32, 41, 60
+        keys, values = torch.randn(b, kv_heads, n, d), torch.randn(b, kv_heads, n, d)
+        spare = torch.randn(b, kv_heads, 2 * g, d)  # codes beyond `count` must never be read
+        kc, ks, kz = ref.quantize_keys(torch.cat([keys[:, :, sinks : sinks + tk], spare], dim=2), g, bits)
+        vc, vs, vz = ref.quantize_values(torch.cat([values[:, :, sinks : sinks + tv], spare], dim=2), g, bits)
+        dense_k, dense_v = keys.clone(), values.clone()
+        dense_k[:, :, sinks : sinks + tk] = ref.dequantize_keys(kc, ks, kz, tk, g, bits)
+        dense_v[:, :, sinks : sinks + tv] = ref.dequantize_values(vc, vs, vz, tv, g, bits)
+        query = torch.randn(b, hq, 1, d)
+        out = decode_attention(
+            query,
+            *(keys[:, :, :sinks], kc, ks, kz, tk, g, bits, keys[:, :, sinks + tk :]),
+            *(values[:, :, :sinks], vc, vs, vz, tv, g, bits, values[:, :, sinks + tv :]),
+            None,
+            d**-0.5,
+            0.0,
+        )
+        rep = hq // kv_heads
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, dense_k.repeat_interleave(rep, 1), dense_v.repeat_interleave(rep, 1)
+        )
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
 def tiny_llama(kv_heads=2):  # 8 query heads, head_dim 16
@@ -114,7 +174,7 @@ def test_fused_greedy_generation_matches_the_dense_path_for_200_tokens(backend_n
     dense, _ = generate(model, "sdpa", backend_name, ids, max_new_tokens=200, min_new_tokens=200)
     fused, cache = generate(model, "kivi", backend_name, ids, max_new_tokens=200, min_new_tokens=200)
     assert torch.equal(dense, fused)
-    assert cache.layers[0].packed_keys.num_tokens == 224  # the history really was packed
+    assert cache.layers[0].keys_stream.packed.num_tokens == 224  # the history really was packed
 
 
 def test_fused_batched_left_padded_generation_matches_the_dense_path(backend_name):

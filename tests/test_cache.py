@@ -38,10 +38,10 @@ def expected_dense(keys, values, held, settings):
 def check_counts(layer, n):
     s = layer.settings
     assert layer.get_seq_length() == n
-    assert layer.packed_keys.num_tokens == s.quantized_key_count(n) == n // s.residual_length * s.residual_length
-    assert len(layer.key_residual) == n % s.residual_length
-    assert layer.packed_values.num_tokens == s.quantized_value_count(n) == max(0, n - s.residual_length)
-    assert len(layer.value_residual) == min(n, s.residual_length)
+    assert layer.keys_stream.packed.num_tokens == s.quantized_key_count(n) == n // s.residual_length * s.residual_length
+    assert len(layer.keys_stream.window) == n % s.residual_length
+    assert layer.values_stream.packed.num_tokens == s.quantized_value_count(n) == max(0, n - s.residual_length)
+    assert len(layer.values_stream.window) == min(n, s.residual_length)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -157,12 +157,12 @@ def test_storage_grows_by_amortised_chunks(backend_name):
     steps = 1000
     for _ in range(steps):
         layer.update(torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D))
-        ptr = layer.packed_values.codes.data.data_ptr()
+        ptr = layer.values_stream.packed.codes.data.data_ptr()
         reallocations += ptr != last
         last = ptr
     # Geometric growth: about log_g(1000 / 16) reallocations, not one per step.
     assert reallocations <= math.ceil(math.log((steps + 16) / 16, GROWTH_FACTOR)) + 1
-    assert layer.packed_values.codes.capacity <= GROWTH_FACTOR * (steps + 16) + 16
+    assert layer.values_stream.packed.codes.capacity <= GROWTH_FACTOR * (steps + 16) + 16
 
 
 def test_memory_report_for_a_4096_token_llama_cache(backend_name):
@@ -193,7 +193,7 @@ def test_gqa_is_stored_at_kv_heads():
     config = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
     cache = KiviCache(config=config, residual_length=32, backend="reference")
     cache.update(torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32), 0)
-    assert cache.layers[0].packed_keys.codes.data.shape[1] == 2
+    assert cache.layers[0].keys_stream.packed.codes.data.shape[1] == 2
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,8 @@ def test_sampling_runs_across_many_flushes(model, backend_name):
     )
     assert out.shape == (2, 270)
     assert cache.get_seq_length() == 269
-    assert cache.layers[0].packed_keys.num_tokens == 256 and cache.layers[0].packed_values.num_tokens == 237
+    layer = cache.layers[0]
+    assert layer.keys_stream.packed.num_tokens == 256 and layer.values_stream.packed.num_tokens == 237
 
 
 @torch.no_grad()

@@ -506,5 +506,5 @@ def test_each_layer_keeps_its_window_on_the_device_of_its_keys():
         states = torch.randn(1, 2, 40, 32, device=device)
         cache.update(states, states, index)
     for layer, device in zip(cache.layers, ("cpu", "meta"), strict=True):
-        assert layer.key_residual.view().device.type == device and layer.value_residual.view().device.type == device
-        assert layer.packed_keys.device.type == device and layer.packed_values.device.type == device
+        for stream in (layer.keys_stream, layer.values_stream):
+            assert stream.window.view().device.type == device and stream.packed.device.type == device

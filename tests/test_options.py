@@ -10,7 +10,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kivi_xpu import KiviCache, KiviLayer, KiviSettings
-from kivi_xpu.attention import attend_tail_and_history
 from kivi_xpu.backend import select
 from kivi_xpu.ops import for_backend
 from kivi_xpu.ops import reference as ref
@@ -67,20 +66,20 @@ def check_counts(layer: KiviLayer, n: int) -> None:
     sink = min(n, s.sink_tokens)
     assert layer.get_seq_length() == n
     assert s.quantized_key_count(n) == qk and s.quantized_value_count(n) == qv
-    assert len(layer.key_sinks) == len(layer.value_sinks) == sink
-    assert layer.packed_keys.num_tokens == qk and len(layer.key_residual) == n - sink - qk
-    assert layer.packed_values.num_tokens == qv and len(layer.value_residual) == n - sink - qv
-    assert len(layer.key_residual) < s.residual_length and len(layer.value_residual) <= s.residual_length
+    assert len(layer.keys_stream.sinks) == len(layer.values_stream.sinks) == sink
+    assert layer.keys_stream.packed.num_tokens == qk and len(layer.keys_stream.window) == n - sink - qk
+    assert layer.values_stream.packed.num_tokens == qv and len(layer.values_stream.window) == n - sink - qv
+    assert len(layer.keys_stream.window) < s.residual_length and len(layer.values_stream.window) <= s.residual_length
 
 
 def state(layer: KiviLayer) -> dict:
     """Everything a layer stores, as comparable tensors and counts."""
     out = {"length": layer.get_seq_length()}
-    for kind, (sinks, packed, residual, _) in zip(("keys", "values"), layer._parts(), strict=True):
-        out[f"{kind}.sinks"] = sinks.view()
-        out[f"{kind}.residual"] = residual.view()
-        out[f"{kind}.count"] = packed.num_tokens
-        for name, buf in zip(("codes", "scales", "zeros"), packed.buffers(), strict=True):
+    for kind, stream in zip(("keys", "values"), (layer.keys_stream, layer.values_stream), strict=True):
+        out[f"{kind}.sinks"] = stream.sinks.view()
+        out[f"{kind}.residual"] = stream.window.view()
+        out[f"{kind}.count"] = stream.packed.num_tokens
+        for name, buf in zip(("codes", "scales", "zeros"), stream.packed.buffers(), strict=True):
             out[f"{kind}.{name}"] = buf.view()
     return out
 
@@ -219,13 +218,13 @@ def test_streaming_rule_with_options_after_every_step(backend_name, seed):
         assert torch.equal(k_out, k_exp) and torch.equal(v_out, v_exp)
         n += m
         check_counts(layer, n)
-    assert torch.equal(layer.key_sinks.view(), keys[:, :, : s.sink_tokens])  # the sinks never changed
+    assert torch.equal(layer.keys_stream.sinks.view(), keys[:, :, : s.sink_tokens])  # the sinks never changed
 
 
 def test_packed_storage_uses_each_kinds_bits_and_group(backend_name):
     layer = make_layer(backend_name, key_bits=4, value_bits=2, key_group_size=8, value_group_size=32, sink_tokens=2)
     layer.update(torch.randn(B, H, 100, D), torch.randn(B, H, 100, D))
-    keys, values = layer.packed_keys, layer.packed_values
+    keys, values = layer.keys_stream.packed, layer.values_stream.packed
     assert (keys.bits, keys.group_size, values.bits, values.group_size) == (4, 8, 2, 32)
     assert keys.codes.view().shape == (B, H, D, 96 // 2)  # 96 keys quantized, 2 codes per byte, channel-major
     assert keys.scales.view().shape == (B, H, D, 96 // 8)
@@ -236,7 +235,6 @@ def test_packed_storage_uses_each_kinds_bits_and_group(backend_name):
 @pytest.mark.parametrize("q_len", (1, 4))
 @pytest.mark.parametrize("padded", (False, True))
 def test_softmax_over_sinks_history_and_tail_equals_sdpa(backend_name, q_len, padded):
-    kernels = for_backend(backend_name)
     b, hq, kv_heads, d = 2, 6, 2, 64
     sinks, tk, tv, n = 4, 64, 50, 90  # positions: [sinks | quantized | exact tail], per side
     kb, kg, vb, vg = 4, 16, 2, 32
@@ -251,17 +249,13 @@ def test_softmax_over_sinks_history_and_tail_equals_sdpa(backend_name, q_len, pa
     if padded:
         mask[1, ..., :3] = False  # left padding reaching into the sinks
         mask[0, ..., 10] = False
-    out = attend_tail_and_history(
+    out = for_backend(backend_name).decode_attention(
         query,
-        d**-0.5,
+        *(keys[:, :, :sinks], kc, ks, kz, tk, kg, kb, keys[:, :, sinks + tk :]),
+        *(values[:, :, :sinks], vc, vs, vz, tv, vg, vb, values[:, :, sinks + tv :]),
         mask if padded else None,
-        lambda q: kernels.packed_key_scores(q, kc, ks, kz, tk, kg, kb),
-        keys[:, :, sinks + tk :],
-        values[:, :, sinks + tv :],
-        lambda p: kernels.packed_value_combine(p, vc, vs, vz, tv, vg, vb),
-        tv,
-        keys_sinks=keys[:, :, :sinks],
-        values_sinks=values[:, :, :sinks],
+        d**-0.5,
+        0.0,
     )
     rep = hq // kv_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
@@ -298,7 +292,7 @@ def test_fused_and_dense_paths_agree_with_options(backend_name, options):
                 steps.append(model(tokens[:, t : t + 1], past_key_values=cache).logits)
             steps.append(model(tokens[:, 70:150], past_key_values=cache).logits)  # 80 tokens onto a history
         logits[attn] = torch.cat(steps, dim=1)
-        assert cache.layers[0].packed_values.num_tokens > 0  # the history really was packed
+        assert cache.layers[0].values_stream.packed.num_tokens > 0  # the history really was packed
     torch.testing.assert_close(logits["kivi"], logits["sdpa"], rtol=1e-4, atol=1e-4)
 
 
@@ -334,7 +328,7 @@ def test_per_layer_settings_are_public_and_applied():
     for i, layer in enumerate(cache.layers):
         k = torch.randn(1, 2, 70, 64)
         cache.update(k, k, i)
-        assert layer.packed_keys.bits == cache.layer_settings(i).key_bits
+        assert layer.keys_stream.packed.bits == cache.layer_settings(i).key_bits
 
 
 def test_callable_overrides_apply_to_lazily_created_layers():
@@ -350,7 +344,7 @@ def test_callable_overrides_apply_to_lazily_created_layers():
         k = torch.randn(1, 2, 40, 32)
         cache.update(k, k, i)
     assert [layer.settings.sink_tokens for layer in cache.layers] == [0, 1, 0, 3]
-    assert [len(layer.key_sinks) for layer in cache.layers] == [0, 1, 0, 3]
+    assert [len(layer.keys_stream.sinks) for layer in cache.layers] == [0, 1, 0, 3]
 
     bad = KiviCache(group_size=16, residual_length=32, layer_overrides=lambda i: {"key_bits": 5}, backend="reference")
     with pytest.raises(ValueError, match=r"layer_overrides\(0\).*key_bits"):
@@ -410,7 +404,7 @@ def test_crop_with_sinks_restores_the_rule(backend_name, remove):
     # It keeps streaming by the rule, refilling the sinks if the crop reached into them.
     layer.update(keys[:, :, n:], values[:, :, n:])
     check_counts(layer, 100)
-    assert torch.equal(layer.key_sinks.view(), keys[:, :, :3])
+    assert torch.equal(layer.keys_stream.sinks.view(), keys[:, :, :3])
 
 
 def test_batch_operations_with_sinks_match_a_cache_built_in_that_order(backend_name):
@@ -480,7 +474,8 @@ def test_crop_under_recording_is_bit_exact(backend_name, seed):
             recorded.update(keys[:, :, start : start + step], values[:, :, start : start + step])
             start += step
         recorded.crop(-j)
-        assert len(recorded.departed_keys) == len(recorded.departed_values) == 0  # every crop releases the copies
+        # every crop releases the copies
+        assert len(recorded.keys_stream.departed) == len(recorded.values_stream.departed) == 0
         plain.update(keys[:, :, kept : kept + m - j], values[:, :, kept : kept + m - j])
         kept += m - j
         check_counts(recorded, kept)
@@ -516,21 +511,22 @@ def test_nothing_is_recorded_unless_activated_and_copies_stay_bounded(backend_na
     layer = make_layer(backend_name, residual_length=32)
     keys = torch.randn(1, H, 2000, D)
     layer.update(keys[:, :, :100], keys[:, :, :100])
-    assert len(layer.departed_keys) == len(layer.departed_values) == 0
+    assert len(layer.keys_stream.departed) == len(layer.values_stream.departed) == 0
     layer.activate_past_recording()
     largest = 0
     for t in range(100, 2000, 5):  # verify 5 candidates, commit them
         layer.update(keys[:, :, t : t + 5], keys[:, :, t : t + 5])
-        largest = max(largest, len(layer.departed_keys), len(layer.departed_values))
+        largest = max(largest, len(layer.keys_stream.departed), len(layer.values_stream.departed))
         layer.crop(0)
-        assert len(layer.departed_keys) == len(layer.departed_values) == 0
+        assert len(layer.keys_stream.departed) == len(layer.values_stream.departed) == 0
     assert 0 < largest <= 32 + 5  # at most one key block or the new tokens, never the history
     layer.update(keys[:, :, :40], keys[:, :, :40])
-    held = len(layer.departed_keys) + len(layer.departed_values)
-    assert len(layer.departed_values) == 40 and len(layer.departed_keys) == 32  # 2000 -> 2040 tokens: one key block
+    held = len(layer.keys_stream.departed) + len(layer.values_stream.departed)
+    # 2000 -> 2040 tokens: one key block
+    assert len(layer.values_stream.departed) == 40 and len(layer.keys_stream.departed) == 32
     recording = layer.memory_report().allocated_bytes
     layer.record_past = False  # transformers switches recording off when it hands the cache back
-    assert len(layer.departed_keys) == len(layer.departed_values) == 0
+    assert len(layer.keys_stream.departed) == len(layer.values_stream.departed) == 0
     assert recording - layer.memory_report().allocated_bytes == held * H * D * 4  # the copies were reported
 
 

@@ -1,0 +1,157 @@
+""":class:`KindStream`: one kind (keys or values) of one KIVI cache layer, with the streaming rule applied.
+
+A layer is two streams that receive the same tokens; the streams differ only in how many of them are packed
+(:meth:`KindStream.packed_count`, the one place where the rule of :mod:`kivi_xpu.algorithm` is applied) and in
+the layout of the codes (:class:`~kivi_xpu.storage.PackedHistory`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .algorithm import KiviSettings
+from .memory import KiviMemoryReport
+from .ops.checks import KindOperands
+from .storage import DepartedTokens, PackedHistory, TokenBuffer
+
+KINDS = ("keys", "values")
+
+
+class KindStream:
+    """The ``length`` tokens of one kind held by a layer, in sequence order:
+
+    * ``sinks``: the first ``min(length, S)`` tokens exact (``S = settings.sink_tokens``), ``[B, H, <=S, D]``;
+    * ``packed``: the next ``packed_count(length)`` tokens as codes on the storage device;
+    * ``window``: the rest exact (the full-precision window, on the model's device);
+    * ``departed``: while the layer records its past, exact copies of the tokens that left the window for
+      ``packed`` since the last ``forget_departed`` (what an exact :meth:`truncate` needs).
+
+    ``like [B, H, *, D]`` gives batch, heads, head_dim, dtype and device; ``backend`` names the kernels.
+    """
+
+    def __init__(self, kind: str, settings: KiviSettings, like: torch.Tensor, storage_device, backend: str):
+        if kind not in KINDS:
+            raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}")
+        batch, heads, _, head_dim = like.shape
+        self.kind, self.settings = kind, settings
+        self.dtype, self.device = like.dtype, like.device
+        r = settings.residual_length
+        # The key window holds < R tokens; the value FIFO holds R and briefly more during an append.
+        window_rows = r if kind == "keys" else 2 * r
+        self.sinks = TokenBuffer(batch, heads, head_dim, self.dtype, self.device, min_rows=settings.sink_tokens)
+        self.window = TokenBuffer(batch, heads, head_dim, self.dtype, self.device, min_rows=window_rows)
+        self.packed = PackedHistory(kind, settings, batch, heads, head_dim, storage_device, backend)
+        self.departed = DepartedTokens()
+        self.length = 0
+
+    @property
+    def batch(self) -> int:
+        return self.window.batch
+
+    @property
+    def heads(self) -> int:
+        return self.window.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.window.width
+
+    def packed_count(self, length: int) -> int:
+        """The streaming rule: tokens held as codes when the stream holds ``length`` tokens."""
+        if self.kind == "keys":
+            return self.settings.quantized_key_count(length)
+        return self.settings.quantized_value_count(length)
+
+    def decode_inputs(self, new: torch.Tensor) -> KindOperands:
+        """What attention reads once ``new [B, H, m, D]`` is appended: the sinks, the packed history as it is
+        now and the exact tail ``[window | new]`` (tokens of ``new`` bound for the sinks are in the tail too,
+        which is in order: the window is empty until the sinks are full)."""
+        codes, scales, zeros = (b.data for b in self.packed.buffers())  # whole buffers: the op reads `count`
+        return KindOperands(
+            sinks=self.sinks.view(),
+            codes=codes,
+            scales=scales,
+            zeros=zeros,
+            count=self.packed.num_tokens,
+            group=self.packed.group_size,
+            bits=self.packed.bits,
+            tail=torch.cat([self.window.view(), new], dim=2),
+        )
+
+    def append(self, new: torch.Tensor, record: bool) -> None:
+        """Appends ``new [B, H, m, D]``: the first tokens of the sequence fill the sinks, then exactly the tokens
+        the rule says must leave the window are quantized (oldest first); with ``record``, exact copies of them
+        are kept. Tokens that leave at once go straight to the packed store, so a long prefill never passes
+        through (and never inflates) the window."""
+        to_sinks = min(new.shape[2], self.settings.sink_tokens - len(self.sinks))
+        if to_sinks > 0:
+            self.sinks.append(new[:, :, :to_sinks])
+            new = new[:, :, to_sinks:]
+        self.length += to_sinks + new.shape[2]
+        leaving = max(self.packed_count(self.length) - self.packed.num_tokens, 0)
+        from_window = min(leaving, len(self.window))
+        from_new = leaving - from_window
+        if leaving:
+            if from_window and from_new:
+                block = torch.cat([self.window.view(), new[:, :, :from_new]], dim=2)
+            elif from_window:
+                block = self.window.view()[:, :, :from_window]
+            else:
+                block = new[:, :, :from_new]
+            self.packed.append(block)
+            if record:  # an exact copy (the window rows will be overwritten)
+                self.departed.append(block.to(self.dtype, copy=True))
+        self.window.drop_front(from_window)
+        self.window.append(new[:, :, from_new:])
+
+    def truncate(self, length: int) -> None:
+        """Keeps the first ``length`` tokens, split as the rule splits ``length`` tokens. Tokens that return to
+        the window are restored exactly when recorded in ``departed``, otherwise dequantized from their codes
+        (from the rule's count on, which is group-aligned for keys: keys are read in whole groups)."""
+        self.sinks.truncate(min(length, len(self.sinks)))
+        after_sinks = max(0, length - self.settings.sink_tokens)
+        target, quantized = self.packed_count(length), self.packed.num_tokens
+        self.length = length
+        if target >= quantized:
+            self.window.truncate(after_sinks - quantized)
+            return
+        # Packed tokens [target, end) return to the window: the recorded ones (the last len(departed) packed
+        # tokens) exactly, older ones from their codes.
+        end = min(after_sinks, quantized)
+        recorded_from = quantized - len(self.departed)
+        exact_from = max(target, recorded_from)
+        window = []
+        if target < min(exact_from, end):
+            restored = self.packed.dequantize(self.dtype, start=target, count=exact_from)
+            window.append(restored[:, :, : min(exact_from, end) - target].to(self.device))
+        if end > exact_from:
+            window.append(self.departed.tokens(exact_from - recorded_from, end - recorded_from))
+        window.append(self.window.view()[:, :, : max(0, after_sinks - quantized)])
+        window = torch.cat(window, dim=2)
+        self.packed.truncate(target)
+        self.window.truncate(0)
+        self.window.append(window)
+
+    def forget_departed(self) -> None:
+        self.departed.clear()
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keeps the batch rows ``index`` of every stored tensor (codes and recorded copies included)."""
+        for holder in (self.sinks, self.packed, self.window, self.departed):
+            holder.select_batch(index)
+
+    def memory_report(self) -> KiviMemoryReport:
+        """Bytes of this stream; ``residual_bytes`` counts the sinks and the window, ``allocated_bytes`` also
+        the recorded copies."""
+        codes, meta = self.packed.nbytes()
+        exact = (self.sinks, self.window)
+        allocated = self.packed.allocated_bytes() + sum(b.allocated_bytes() for b in exact)
+        element = self.window.data.element_size()
+        return KiviMemoryReport(
+            tokens=self.length,
+            code_bytes=codes,
+            meta_bytes=meta,
+            residual_bytes=sum(b.nbytes() for b in exact),
+            allocated_bytes=allocated + self.departed.allocated_bytes(),
+            dense_bytes=self.batch * self.heads * self.head_dim * self.length * element,
+        )
