@@ -4,8 +4,10 @@ from . import ops  # noqa: F401  (torch.ops.kivi_xpu.* exist as soon as kivi_xpu
 from .algorithm import KiviSettings
 from .attention import register as _register_attention
 from .attention import use_fused_attention
-from .cache import KiviCache, KiviLayer, KiviMemoryReport
+from .cache import KiviCache
 from .integration import enable as _enable_cache_implementation
+from .layer import KiviLayer
+from .memory import KiviMemoryReport
 from .qat import KiviQAT, kivi_qat
 
 _register_attention()  # attn_implementation="kivi" works as soon as kivi_xpu is imported

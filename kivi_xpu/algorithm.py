@@ -15,7 +15,7 @@ Beyond the paper, ``sink_tokens = S`` keeps the first ``S`` tokens of the sequen
 and values ``[S, S + max(0, n - S - R))`` are quantized. With ``S = 0`` (the default) this is the paper's rule.
 
 Prefill, single-token decode and multi-token appends (multi-turn chat, chunked prefill, assisted decoding)
-all follow from these two counts, which is how :class:`kivi_xpu.cache.KiviLayer` applies them.
+all follow from these two counts, which is how :class:`kivi_xpu.stream.KindStream` applies them.
 """
 
 from __future__ import annotations

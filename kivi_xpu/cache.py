@@ -1,5 +1,5 @@
-"""Transformers glue: :class:`KiviLayer` (one layer's KIVI cache, over two :class:`~kivi_xpu.stream.KindStream`)
-and :class:`KiviCache` (the ``Cache`` container).
+""":class:`KiviCache`, the transformers ``Cache`` container: one :class:`~kivi_xpu.layer.KiviLayer` per
+full-attention layer, transformers' own layers for sliding-window and shared-KV layers.
 
 The full-precision residual window stays on the device where the model computes; the packed low-bit
 history lives on the storage device chosen by the backend (the SYCL device when the SYCL kernels are used).
@@ -7,248 +7,21 @@ history lives on the storage device chosen by the backend (the SYCL device when 
 
 from __future__ import annotations
 
-import operator
 import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 from transformers.cache_utils import (
     Cache,
-    CacheLayerMixin,
     DummyLayer,
     DynamicSlidingWindowLayer,
     get_layer_types_and_kwargs,
 )
 
 from .algorithm import KiviSettings
-from .attention import ATTENTION_NAME, DecodeInputs, dense_states, hand_over
-from .backend import Selection, select
+from .backend import select
+from .layer import ATTENTION_MODES, KiviLayer
 from .memory import KiviMemoryReport
-from .ops.checks import check_float_tensor
-from .stream import KindStream
-
-ATTENTION_MODES = ("auto", "dense")
-
-
-class KiviLayer(CacheLayerMixin):
-    """One attention layer's KIVI cache: transformers' layer protocol over two :class:`~kivi_xpu.stream.KindStream`
-    (``keys_stream``, ``values_stream``; ``None`` until the first ``update``), which split the tokens into exact
-    sinks, packed history and exact window by the rule of :mod:`kivi_xpu.algorithm`. The mixin's ``keys`` /
-    ``values`` (dense tensors in transformers' own layers) stay ``None``.
-
-    ``update`` returns dense ``[B, H_kv, n, D]`` keys and values ``[sinks | dequantized history | exact tail]`` for
-    attention implementations that need them (the history dequantized into a temporary, never kept). Under the
-    fused KIVI attention it returns only the exact tails and hands a :class:`~kivi_xpu.attention.DecodeInputs` to
-    the attention call, which reads the sinks, the packed history in place and the tails.
-
-    ``settings`` (a :class:`~kivi_xpu.KiviSettings`) is this layer's configuration (per-layer overrides applied);
-    ``backend`` the :class:`~kivi_xpu.backend.Selection` whose kernels (by name) read and write the codes.
-
-    Rollback: while ``record_past`` is True (``activate_past_recording()``, as transformers' assisted decoding
-    does), the layer also keeps exact copies of the tokens that left the full-precision windows since the last
-    ``crop``; a ``crop`` that removes no more than the tokens appended since the previous ``crop`` then leaves the
-    layer bit-identical to one that never received the removed tokens (``is_croppable`` is True exactly while
-    recording). Every ``crop`` (including ``crop(0)``) releases those copies.
-    """
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(
-        self,
-        settings: KiviSettings | None = None,
-        backend: Selection | str | None = None,
-        attention: str = "auto",
-        model_config=None,
-    ):
-        super().__init__()
-        if attention not in ATTENTION_MODES:
-            raise ValueError(f"`attention` must be one of {ATTENTION_MODES}, got {attention!r}")
-        if settings is not None and not isinstance(settings, KiviSettings):
-            raise TypeError(f"`settings` must be a KiviSettings or None, got {type(settings).__name__}")
-        if backend is not None and not isinstance(backend, Selection | str):
-            raise TypeError(f"`backend` must be a backend name, a kivi_xpu.backend.select(...) result or None, got "
-                            f"{type(backend).__name__}")  # fmt: skip
-        self.settings = settings if settings is not None else KiviSettings()
-        self.backend = backend if isinstance(backend, Selection) else select(backend)
-        # "auto": fused exactly when `model_config._attn_implementation == "kivi"` (read at every update, so it
-        # follows `model.set_attn_implementation`); "dense": always return dense keys/values.
-        self.attention, self.model_config = attention, model_config
-        self.keys_stream: KindStream | None = None
-        self.values_stream: KindStream | None = None
-        self._record_past = False
-
-    def __repr__(self) -> str:
-        s = self.settings
-        return (
-            f"KiviLayer(key_bits={s.key_bits}, value_bits={s.value_bits}, key_group_size={s.key_group_size}, "
-            f"value_group_size={s.value_group_size}, residual_length={s.residual_length}, sink_tokens={s.sink_tokens})"
-        )
-
-    def _streams(self) -> tuple[KindStream, ...]:
-        """(keys, values) streams, or () before the first update."""
-        return () if self.keys_stream is None else (self.keys_stream, self.values_stream)
-
-    @property
-    def cumulative_length(self) -> int:
-        """Tokens held (each stream holds them all)."""
-        return 0 if self.keys_stream is None else self.keys_stream.length
-
-    @property
-    def record_past(self) -> bool:
-        """Whether the layer keeps exact copies of newly quantized tokens for an exact ``crop`` (see the class doc).
-        Setting it to False releases those copies."""
-        return self._record_past
-
-    @record_past.setter
-    def record_past(self, value: bool) -> None:
-        self._record_past = bool(value)
-        if not value:
-            for stream in self._streams():
-                stream.forget_departed()
-
-    def activate_past_recording(self) -> None:
-        """Called by transformers before speculative steps that it may roll back with ``crop``."""
-        self.record_past = True
-
-    @property
-    def is_croppable(self) -> bool:
-        """``crop`` leaves no trace exactly while recording: otherwise restoring already-quantized tokens
-        from their codes keeps their quantization error."""
-        return self.record_past
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.settings.check_head_dim(key_states.shape[-1], "keys")
-        self.settings.check_head_dim(value_states.shape[-1], "values")
-        storage, name = self.backend.storage_device(self.device), self.backend.name
-        self.keys_stream = KindStream("keys", self.settings, key_states, storage, name)
-        self.values_stream = KindStream("values", self.settings, value_states, storage, name)
-        self.is_initialized = True
-
-    @property
-    def fused(self) -> bool:
-        """Whether the model reads this layer through the fused KIVI attention (``attn_implementation="kivi"``)."""
-        return self.attention == "auto" and getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Appends ``key_states``/``value_states`` ``[B, H_kv, m, D]`` and returns what attention should read:
-        dense ``[B, H_kv, n, D]`` keys and values (``n`` = tokens held after the update), or, when the model uses
-        the fused KIVI attention, only the full-precision tails (handing the rest over to that attention call)."""
-        self._check_states(key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.cumulative_length == 0:
-            keys_out, values_out = key_states, value_states  # prefill attends to the exact states
-        else:
-            inputs = DecodeInputs(
-                self.keys_stream.decode_inputs(key_states),
-                self.values_stream.decode_inputs(value_states),
-                self.backend.name,
-            )
-            if self.fused:
-                hand_over(inputs)
-                keys_out, values_out = inputs.keys.tail, inputs.values.tail
-            else:
-                keys_out, values_out = dense_states(inputs)
-        self.keys_stream.append(key_states, self.record_past)
-        self.values_stream.append(value_states, self.record_past)
-        return keys_out, values_out
-
-    def _check_states(self, key_states, value_states) -> None:
-        """A clear error for states the layer cannot append, instead of a shape error deep inside the buffers or a
-        layer whose keys and values silently fall out of step."""
-        check_float_tensor(key_states, "key_states")
-        check_float_tensor(value_states, "value_states")
-        k, v = key_states, value_states
-        if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
-            raise ValueError(
-                "`key_states` and `value_states` must share batch, kv_heads, tokens, dtype and device; got "
-                f"{tuple(k.shape)} {k.dtype} on {k.device} and {tuple(v.shape)} {v.dtype} on {v.device}"
-            )
-        if not self.is_initialized:
-            return
-        keys, values = self.keys_stream, self.values_stream
-        held = (keys.batch, keys.heads, keys.head_dim, values.head_dim)
-        got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
-        if got != held or k.dtype != self.dtype or k.device != self.device:
-            raise ValueError(
-                f"this layer holds states of batch {held[0]}, {held[1]} kv heads, head_dim {held[2]}/{held[3]} "
-                f"(keys/values), {self.dtype} on {self.device}; got batch {got[0]}, {got[1]} kv heads, head_dim "
-                f"{got[2]}/{got[3]}, {k.dtype} on {k.device}: call cache.reset() before changing them"
-            )
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        """Drops every stored token; the next ``update`` starts from scratch (shapes may change)."""
-        self.is_initialized = False
-        self.keys_stream = self.values_stream = None
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Removes the last ``-tokens_to_remove`` tokens (transformers 5 passes a negative count).
-
-        Afterwards the counts of sinks, quantized and full-precision tokens are exactly those of a cache that had
-        never held the removed tokens. Tokens that return to the full-precision windows are restored exactly when
-        the layer recorded them (``record_past``, for tokens quantized since the previous ``crop``), otherwise from
-        their codes (keeping their quantization error). Every call, ``crop(0)`` included, releases the recorded
-        copies.
-        """
-        try:
-            if isinstance(tokens_to_remove, bool):
-                raise TypeError
-            tokens_to_remove = operator.index(tokens_to_remove)  # also numpy / 0-d tensor integers
-        except TypeError:
-            raise TypeError(
-                f"`crop` takes an int (a negative number of tokens to remove), got {tokens_to_remove!r}"
-            ) from None
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"`crop` takes a negative number of tokens to remove (transformers >= 5), got {tokens_to_remove}"
-            )
-        length = max(0, self.cumulative_length + tokens_to_remove)
-        for stream in self._streams():
-            if tokens_to_remove < 0:
-                stream.truncate(length)
-            stream.forget_departed()
-
-    def _select_batch(self, index: torch.Tensor) -> None:
-        for stream in self._streams():
-            stream.select_batch(index)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: reorders every stored tensor (codes included) along the batch."""
-        self._select_batch(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._select_batch(torch.arange(self.keys_stream.batch).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_batch(torch.as_tensor(indices, dtype=torch.long))
-
-    def offload(self):
-        raise NotImplementedError("KiviCache does not support offloading: its history is already compressed")
-
-    def prefetch(self):
-        raise NotImplementedError("KiviCache does not support offloading: its history is already compressed")
-
-    def memory_report(self) -> KiviMemoryReport:
-        """Bytes of this layer; ``residual_bytes`` counts the exact sinks and windows, ``allocated_bytes`` also the
-        copies kept for an exact rollback while recording."""
-        report = KiviMemoryReport()
-        for stream in self._streams():
-            report = report + stream.memory_report()
-        return report
 
 
 def _head_dim(config) -> int:

@@ -37,7 +37,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .algorithm import KiviSettings
-from .cache import KiviCache, KiviLayer, _head_dim
+from .cache import KiviCache, _head_dim
+from .layer import KiviLayer
 from .ops import reference as ref
 from .ops.checks import check_float_tensor
 from .ops.reference import group_queries, masked_scores
