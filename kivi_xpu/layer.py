@@ -128,21 +128,19 @@ class KiviLayer(CacheLayerMixin):
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.cumulative_length == 0:
-            keys_out, values_out = key_states, value_states  # prefill attends to the exact states
-        else:
-            inputs = DecodeInputs(
-                self.keys_stream.decode_inputs(key_states),
-                self.values_stream.decode_inputs(value_states),
-                self.backend.name,
-            )
-            if self.fused:
-                hand_over(inputs)
-                keys_out, values_out = inputs.keys.tail, inputs.values.tail
-            else:
-                keys_out, values_out = dense_states(inputs)
-        self.keys_stream.append(key_states, self.record_past)
-        self.values_stream.append(value_states, self.record_past)
+        if self.cumulative_length == 0:  # prefill attends to the exact states
+            self.keys_stream.append(key_states, self.record_past)
+            self.values_stream.append(value_states, self.record_past)
+            return key_states, value_states
+        inputs = DecodeInputs(
+            self.keys_stream.append_and_read(key_states, self.record_past),
+            self.values_stream.append_and_read(value_states, self.record_past),
+            self.backend.name,
+        )
+        if not self.fused:
+            return dense_states(inputs)
+        hand_over(inputs)
+        keys_out, values_out = inputs.keys.tail, inputs.values.tail
         return keys_out, values_out
 
     def _check_states(self, key_states, value_states) -> None:

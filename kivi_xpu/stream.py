@@ -62,21 +62,39 @@ class KindStream:
             return self.settings.quantized_key_count(length)
         return self.settings.quantized_value_count(length)
 
-    def decode_inputs(self, new: torch.Tensor) -> KindOperands:
-        """What attention reads once ``new [B, H, m, D]`` is appended: the sinks, the packed history as it is
-        now and the exact tail ``[window | new]`` (tokens of ``new`` bound for the sinks are in the tail too,
-        which is in order: the window is empty until the sinks are full)."""
-        codes, scales, zeros = (b.data for b in self.packed.buffers())  # whole buffers: the op reads `count`
-        return KindOperands(
-            sinks=self.sinks.view(),
-            codes=codes,
-            scales=scales,
-            zeros=zeros,
-            count=self.packed.num_tokens,
-            group=self.packed.group_size,
-            bits=self.packed.bits,
-            tail=torch.cat([self.window.view(), new], dim=2),
-        )
+    def operands(self, count: int, tail: torch.Tensor) -> KindOperands:
+        """What attention reads: the sinks, the first ``count`` packed tokens (the whole buffers: the op reads only
+        ``count``) and the exact ``tail``."""
+        codes, scales, zeros = (b.data for b in self.packed.buffers())
+        packed = self.packed
+        return KindOperands(self.sinks.view(), codes, scales, zeros, count, packed.group_size, packed.bits, tail)
+
+    def append_and_read(self, new: torch.Tensor, record: bool) -> KindOperands:
+        """Appends ``new [B, H, m, D]`` (as :meth:`append`) and returns what attention reads for it: the sinks, the
+        history packed before this append and the exact tail ``[window | new]``, which still holds the tokens this
+        append just quantized (attention reads them exact, as the dense path does).
+
+        A decode step (sinks full, ``m <= R``) appends into the window first and hands out a view of it: no copy
+        of the window. The view stays valid until the next append (the rows it shows are only moved or
+        overwritten then)."""
+        count = self.packed.num_tokens
+        if len(self.sinks) < self.settings.sink_tokens or new.shape[2] > self.settings.residual_length:
+            tail = torch.cat([self.window.view(), new], dim=2)
+            self.append(new, record)
+            return self.operands(count, tail)
+        self.window.append(new)
+        tail = self.window.view()
+        self.length += new.shape[2]
+        leaving = self.packed_count(self.length) - count
+        if leaving:
+            self._pack(tail[:, :, :leaving], record)
+            self.window.drop_front(leaving)
+        return self.operands(count, tail)
+
+    def _pack(self, block: torch.Tensor, record: bool) -> None:
+        self.packed.append(block)
+        if record:  # an exact copy (the window rows will be overwritten)
+            self.departed.append(block.to(self.dtype, copy=True))
 
     def append(self, new: torch.Tensor, record: bool) -> None:
         """Appends ``new [B, H, m, D]``: the first tokens of the sequence fill the sinks, then exactly the tokens
@@ -98,9 +116,7 @@ class KindStream:
                 block = self.window.view()[:, :, :from_window]
             else:
                 block = new[:, :, :from_new]
-            self.packed.append(block)
-            if record:  # an exact copy (the window rows will be overwritten)
-                self.departed.append(block.to(self.dtype, copy=True))
+            self._pack(block, record)
         self.window.drop_front(from_window)
         self.window.append(new[:, :, from_new:])
 
