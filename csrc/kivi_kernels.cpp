@@ -346,6 +346,25 @@ inline void lane_meta(const sycl::sub_group& sg, const LaneGroup& lg, const type
   zero = sycl::select_from_group(sg, z, lg.src);
 }
 
+// Dequantizes the P codes of the lane's `byte` with its group's scale/zero (from the metadata row at scales/zeros),
+// then adds weight(r) * code k into acc[r][k] for the RB rows of uniform weights weights[r * stride] (a partial last
+// block re-reads row `last`).
+template <typename M, int bits, int RB>
+inline void accumulate_byte(const sycl::sub_group& sg, const LaneGroup& lg, unsigned byte, const typename M::T* scales,
+                            const typename M::T* zeros, const float* weights, size_t stride, size_t last,
+                            float (&acc)[RB][8 / bits]) {
+  constexpr int P = 8 / bits;
+  constexpr unsigned mask = (1u << bits) - 1u;
+  float scale, zero;
+  lane_meta<M>(sg, lg, scales, zeros, scale, zero);
+  float code[P];
+  for (int k = 0; k < P; ++k) code[k] = sycl::fma((float)((byte >> (k * bits)) & mask), scale, zero);
+  for (int r = 0; r < RB; ++r) {
+    const float weight = weights[((size_t)r < last ? (size_t)r : last) * stride];
+    for (int k = 0; k < P; ++k) acc[r][k] = sycl::fma(weight, code[k], acc[r][k]);
+  }
+}
+
 }  // namespace
 
 // Scores. nd_range {B*Hkv, ceil(R/RB), Tk/P (padded)}: item = (kv head, block of RB query rows, code byte j of the
@@ -375,20 +394,13 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packe
   float acc[RB][P];
   for (int r = 0; r < RB; ++r)
     for (int k = 0; k < P; ++k) acc[r][k] = 0.0f;
-  constexpr unsigned mask = (1u << bits) - 1u;
   const unsigned char* code_row = codes + kv * head_dim * code_cols + j;
   const typename M::T* scale_row = scales + kv * head_dim * meta_cols;
   const typename M::T* zero_row = zeros + kv * head_dim * meta_cols;
   for (size_t d = 0; d < head_dim; ++d) {
     const unsigned byte = active ? code_row[d * code_cols] : 0u;
-    float scale, zero;
-    lane_meta<M>(sg, lg, scale_row + d * meta_cols, zero_row + d * meta_cols, scale, zero);
-    float key[P];
-    for (int k = 0; k < P; ++k) key[k] = sycl::fma((float)((byte >> (k * bits)) & mask), scale, zero);
-    for (int r = 0; r < RB; ++r) {
-      const float qd = q0[((size_t)r < last ? (size_t)r : last) * head_dim + d];
-      for (int k = 0; k < P; ++k) acc[r][k] = sycl::fma(qd, key[k], acc[r][k]);
-    }
+    accumulate_byte<M, bits, RB>(sg, lg, byte, scale_row + d * meta_cols, zero_row + d * meta_cols, q0 + d, head_dim,
+                                 last, acc);
   }
   if (!active) return;
   for (int r = 0; r < RB; ++r) {
@@ -426,7 +438,6 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packe
   float acc[RB][P];
   for (int r = 0; r < RB; ++r)
     for (int k = 0; k < P; ++k) acc[r][k] = 0.0f;
-  constexpr unsigned mask = (1u << bits) - 1u;
   const size_t t_begin = chunk * chunk_tokens;
   const size_t t_end = t_begin + chunk_tokens < num_tokens ? t_begin + chunk_tokens : num_tokens;
   const unsigned char* code_col = codes + kv * code_rows * row_bytes + w;
@@ -436,14 +447,8 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packe
   // ~30 vector instructions per token.
   const auto add_token = [&](size_t t) {
     const unsigned byte = active ? code_col[t * row_bytes] : 0u;
-    float scale, zero;
-    lane_meta<M>(sg, lg, scale_rows + t * groups, zero_rows + t * groups, scale, zero);
-    float value[P];
-    for (int k = 0; k < P; ++k) value[k] = sycl::fma((float)((byte >> (k * bits)) & mask), scale, zero);
-    for (int r = 0; r < RB; ++r) {
-      const float pt = p0[((size_t)r < last ? (size_t)r : last) * num_tokens + t];
-      for (int k = 0; k < P; ++k) acc[r][k] = sycl::fma(pt, value[k], acc[r][k]);
-    }
+    accumulate_byte<M, bits, RB>(sg, lg, byte, scale_rows + t * groups, zero_rows + t * groups, p0 + t, num_tokens,
+                                 last, acc);
   };
   size_t t = t_begin;
   for (; t + 1 < t_end; t += 2) {

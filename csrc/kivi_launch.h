@@ -14,7 +14,7 @@
 #include "kivi_runtime.h"
 #include "kivi_variants.h"
 
-namespace kivi {
+namespace kivi __attribute__((visibility("hidden"))) {  // hidden, as pybind11's own types are
 
 // Local size along the vectorised last dimension for an extent n: the kernel's limit, halved while twice the extent
 // still fits (so a head_dim of 64 gets 64, not 256 with 192 idle items); the global size is padded to a multiple and

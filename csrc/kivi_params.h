@@ -12,7 +12,7 @@
 #include "kivi_runtime.h"
 #include "kivi_variants.h"
 
-namespace kivi {
+namespace kivi __attribute__((visibility("hidden"))) {  // hidden, as pybind11's own types are
 
 // Layout of a packed operand. Keys: per-channel groups stored channel-major, codes [B,H,D,capacity bytes] where
 // byte j of channel d holds tokens P*j .. P*j+P-1 (P = 8/bits codes per byte), scales/zeros [B,H,D,capacity groups].

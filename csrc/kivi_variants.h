@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace kivi {
+namespace kivi __attribute__((visibility("hidden"))) {  // hidden, as pybind11's own types are
 
 // Element dtypes of data and metadata, in dtype-tag order: torch dtype and the device-side element type
 // (struct F32/F16/BF16 in kivi_kernels.cpp).
