@@ -74,7 +74,8 @@ def extension_setup_kwargs() -> dict:
     extension = CppExtension(
         name="kivi_xpu._C",
         sources=["csrc/kivi_ext.cpp"],
-        depends=["csrc/kivi_kernels.cpp", "csrc/_generated/kivi_kernel_source.h"],
+        depends=[str(path.relative_to(ROOT)) for path in sorted((ROOT / "csrc").glob("*.[ch]*"))]
+        + ["csrc/_generated/kivi_kernel_source.h"],
         include_dirs=[str(GENERATED_DIR), str(sycl_root / "include")],
         library_dirs=[lib_dir],
         libraries=["sycl"],

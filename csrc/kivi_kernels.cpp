@@ -10,8 +10,10 @@
 //
 // Performance rules this file follows (measured on the OpenCL CPU device, which vectorises ACROSS
 // work-items along the last nd_range dimension; the same layout coalesces on Intel GPUs):
-//   * one kernel per (data dtype, metadata dtype), stamped out by KIVI_FOR_EACH_DTYPE_PAIR below, so the
-//     element type is a compile-time constant in every hot loop (no per-element dtype branch);
+//   * each kernel is a template over its element types (for attention also bits and rows per item); the runtime
+//     instantiates every variant listed in csrc/kivi_variants.h, so the element type is a compile-time constant
+//     in every hot loop (no per-element dtype branch; on the CPU device a uniform dispatch inside one attention
+//     kernel made its vectorised loop 25-50% slower);
 //   * 3-D nd_ranges whose indices come from the nd_item: the channel (or byte) index is the LAST dimension,
 //     so adjacent work-items touch adjacent addresses (vector loads / stores, coalescing on a GPU), and
 //     everything derived from the other dimensions is uniform across the vector (scalar arithmetic; no
@@ -63,7 +65,10 @@ inline unsigned short float_to_bf16(float f) {
   return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Element types as tag structs: storage type plus exact conversions to / from fp32.
+}  // namespace
+
+// Element types as tag structs: storage type plus exact conversions to / from fp32. Outside the anonymous namespace:
+// they are template arguments of the kernels, whose instantiations must have external linkage to be found by name.
 struct F32 {
   using T = float;
   static float load(float v) { return v; }
@@ -79,6 +84,8 @@ struct BF16 {
   static float load(T v) { return bf16_to_float(v); }
   static T store(float v) { return float_to_bf16(v); }
 };
+
+namespace {
 
 // Rounds to the metadata dtype and back, as torch's `.to(meta_dtype).float()` does.
 template <typename M>
@@ -140,6 +147,10 @@ inline float dequantize_one(unsigned q, float scale, float zero) {
   return product + zero;
 }
 
+}  // namespace
+
+// ---- kernels: one template each; csrc/kivi_variants.h lists the instantiations the runtime compiles ------------
+
 // Keys, per-channel groups, stored channel-major. nd_range {B*H, T/G, D (padded)}: one item per (head, group,
 // channel d) reads the G tokens of channel d (contiguous across lanes: adjacent d) twice (min/max, then codes; the
 // second pass hits cache) and writes the group's G/P code bytes, which are contiguous for the item but T/P apart
@@ -147,9 +158,9 @@ inline float dequantize_one(unsigned q, float scale, float zero) {
 // aligned buffer) the bytes go out as 32-bit words: a quarter of the scattered stores, and no byte scatter.
 //   x [B,H,T,D] -> codes [B,H,D,T/P], scales/zeros [B,H,D,T/G].
 template <typename X, typename M>
-inline void quantize_keys(const unsigned char* x_bytes, unsigned char* codes, unsigned char* scales,
-                          unsigned char* zeros, size_t tokens, size_t head_dim, size_t group_size, int bits,
-                          int words) {
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_quantize_keys(
+    const unsigned char* x_bytes, unsigned char* codes, unsigned char* scales, unsigned char* zeros, size_t tokens,
+    size_t head_dim, size_t group_size, int bits, int words) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
   const size_t d = it.get_global_id(2);
   if (d >= head_dim) return;  // padding of the last dimension
@@ -187,8 +198,9 @@ inline void quantize_keys(const unsigned char* x_bytes, unsigned char* codes, un
 // consecutive channels. Groups tile the rows, so the item index is the flat group index (no division).
 //   x [B,H,T,D] -> codes [B,H,T,D/P], scales/zeros [B,H,T,D/G].
 template <typename X, typename M>
-inline void quantize_values(const unsigned char* x_bytes, unsigned char* codes, unsigned char* scales,
-                            unsigned char* zeros, size_t groups, size_t group_size, int bits) {
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>)) void kivi_quantize_values(
+    const unsigned char* x_bytes, unsigned char* codes, unsigned char* scales, unsigned char* zeros, size_t groups,
+    size_t group_size, int bits) {
   const size_t item = syclext::this_work_item::get_nd_item<1>().get_global_id(0);
   if (item >= groups) return;
   const typename X::T* x = reinterpret_cast<const typename X::T*>(x_bytes) + item * group_size;
@@ -208,13 +220,13 @@ inline void quantize_values(const unsigned char* x_bytes, unsigned char* codes, 
 
 // Keys. nd_range {B*H, N/G, D (padded)}: one item per (head, group, channel d) loads its scale/zero once and
 // expands the group's G/P code bytes of channel d (contiguous for the item; a gather across lanes, as 32-bit words
-// when `words`, see quantize_keys) into G outputs, stored contiguously across lanes. Buffers may be over-allocated
+// when `words`, see kivi_quantize_keys) into G outputs, stored contiguously across lanes. Buffers may be over-allocated
 // along their last dim, so the per-channel strides are their capacities (code_cols bytes, meta_cols groups).
 //   codes [B,H,D,code_cols], scales/zeros [B,H,D,meta_cols] -> out [B,H,N,D].
 template <typename M, typename O>
-inline void dequantize_keys(const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros,
-                            unsigned char* out_bytes, size_t num_tokens, size_t head_dim, size_t code_cols,
-                            size_t meta_cols, size_t group_size, int bits, int words) {
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_dequantize_keys(
+    const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, unsigned char* out_bytes,
+    size_t num_tokens, size_t head_dim, size_t code_cols, size_t meta_cols, size_t group_size, int bits, int words) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
   const size_t d = it.get_global_id(2);
   if (d >= head_dim) return;
@@ -251,9 +263,10 @@ inline void dequantize_keys(const unsigned char* codes, const unsigned char* sca
 // c/P - c0/P <= c - c0 = l < sub-group size, for any sub-group size. No early return before the shuffles.
 //   codes [B,H,code_rows,D/P], scales/zeros [B,H,meta_rows,D/G] -> out [B,H,N,D].
 template <typename M, typename O>
-inline void dequantize_values(const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros,
-                              unsigned char* out_bytes, size_t num_tokens, size_t head_dim, size_t code_rows,
-                              size_t meta_rows, size_t group_size, int group_shift, int bits) {
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_dequantize_values(
+    const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, unsigned char* out_bytes,
+    size_t num_tokens, size_t head_dim, size_t code_rows, size_t meta_rows, size_t group_size, int group_shift,
+    int bits) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
   const sycl::sub_group sg = it.get_sub_group();
   const size_t head = it.get_global_id(0), token = it.get_global_id(1);
@@ -299,6 +312,8 @@ inline void dequantize_values(const unsigned char* codes, const unsigned char* s
 // know those builtins preserve uniformity, so their results become per-lane vectors (a loop bound turns into a masked
 // divergent loop, a row index into gathers).
 
+namespace {
+
 // Where a lane finds its group's metadata: the sub-group's first group, the lane's own load slot and shuffle source.
 struct LaneGroup {
   size_t first;  // group of the sub-group's first byte (uniform)
@@ -331,18 +346,41 @@ inline void lane_meta(const sycl::sub_group& sg, const LaneGroup& lg, const type
   zero = sycl::select_from_group(sg, z, lg.src);
 }
 
+// Dequantizes the P codes of the lane's `byte` with its group's scale/zero (from the metadata row at scales/zeros),
+// then adds weight(r) * code k into acc[r][k] for the RB rows of uniform weights weights[r * stride] (a partial last
+// block re-reads row `last`).
+template <typename M, int bits, int RB>
+inline void accumulate_byte(const sycl::sub_group& sg, const LaneGroup& lg, unsigned byte, const typename M::T* scales,
+                            const typename M::T* zeros, const float* weights, size_t stride, size_t last,
+                            float (&acc)[RB][8 / bits]) {
+  constexpr int P = 8 / bits;
+  constexpr unsigned mask = (1u << bits) - 1u;
+  float scale, zero;
+  lane_meta<M>(sg, lg, scales, zeros, scale, zero);
+  float code[P];
+  for (int k = 0; k < P; ++k) code[k] = sycl::fma((float)((byte >> (k * bits)) & mask), scale, zero);
+  for (int r = 0; r < RB; ++r) {
+    const float weight = weights[((size_t)r < last ? (size_t)r : last) * stride];
+    for (int k = 0; k < P; ++k) acc[r][k] = sycl::fma(weight, code[k], acc[r][k]);
+  }
+}
+
+}  // namespace
+
 // Scores. nd_range {B*Hkv, ceil(R/RB), Tk/P (padded)}: item = (kv head, block of RB query rows, code byte j of the
 // token axis, i.e. tokens P*j .. P*j+P-1). For each channel d it loads byte j of channel d's code row (contiguous
 // across lanes), dequantizes its P codes with the group's scale/zero and accumulates query[row][d] * key into P
 // scores per row. Stores: out[row][P*j + k] (P consecutive floats per lane; once per item, so the scatter is cheap
 // next to the channel loop: writing them as contiguous vectors through sub-group shuffles measured no faster).
 //   query [B,Hq,L,D] f32, codes [B,Hkv,D,code_cols], scales/zeros [B,Hkv,D,meta_cols] -> out [B,Hq,L,Tk] f32.
-template <typename M, int P, int RB>
-inline void key_scores_body(const float* query, const unsigned char* codes, const typename M::T* scales,
-                            const typename M::T* zeros, float* out, size_t rows, size_t num_tokens, size_t head_dim,
-                            size_t code_cols, size_t meta_cols, size_t group_size) {
+template <typename M, int bits, int RB>
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packed_key_scores(
+    const float* query, const unsigned char* codes, const typename M::T* scales, const typename M::T* zeros,
+    float* out, size_t rows, size_t num_tokens, size_t head_dim, size_t code_cols, size_t meta_cols,
+    size_t group_size) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
   const sycl::sub_group sg = it.get_sub_group();
+  constexpr int P = 8 / bits;  // codes per byte
   const size_t total_bytes = num_tokens / P;
   const size_t j = it.get_global_id(2);
   const bool active = j < total_bytes;  // padding lanes load and store nothing, but join the shuffles
@@ -356,21 +394,13 @@ inline void key_scores_body(const float* query, const unsigned char* codes, cons
   float acc[RB][P];
   for (int r = 0; r < RB; ++r)
     for (int k = 0; k < P; ++k) acc[r][k] = 0.0f;
-  constexpr int bits = 8 / P;
-  constexpr unsigned mask = (1u << bits) - 1u;
   const unsigned char* code_row = codes + kv * head_dim * code_cols + j;
   const typename M::T* scale_row = scales + kv * head_dim * meta_cols;
   const typename M::T* zero_row = zeros + kv * head_dim * meta_cols;
   for (size_t d = 0; d < head_dim; ++d) {
     const unsigned byte = active ? code_row[d * code_cols] : 0u;
-    float scale, zero;
-    lane_meta<M>(sg, lg, scale_row + d * meta_cols, zero_row + d * meta_cols, scale, zero);
-    float key[P];
-    for (int k = 0; k < P; ++k) key[k] = sycl::fma((float)((byte >> (k * bits)) & mask), scale, zero);
-    for (int r = 0; r < RB; ++r) {
-      const float qd = q0[((size_t)r < last ? (size_t)r : last) * head_dim + d];
-      for (int k = 0; k < P; ++k) acc[r][k] = sycl::fma(qd, key[k], acc[r][k]);
-    }
+    accumulate_byte<M, bits, RB>(sg, lg, byte, scale_row + d * meta_cols, zero_row + d * meta_cols, q0 + d, head_dim,
+                                 last, acc);
   }
   if (!active) return;
   for (int r = 0; r < RB; ++r) {
@@ -386,13 +416,14 @@ inline void key_scores_body(const float* query, const unsigned char* codes, cons
 // Stores partial sums partial[row][chunk][P*w + k]; the host sums the chunks in order.
 //   probs [B,Hq,L,Tv] f32, codes [B,Hkv,code_rows,D/P], scales/zeros [B,Hkv,meta_rows,D/G]
 //   -> partial [B,Hq,L,chunks,D] f32.
-template <typename M, int P, int RB>
-inline void value_combine_body(const float* probs, const unsigned char* codes, const typename M::T* scales,
-                               const typename M::T* zeros, float* partial, size_t rows, size_t num_tokens,
-                               size_t head_dim, size_t code_rows, size_t meta_rows, size_t group_size,
-                               size_t chunk_tokens, size_t chunks) {
+template <typename M, int bits, int RB>
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packed_value_combine(
+    const float* probs, const unsigned char* codes, const typename M::T* scales, const typename M::T* zeros,
+    float* partial, size_t rows, size_t num_tokens, size_t head_dim, size_t code_rows, size_t meta_rows,
+    size_t group_size, size_t chunk_tokens, size_t chunks) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
   const sycl::sub_group sg = it.get_sub_group();
+  constexpr int P = 8 / bits;
   const size_t row_bytes = head_dim / P;
   const size_t w = it.get_global_id(2);
   const bool active = w < row_bytes;  // padding lanes load nothing and store nothing, but join the shuffles
@@ -402,13 +433,11 @@ inline void value_combine_body(const float* probs, const unsigned char* codes, c
   const size_t groups = head_dim / group_size;
   const LaneGroup lg = lane_group(it, sg, w, group_size / P, groups);
 
-  const float* p0 = probs + (kv * rows + row0) * num_tokens;  // uniform rows, as in key_scores_body
+  const float* p0 = probs + (kv * rows + row0) * num_tokens;  // uniform rows, as in kivi_packed_key_scores
   const size_t last = rows - 1 - row0;
   float acc[RB][P];
   for (int r = 0; r < RB; ++r)
     for (int k = 0; k < P; ++k) acc[r][k] = 0.0f;
-  constexpr int bits = 8 / P;
-  constexpr unsigned mask = (1u << bits) - 1u;
   const size_t t_begin = chunk * chunk_tokens;
   const size_t t_end = t_begin + chunk_tokens < num_tokens ? t_begin + chunk_tokens : num_tokens;
   const unsigned char* code_col = codes + kv * code_rows * row_bytes + w;
@@ -418,14 +447,8 @@ inline void value_combine_body(const float* probs, const unsigned char* codes, c
   // ~30 vector instructions per token.
   const auto add_token = [&](size_t t) {
     const unsigned byte = active ? code_col[t * row_bytes] : 0u;
-    float scale, zero;
-    lane_meta<M>(sg, lg, scale_rows + t * groups, zero_rows + t * groups, scale, zero);
-    float value[P];
-    for (int k = 0; k < P; ++k) value[k] = sycl::fma((float)((byte >> (k * bits)) & mask), scale, zero);
-    for (int r = 0; r < RB; ++r) {
-      const float pt = p0[((size_t)r < last ? (size_t)r : last) * num_tokens + t];
-      for (int k = 0; k < P; ++k) acc[r][k] = sycl::fma(pt, value[k], acc[r][k]);
-    }
+    accumulate_byte<M, bits, RB>(sg, lg, byte, scale_rows + t * groups, zero_rows + t * groups, p0 + t, num_tokens,
+                                 last, acc);
   };
   size_t t = t_begin;
   for (; t + 1 < t_end; t += 2) {
@@ -442,85 +465,3 @@ inline void value_combine_body(const float* probs, const unsigned char* codes, c
     for (int k = 0; k < P; ++k) o[k] = acc[r][k];
   }
 }
-
-}  // namespace
-
-// One extern "C" kernel per (first dtype, second dtype), named <op>_<first>_<second>, e.g.
-// kivi_dequantize_keys_f32_f16 (csrc/kivi_ext.cpp builds the same names).
-#define KIVI_FOR_EACH_DTYPE_PAIR(STAMP) \
-  STAMP(f32, F32, f32, F32)             \
-  STAMP(f32, F32, f16, F16)             \
-  STAMP(f32, F32, bf16, BF16)           \
-  STAMP(f16, F16, f32, F32)             \
-  STAMP(f16, F16, f16, F16)             \
-  STAMP(f16, F16, bf16, BF16)           \
-  STAMP(bf16, BF16, f32, F32)           \
-  STAMP(bf16, BF16, f16, F16)           \
-  STAMP(bf16, BF16, bf16, BF16)
-
-// quantize: <data dtype>_<metadata dtype>; dequantize: <metadata dtype>_<output dtype>.
-#define KIVI_STAMP_KERNELS(a, A, b, B)                                                                                \
-  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_quantize_keys_##a##_##b(     \
-      const unsigned char* x, unsigned char* codes, unsigned char* scales, unsigned char* zeros, size_t tokens,       \
-      size_t head_dim, size_t group_size, int bits, int words) {                                                      \
-    quantize_keys<A, B>(x, codes, scales, zeros, tokens, head_dim, group_size, bits, words);                          \
-  }                                                                                                                   \
-  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>)) void kivi_quantize_values_##a##_##b(   \
-      const unsigned char* x, unsigned char* codes, unsigned char* scales, unsigned char* zeros, size_t groups,       \
-      size_t group_size, int bits) {                                                                                  \
-    quantize_values<A, B>(x, codes, scales, zeros, groups, group_size, bits);                                         \
-  }                                                                                                                   \
-  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_dequantize_keys_##a##_##b(   \
-      const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, unsigned char* out,        \
-      size_t num_tokens, size_t head_dim, size_t code_cols, size_t meta_cols, size_t group_size, int bits,            \
-      int words) {                                                                                                    \
-    dequantize_keys<A, B>(codes, scales, zeros, out, num_tokens, head_dim, code_cols, meta_cols, group_size, bits,    \
-                          words);                                                                                     \
-  }                                                                                                                   \
-  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_dequantize_values_##a##_##b( \
-      const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros, unsigned char* out,        \
-      size_t num_tokens, size_t head_dim, size_t code_rows, size_t meta_rows, size_t group_size, int group_shift,     \
-      int bits) {                                                                                                     \
-    dequantize_values<A, B>(codes, scales, zeros, out, num_tokens, head_dim, code_rows, meta_rows, group_size,        \
-                            group_shift, bits);                                                                       \
-  }
-
-KIVI_FOR_EACH_DTYPE_PAIR(KIVI_STAMP_KERNELS)
-
-// Fused attention ops: one kernel per (metadata dtype, bits, query rows per item), e.g.
-// kivi_packed_key_scores_f16_2b_3r. Specialised kernels, not a uniform branch inside one: on the CPU device a
-// dispatch over the instantiations made the vectorised loop 25-50% slower.
-#define KIVI_STAMP_ATTENTION_KERNEL(m, M, bits, P, RB)                                                                 \
-  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void                                    \
-      kivi_packed_key_scores_##m##_##bits##b_##RB##r(const float* query, const unsigned char* codes,                  \
-                                                     const unsigned char* scales, const unsigned char* zeros,         \
-                                                     float* out, size_t rows, size_t num_tokens, size_t head_dim,     \
-                                                     size_t code_cols, size_t meta_cols, size_t group_size) {         \
-    key_scores_body<M, P, RB>(query, codes, reinterpret_cast<const M::T*>(scales),                                    \
-                              reinterpret_cast<const M::T*>(zeros), out, rows, num_tokens, head_dim, code_cols,       \
-                              meta_cols, group_size);                                                                 \
-  }                                                                                                                   \
-  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void                                    \
-      kivi_packed_value_combine_##m##_##bits##b_##RB##r(                                                              \
-          const float* probs, const unsigned char* codes, const unsigned char* scales, const unsigned char* zeros,    \
-          float* partial, size_t rows, size_t num_tokens, size_t head_dim, size_t code_rows, size_t meta_rows,        \
-          size_t group_size, size_t chunk_tokens, size_t chunks) {                                                    \
-    value_combine_body<M, P, RB>(probs, codes, reinterpret_cast<const M::T*>(scales),                                 \
-                                 reinterpret_cast<const M::T*>(zeros), partial, rows, num_tokens, head_dim, code_rows, \
-                                 meta_rows, group_size, chunk_tokens, chunks);                                        \
-  }
-
-#define KIVI_STAMP_ATTENTION_ROWS(m, M, bits, P) \
-  KIVI_STAMP_ATTENTION_KERNEL(m, M, bits, P, 1)  \
-  KIVI_STAMP_ATTENTION_KERNEL(m, M, bits, P, 2)  \
-  KIVI_STAMP_ATTENTION_KERNEL(m, M, bits, P, 3)  \
-  KIVI_STAMP_ATTENTION_KERNEL(m, M, bits, P, 4)
-
-#define KIVI_STAMP_ATTENTION_BITS(m, M)  \
-  KIVI_STAMP_ATTENTION_ROWS(m, M, 2, 4)  \
-  KIVI_STAMP_ATTENTION_ROWS(m, M, 4, 2)  \
-  KIVI_STAMP_ATTENTION_ROWS(m, M, 8, 1)
-
-KIVI_STAMP_ATTENTION_BITS(f32, F32)
-KIVI_STAMP_ATTENTION_BITS(f16, F16)
-KIVI_STAMP_ATTENTION_BITS(bf16, BF16)

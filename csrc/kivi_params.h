@@ -1,0 +1,232 @@
+// Argument checks of kivi_xpu._C: each op fills one OpParams through the checks below, so every assumption of a
+// launcher is checked once, here, and a direct call with bad tensors raises a Python exception, never crashes.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kivi_runtime.h"
+#include "kivi_variants.h"
+
+namespace kivi __attribute__((visibility("hidden"))) {  // hidden, as pybind11's own types are
+
+// Layout of a packed operand. Keys: per-channel groups stored channel-major, codes [B,H,D,capacity bytes] where
+// byte j of channel d holds tokens P*j .. P*j+P-1 (P = 8/bits codes per byte), scales/zeros [B,H,D,capacity groups].
+// Values: per-token groups, codes [B,H,capacity tokens,D/P], scales/zeros [B,H,capacity tokens,D/G].
+enum class Layout { kKeys, kValues };
+
+// A checked packed operand (codes, scales, zeros) holding `num_tokens` tokens. The buffers may be over-allocated
+// along the token axis; the capacities are their extents there (the kernels' row strides).
+struct PackedParams {
+  Layout layout;
+  unsigned char* codes;
+  unsigned char* scales;
+  unsigned char* zeros;
+  int meta;  // dtype tag (position in kDtypes) of scales and zeros
+  int bits, per_byte;
+  int64_t batch, heads, head_dim, num_tokens, group_size;
+  int64_t code_capacity;  // keys: code bytes per channel (size 3); values: token rows (size 2)
+  int64_t meta_capacity;  // keys: groups per channel (size 3); values: token rows (size 2)
+};
+
+// A checked contiguous float tensor [batch, heads, rows, cols].
+struct DenseParams {
+  unsigned char* data;
+  int dtype;  // dtype tag (position in kDtypes)
+  int64_t batch, heads, rows, cols;
+};
+
+// Everything a launcher needs, filled and checked once by the op.
+struct OpParams {
+  PackedParams packed;
+  DenseParams dense;        // the float side: x (quantize), out (dequantize), query or probs (attention)
+  float* result = nullptr;  // attention output: scores [B,Hq,L,N] or partial sums [B,Hq,L,chunks,D]
+  int64_t chunk_tokens = 0, chunks = 0;  // value combine: tokens per partial sum, and their number
+};
+
+using NamedTensors = std::initializer_list<std::pair<const at::Tensor*, const char*>>;
+
+inline unsigned char* bytes(const at::Tensor& t) { return static_cast<unsigned char*>(t.data_ptr()); }
+
+inline int dtype_tag(const at::Tensor& t, const char* name) {
+  for (size_t tag = 0; tag < kDtypes.size(); ++tag) {
+    if (t.scalar_type() == kDtypes[tag].torch) return static_cast<int>(tag);
+  }
+  TORCH_CHECK_TYPE(false, "`", name, "` must be float32, float16 or bfloat16, got ", t.scalar_type());
+  return -1;  // unreachable
+}
+
+inline void check_rank4_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 4, "`", name, "` must have rank 4 [batch, heads, tokens, head_dim], got ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "`", name, "` must be contiguous");
+}
+
+inline void check_shape(const at::Tensor& t, const char* name, std::vector<int64_t> expected) {
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), "`", name, "` must have shape ", at::IntArrayRef(expected),
+                    ", got ", t.sizes());
+}
+
+inline int per_byte_checked(int64_t group_size, int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 2 || bits == 4 || bits == 8, "`bits` must be 2, 4 or 8, got ", bits);
+  const int per = 8 / static_cast<int>(bits);
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % per == 0, "`group_size` must be a positive multiple of ", per,
+                    " for ", bits, "-bit codes, got ", group_size);
+  return per;
+}
+
+// Refuses memory the selected device cannot dereference (host memory on a discrete GPU, another context's USM).
+inline void check_accessible(const DeviceRuntime& rt, const at::Tensor& t, const char* name) {
+  if (t.numel() == 0) return;
+  if (t.device().is_cpu()) {
+    TORCH_CHECK_VALUE(rt.system_usm, "`", name, "` is a CPU tensor, but SYCL device ", rt.filter, " (", rt.name,
+                      ") cannot access host memory (no usm_system_allocations aspect): move it to that device");
+    return;
+  }
+  const sycl::usm::alloc kind = sycl::get_pointer_type(t.data_ptr(), rt.context);
+  TORCH_CHECK_VALUE(kind != sycl::usm::alloc::unknown, "`", name, "` is on ", t.device(),
+                    ", which is not USM memory of SYCL device ", rt.filter, " (", rt.name, ")");
+  if (kind == sycl::usm::alloc::device) {
+    TORCH_CHECK_VALUE(sycl::get_pointer_device(t.data_ptr(), rt.context) == rt.device, "`", name, "` lives on ",
+                      t.device(), ", a different device than ", rt.filter, " (", rt.name, ")");
+  }
+}
+
+// All tensors of one call share the first one's device, and the SYCL device can dereference each of them.
+inline void check_devices(const DeviceRuntime& rt, NamedTensors tensors) {
+  const auto& [reference, reference_name] = *tensors.begin();
+  for (const auto& [t, name] : tensors) {
+    TORCH_CHECK_VALUE(t->device() == reference->device(), "`", name, "` is on ", t->device(), " but `",
+                      reference_name, "` is on ", reference->device(), ": all must share a device");
+  }
+  for (const auto& [t, name] : tensors) check_accessible(rt, *t, name);
+}
+
+// A rank-4 contiguous float operand; `float32_only` for the fused attention ops, which take float32 operands.
+inline DenseParams check_dense(const at::Tensor& t, const char* name, bool float32_only) {
+  check_rank4_contiguous(t, name);
+  TORCH_CHECK_TYPE(!float32_only || t.scalar_type() == at::kFloat, "`", name, "` must be float32, got ",
+                   t.scalar_type());
+  return DenseParams{bytes(t), dtype_tag(t, name), t.size(0), t.size(1), t.size(2), t.size(3)};
+}
+
+// The packed operand of the dequantize and attention ops (and, after its exact shapes, of quantize).
+inline PackedParams check_packed(Layout layout, const at::Tensor& codes, const at::Tensor& scales,
+                                 const at::Tensor& zeros, int64_t num_tokens, int64_t group_size, int64_t bits) {
+  const int per = per_byte_checked(group_size, bits);
+  check_rank4_contiguous(codes, "codes");
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "`codes` must be uint8, got ", codes.scalar_type());
+  check_rank4_contiguous(scales, "scales");
+  check_rank4_contiguous(zeros, "zeros");
+  TORCH_CHECK_TYPE(scales.scalar_type() == zeros.scalar_type(), "`scales` and `zeros` must share a dtype, got ",
+                   scales.scalar_type(), " and ", zeros.scalar_type());
+  const int meta = dtype_tag(scales, "scales");
+  TORCH_CHECK_VALUE(num_tokens >= 0, "`num_tokens` must be non-negative, got ", num_tokens);
+  const int64_t B = codes.size(0), H = codes.size(1);
+  TORCH_CHECK_VALUE(scales.sizes() == zeros.sizes(), "`scales` and `zeros` must have the same shape, got ",
+                    scales.sizes(), " and ", zeros.sizes());
+  TORCH_CHECK_VALUE(scales.size(0) == B && scales.size(1) == H, "`scales` batch/heads ", scales.sizes().slice(0, 2),
+                    " do not match `codes` batch/heads ", codes.sizes().slice(0, 2));
+  const bool keys = layout == Layout::kKeys;
+  const int64_t D = keys ? codes.size(2) : codes.size(3) * per;
+  if (keys) {
+    TORCH_CHECK_VALUE(num_tokens % group_size == 0, "`num_tokens` (", num_tokens,
+                      ") must be a multiple of `group_size` (", group_size, ") for keys");
+    TORCH_CHECK_VALUE(scales.size(2) == D, "`scales` dim 2 (", scales.size(2), ") must equal head_dim ", D,
+                      " (keys are channel-major)");
+    TORCH_CHECK_VALUE(codes.size(3) >= num_tokens / per && scales.size(3) >= num_tokens / group_size,
+                      "`num_tokens` (", num_tokens, ") exceeds the stored tokens: codes hold ", codes.size(3) * per,
+                      ", scales hold ", scales.size(3) * group_size);
+  } else {
+    TORCH_CHECK_VALUE(D % group_size == 0, "`group_size` (", group_size, ") must divide head_dim (", D, ")");
+    TORCH_CHECK_VALUE(scales.size(3) == D / group_size, "`scales` last dim ", scales.size(3),
+                      " must equal head_dim / group_size = ", D / group_size);
+    TORCH_CHECK_VALUE(codes.size(2) >= num_tokens && scales.size(2) >= num_tokens, "`num_tokens` (", num_tokens,
+                      ") exceeds the stored tokens: codes hold ", codes.size(2), ", scales hold ", scales.size(2));
+    // The value kernels index channels in 32 bits.
+    TORCH_CHECK_VALUE(D <= 0xFFFFFFFFll, "head_dim ", D, " is too large");
+  }
+  const int token_dim = keys ? 3 : 2;
+  return PackedParams{layout,          bytes(codes), bytes(scales),       bytes(zeros),
+                      meta,            (int)bits,    per,                 B,
+                      H,               D,            num_tokens,          group_size,
+                      codes.size(token_dim),         scales.size(token_dim)};
+}
+
+// quantize_keys / quantize_values: x [B,H,T,D] and the packed operand it fills, of exactly T tokens.
+inline OpParams check_quantize(const DeviceRuntime& rt, Layout layout, const at::Tensor& x, const at::Tensor& codes,
+                               const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size, int64_t bits) {
+  OpParams p;
+  p.dense = check_dense(x, "x", false);
+  const int per = per_byte_checked(group_size, bits);
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  std::vector<int64_t> code_shape, meta_shape;
+  if (layout == Layout::kKeys) {
+    TORCH_CHECK_VALUE(T % group_size == 0, "`group_size` (", group_size, ") must divide the number of tokens (", T,
+                      ")");
+    code_shape = {B, H, D, T / per};
+    meta_shape = {B, H, D, T / group_size};
+  } else {
+    TORCH_CHECK_VALUE(D % group_size == 0, "`group_size` (", group_size, ") must divide head_dim (", D, ")");
+    code_shape = {B, H, T, D / per};
+    meta_shape = {B, H, T, D / group_size};
+  }
+  check_shape(codes, "codes", code_shape);
+  check_shape(scales, "scales", meta_shape);
+  check_shape(zeros, "zeros", meta_shape);
+  p.packed = check_packed(layout, codes, scales, zeros, T, group_size, bits);
+  check_devices(rt, {{&x, "x"}, {&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}});
+  return p;
+}
+
+// dequantize_keys / dequantize_values: the packed operand and out [B,H,N,D] in any float dtype.
+inline OpParams check_dequantize(const DeviceRuntime& rt, Layout layout, const at::Tensor& codes,
+                                 const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& out,
+                                 int64_t num_tokens, int64_t group_size, int64_t bits) {
+  OpParams p;
+  p.packed = check_packed(layout, codes, scales, zeros, num_tokens, group_size, bits);
+  p.dense = check_dense(out, "out", false);
+  check_shape(out, "out", {p.packed.batch, p.packed.heads, num_tokens, p.packed.head_dim});
+  check_devices(rt, {{&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}, {&out, "out"}});
+  return p;
+}
+
+// The fused attention ops: the packed operand, the float32 dense operand `dense_name` [B, Hq, L, X] with Hq a
+// multiple of the kv heads (X = head_dim for keys, num_tokens for values) and the float32 output `out`.
+inline OpParams check_attention(const DeviceRuntime& rt, Layout layout, const char* dense_name,
+                                const at::Tensor& dense, const at::Tensor& codes, const at::Tensor& scales,
+                                const at::Tensor& zeros, const at::Tensor& out, int64_t num_tokens,
+                                int64_t group_size, int64_t bits, int64_t chunk_tokens = 0) {
+  OpParams p;
+  p.packed = check_packed(layout, codes, scales, zeros, num_tokens, group_size, bits);
+  p.dense = check_dense(dense, dense_name, true);
+  const int64_t B = p.packed.batch, H = p.packed.heads, D = p.packed.head_dim;
+  TORCH_CHECK_VALUE(H > 0 && dense.size(0) == B && dense.size(1) % H == 0, "`", dense_name, "` shape ",
+                    dense.sizes(), " must be [batch=", B, ", a multiple of the ", H, " kv heads, ...]");
+  std::vector<int64_t> out_shape = {B, dense.size(1), dense.size(2)};
+  if (layout == Layout::kKeys) {
+    TORCH_CHECK_VALUE(dense.size(3) == D, "`query` head_dim ", dense.size(3), " does not match the keys' head_dim ",
+                      D);
+    out_shape.push_back(num_tokens);
+  } else {
+    TORCH_CHECK_VALUE(dense.size(3) == num_tokens, "`probs` last dim ", dense.size(3), " must equal `num_tokens` (",
+                      num_tokens, ")");
+    TORCH_CHECK_VALUE(chunk_tokens > 0, "`chunk_tokens` must be positive, got ", chunk_tokens);
+    TORCH_CHECK_VALUE(out.dim() == 5, "`partial` must have rank 5 [batch, heads, length, chunks, head_dim], got ",
+                      out.sizes());
+    p.chunk_tokens = chunk_tokens;
+    p.chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
+    out_shape.insert(out_shape.end(), {p.chunks, D});
+  }
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "`out` must be float32, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.is_contiguous(), "`out` must be contiguous");
+  check_shape(out, "out", out_shape);
+  p.result = static_cast<float*>(out.data_ptr());
+  check_devices(rt, {{&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}, {&dense, dense_name}, {&out, "out"}});
+  return p;
+}
+
+}  // namespace kivi
