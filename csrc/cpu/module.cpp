@@ -6,6 +6,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native CPU KIVI kernels (AVX-512 / AVX2 / baseline, chosen at run time); see csrc/cpu/";
+  kivi::cpu::register_isa(m);
   kivi::cpu::register_quantize(m);
   kivi::cpu::register_decode_attention(m);
 }
