@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "decode_attention.h"
 
@@ -10,7 +11,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
-#define KIVI_DA_ISA 512
+#define KIVI_SIMD_AVX512 1
 #define KIVI_DA_ENTRY chunk_avx512
 #include "decode_attention_impl.h"
 #pragma GCC pop_options

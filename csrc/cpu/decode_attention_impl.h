@@ -1,7 +1,7 @@
 // Chunk kernel of the fused decode attention, written once over a small vector layer and compiled once per ISA:
-// each decode_attention_<isa>.cpp defines KIVI_DA_ISA (512, 256 or 0) and KIVI_DA_ENTRY, opens its
-// `#pragma GCC target` region and includes this file. Everything here has internal linkage (anonymous namespace)
-// and uses no std templates, so no instruction of one ISA can leak into another TU through a shared symbol.
+// each decode_attention_<isa>.cpp defines KIVI_SIMD_AVX512 / KIVI_SIMD_AVX2 (neither: baseline) as simd.h wants
+// and KIVI_DA_ENTRY, opens its `#pragma GCC target` region and includes this file. Everything here has internal
+// linkage (anonymous namespace) and uses no std templates, so no instruction of one ISA can leak into another TU through a shared symbol.
 //
 // One chunk = the positions [p0, p1) of one (batch, kv head); all query rows of that kv head are handled together
 // so each packed byte comes from memory once. Keys use KIVI's factored dequantization per group g and channel d:
@@ -10,39 +10,29 @@
 //   out_d  += p_t * (s_tg * c_td)  and  zsum_g += p_t * z_tg     (vectorised along channels; zsum added at the end)
 // The chunk's scores become exp(score - chunk max) in place; the chunk max, sum and unnormalised output go to its
 // partial, merged in order by the dispatcher.
-#ifndef KIVI_DA_ISA
-#error "define KIVI_DA_ISA (512, 256 or 0) before including decode_attention_impl.h"
+#ifndef KIVI_DA_ENTRY
+#error "define KIVI_DA_ENTRY (the chunk_<isa> function to define) before including decode_attention_impl.h"
 #endif
 
 namespace kivi::cpu::decode {
 namespace {
 
+#include "simd.h"  // fp16/bf16 conversions and vector loads, with internal linkage here
+
 // ---- scalar conversions -----------------------------------------------------------------------------------------
-
-inline float bits_to_float(uint32_t u) {
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  if (exponent == 0) {
-    const float magnitude = (float)mantissa * 5.9604644775390625e-8f;  // subnormal: mantissa * 2^-24
-    return sign ? -magnitude : magnitude;
-  }
-  if (exponent == 31) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
-  return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
 
 inline float load_scalar(const void* base, Dtype dtype, int64_t index) {
   switch (dtype) {
     case kF32:
       return static_cast<const float*>(base)[index];
     case kF16:
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+      return _cvtsh_ss(static_cast<const uint16_t*>(base)[index]);  // F16C: one instruction
+#else
       return half_to_float(static_cast<const uint16_t*>(base)[index]);
+#endif
     default:
-      return bits_to_float((uint32_t) static_cast<const uint16_t*>(base)[index] << 16);
+      return bf16_to_float(static_cast<const uint16_t*>(base)[index]);
   }
 }
 
@@ -52,7 +42,7 @@ constexpr float kNegInf = -__builtin_inff();
 
 // ---- vector layer: VW floats per vector -------------------------------------------------------------------------
 
-#if KIVI_DA_ISA == 512
+#if defined(KIVI_SIMD_AVX512)
 constexpr int VW = 16;
 typedef __m512 vf;
 inline vf vset(float x) { return _mm512_set1_ps(x); }
@@ -62,18 +52,6 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-inline vf vload_x(const void* base, Dtype dtype, int64_t index) {
-  switch (dtype) {
-    case kF32:
-      return vload(static_cast<const float*>(base) + index);
-    case kF16:
-      return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(base) + index)));
-    default: {
-      const __m256i raw = _mm256_loadu_si256((const __m256i*)(static_cast<const uint16_t*>(base) + index));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-  }
-}
 // VW codes from VW * BITS / 8 bytes (lane i = code i, little end first).
 template <int BITS>
 inline vf vcodes(const uint8_t* p) {
@@ -115,7 +93,7 @@ inline vf vexp(vf x) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
 }
 
-#elif KIVI_DA_ISA == 256
+#elif defined(KIVI_SIMD_AVX2)
 constexpr int VW = 8;
 typedef __m256 vf;
 inline vf vset(float x) { return _mm256_set1_ps(x); }
@@ -129,18 +107,6 @@ inline float vsum(vf v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-inline vf vload_x(const void* base, Dtype dtype, int64_t index) {
-  switch (dtype) {
-    case kF32:
-      return vload(static_cast<const float*>(base) + index);
-    case kF16:
-      return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(base) + index)));
-    default: {
-      const __m128i raw = _mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(base) + index));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-    }
-  }
 }
 template <int BITS>
 inline vf vcodes(const uint8_t* p) {
@@ -214,6 +180,19 @@ inline vf vcodes(const uint8_t* p) {
 inline vf vexp(vf x) {
   for (int i = 0; i < 4; ++i) x.v[i] = __builtin_expf(x.v[i]);
   return x;
+}
+#endif
+
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+inline vf vload_x(const void* base, Dtype dtype, int64_t index) {
+  switch (dtype) {
+    case kF32:
+      return Vec::load(static_cast<const float*>(base) + index);
+    case kF16:
+      return Vec::load(static_cast<const uint16_t*>(base) + index, F16{});
+    default:
+      return Vec::load(static_cast<const uint16_t*>(base) + index, BF16{});
+  }
 }
 #endif
 
@@ -352,31 +331,31 @@ inline void exact_values(const Problem& P, const Exact& values, int64_t b, int64
 }
 
 // NV vectors of channels [ch, ch + NV * VW) of packed tokens [t0, t1) for NR rows: acc[r][ch..] += sum_t p_rt *
-// scale_t(channel) * code_t(channel); prob[r] is indexed by packed token.
+// scale_t(channel) * code_t(channel); prob[r] is indexed by packed token. Each vector lies in one value group.
 template <int BITS, int NR, int NV>
 inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, int64_t ch,
                         const float* const* prob, float* const* acc) {
   constexpr int P = 8 / BITS;
-  const int64_t G = V.group;
-  const bool uniform = G % VW == 0;  // one scale per vector
+  int64_t group[NV];
+  for (int v = 0; v < NV; ++v) group[v] = (ch + v * VW) / V.group;
+  float scale[kMaxDim];
+  const int64_t groups = group[NV - 1] + 1;
   vf a[NR][NV];
+#pragma GCC unroll 16
   for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) a[r][v] = vset(0.0f);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* c = codes + t * V.code_row + ch / P;
-    const int64_t meta = meta0 + t * V.meta_row;
+    load_row(V.scales, V.meta, meta0 + t * V.meta_row, groups, scale);
+    vf p[NR];
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) p[r] = vset(prob[r][t]);
+#pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
-      const int64_t first = ch + v * VW;
-      vf s;
-      if (uniform) {
-        s = vset(load_scalar(V.scales, V.meta, meta + first / G));
-      } else {
-        float lanes[VW];
-        for (int i = 0; i < VW; ++i) lanes[i] = load_scalar(V.scales, V.meta, meta + (first + i) / G);
-        s = vload(lanes);
-      }
-      const vf cs = vmul(vcodes<BITS>(c + v * (VW / P)), s);
-      for (int r = 0; r < NR; ++r) a[r][v] = vfma(vset(prob[r][t]), cs, a[r][v]);
+      const vf cs = vmul(vcodes<BITS>(c + v * (VW / P)), vset(scale[group[v]]));
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) a[r][v] = vfma(p[r], cs, a[r][v]);
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -385,16 +364,17 @@ inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, in
 
 template <int BITS, int NR>
 void value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const float* const* prob, float* const* acc) {
-  constexpr int P8 = 8 / BITS;
   const Packed& V = P.values;
   const int64_t Dv = P.value_dim, G = V.group, groups = Dv / G;
   const uint8_t* codes = V.codes + bh * V.code_head;
   const int64_t meta0 = bh * V.meta_head;
   constexpr int NV = VW >= 16 ? 4 : 2;  // accumulators NR * NV stay in registers
   int64_t ch = 0;
-  for (; ch + NV * VW <= Dv; ch += NV * VW) value_block<BITS, NR, NV>(V, codes, meta0, t0, t1, ch, prob, acc);
-  for (; ch + VW <= Dv; ch += VW) value_block<BITS, NR, 1>(V, codes, meta0, t0, t1, ch, prob, acc);
-  for (; ch < Dv; ++ch) {  // channels past the last whole vector
+  if (G % VW == 0) {  // whole vectors per group
+    for (; ch + NV * VW <= Dv; ch += NV * VW) value_block<BITS, NR, NV>(V, codes, meta0, t0, t1, ch, prob, acc);
+    for (; ch + VW <= Dv; ch += VW) value_block<BITS, NR, 1>(V, codes, meta0, t0, t1, ch, prob, acc);
+  }
+  for (; ch < Dv; ++ch) {  // small groups, or channels past the last whole vector
     for (int r = 0; r < NR; ++r) {
       float s = 0.0f;
       for (int64_t t = t0; t < t1; ++t)
@@ -403,15 +383,20 @@ void value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const floa
       acc[r][ch] += s;
     }
   }
-  (void)P8;
   // The zeros: sum_t p_t * z_tg once per group, added to the group's channels.
-  for (int r = 0; r < NR; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float z = 0.0f;
-      for (int64_t t = t0; t < t1; ++t) z += prob[r][t] * load_scalar(V.zeros, V.meta, meta0 + t * V.meta_row + g);
-      for (int64_t d = g * G; d < (g + 1) * G; ++d) acc[r][d] += z;
+  float zsum[NR][kMaxDim], zero[kMaxDim];
+  for (int r = 0; r < NR; ++r)
+    for (int64_t g = 0; g < groups; ++g) zsum[r][g] = 0.0f;
+  for (int64_t t = t0; t < t1; ++t) {
+    load_row(V.zeros, V.meta, meta0 + t * V.meta_row, groups, zero);
+    for (int r = 0; r < NR; ++r) {
+      const float p = prob[r][t];
+      for (int64_t g = 0; g < groups; ++g) zsum[r][g] += p * zero[g];
     }
   }
+  for (int r = 0; r < NR; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t d = g * G; d < (g + 1) * G; ++d) acc[r][d] += zsum[r][g];
 }
 
 template <int BITS>
