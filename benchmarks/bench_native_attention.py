@@ -21,7 +21,7 @@ import time
 
 import torch
 
-import kivi_xpu._cpu as native
+from kivi_xpu import _cpu as native
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BITS, GROUP, RESIDUAL = 9, 3, 64, 2, 32, 128
