@@ -123,7 +123,11 @@ inline void quantize_key_channels(const QuantizeJob& j, int64_t head, int64_t gr
       word = V::or_i(word, V::shl(quantize_lanes<V>(load_as_float<V, X>(x + (t + k) * d), p), (int)(k * bits)));
     alignas(64) int32_t words[16];
     V::store_i(words, word);
-    for (int l = 0; l < W; ++l) __builtin_memcpy(out + l * row + t * bits / 8, &words[l], (size_t)(n * bits / 8));
+    if (n == per_word) {  // a constant size: a plain 4-byte store, not a memcpy call
+      for (int l = 0; l < W; ++l) __builtin_memcpy(out + l * row + t * bits / 8, &words[l], 4);
+    } else {
+      for (int l = 0; l < W; ++l) __builtin_memcpy(out + l * row + t * bits / 8, &words[l], (size_t)(n * bits / 8));
+    }
   }
 }
 
@@ -131,13 +135,13 @@ template <class V, class M, class O>
 inline void dequantize_key_channels(const DequantizeJob& j, int64_t head, int64_t group, int64_t c0) {
   constexpr int W = V::kWidth;
   const int64_t d = j.head_dim, g = j.group, bits = j.bits;
-  alignas(64) float scale_lanes[16], zero_lanes[16];
+  alignas(64) typename M::T scale_lanes[16], zero_lanes[16];  // gathered raw, converted as vectors
   const int64_t meta0 = (head * d + c0) * j.meta_len + group;
   for (int l = 0; l < W; ++l) {
-    scale_lanes[l] = load_as_float<Scalar, M>(static_cast<const typename M::T*>(j.scales) + meta0 + l * j.meta_len);
-    zero_lanes[l] = load_as_float<Scalar, M>(static_cast<const typename M::T*>(j.zeros) + meta0 + l * j.meta_len);
+    scale_lanes[l] = static_cast<const typename M::T*>(j.scales)[meta0 + l * j.meta_len];
+    zero_lanes[l] = static_cast<const typename M::T*>(j.zeros)[meta0 + l * j.meta_len];
   }
-  const typename V::F scale = V::load(scale_lanes), zero = V::load(zero_lanes);
+  const typename V::F scale = load_as_float<V, M>(scale_lanes), zero = load_as_float<V, M>(zero_lanes);
   const typename V::I mask = V::set1_i((1 << bits) - 1);
   const uint8_t* in = j.codes + (head * d + c0) * j.code_len + group * g * bits / 8;
   auto* out = static_cast<typename O::T*>(j.out) + (head * j.num_tokens + group * g) * d + c0;
@@ -145,9 +149,13 @@ inline void dequantize_key_channels(const DequantizeJob& j, int64_t head, int64_
   for (int64_t t = 0; t < g; t += per_word) {
     const int64_t n = t + per_word <= g ? per_word : g - t;
     alignas(64) int32_t words[16];
-    for (int l = 0; l < W; ++l) {
-      words[l] = 0;
-      __builtin_memcpy(&words[l], in + l * j.code_len + t * bits / 8, (size_t)(n * bits / 8));
+    if (n == per_word) {
+      for (int l = 0; l < W; ++l) __builtin_memcpy(&words[l], in + l * j.code_len + t * bits / 8, 4);
+    } else {
+      for (int l = 0; l < W; ++l) {
+        words[l] = 0;
+        __builtin_memcpy(&words[l], in + l * j.code_len + t * bits / 8, (size_t)(n * bits / 8));
+      }
     }
     const typename V::I word = V::load_i(words);
     for (int64_t k = 0; k < n; ++k) {
@@ -188,22 +196,17 @@ inline void quantize_value_group(const typename X::T* x, int64_t g, int bits, ui
   Range<V> lanes;
   lanes.start(load_as_float<V, X>(x));
   for (int64_t i = W; i < g; i += W) lanes.add(load_as_float<V, X>(x + i));
-  alignas(64) float lo[16], hi[16], check[16];
-  V::store(lo, lanes.lo);
-  V::store(hi, lanes.hi);
-  V::store(check, lanes.check);
-  Range<Scalar> r;
-  r.lo = lo[0], r.hi = hi[0], r.check = check[0];
-  for (int l = 1; l < W; ++l) {
-    r.lo = Scalar::min(r.lo, lo[l]), r.hi = Scalar::max(r.hi, hi[l]);
-    r.check = r.check + check[l];
-  }
-  const Params<Scalar> s = group_params<Scalar, M>(r, (float)((1 << bits) - 1));
-  store_from_float<Scalar, M>(scale, s.scale);
-  store_from_float<Scalar, M>(zero, s.zero);
-  Params<V> p;
-  p.scale = V::set1(s.scale), p.zero = V::set1(s.zero), p.divisor = V::set1(s.divisor), p.qmax = V::set1(s.qmax);
-  p.use = V::gt(V::set1(s.use ? 1.0f : 0.0f), V::set1(0.0f));
+  // The group's min / max / check, broadcast to every lane: the parameters are then computed with vector
+  // conversions (every lane alike) and lane 0 is stored.
+  Range<V> r;
+  r.lo = V::set1(V::reduce_min(lanes.lo)), r.hi = V::set1(V::reduce_max(lanes.hi));
+  r.check = V::set1(V::reduce_add(lanes.check));
+  const Params<V> p = group_params<V, M>(r, (float)((1 << bits) - 1));
+  alignas(64) typename M::T meta[16];
+  store_from_float<V, M>(meta, p.scale);
+  *scale = meta[0];
+  store_from_float<V, M>(meta, p.zero);
+  *zero = meta[0];
   alignas(64) uint8_t q[kPiece];
   for (int64_t start = 0; start < g; start += kPiece) {
     const int64_t n = g - start < kPiece ? g - start : kPiece;

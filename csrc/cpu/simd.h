@@ -91,6 +91,9 @@ struct Scalar {
   static M gt(F a, F b) { return a > b; }
   static M both(M a, M b) { return a && b; }
   static F select(M m, F a, F b) { return m ? a : b; }
+  static float reduce_min(F v) { return v; }  // across lanes (order unspecified)
+  static float reduce_max(F v) { return v; }
+  static float reduce_add(F v) { return v; }
 
   static I set1_i(int32_t v) { return v; }
   static I to_int(F v) { return (int32_t)v; }  // truncates; used on integral values only
@@ -148,6 +151,9 @@ struct Vec {
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
   static M both(M a, M b) { return (M)(a & b); }
   static F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
+  static float reduce_min(F v) { return _mm512_reduce_min_ps(v); }
+  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
 
   static I set1_i(int32_t v) { return _mm512_set1_epi32(v); }
   static I to_int(F v) { return _mm512_cvttps_epi32(v); }
@@ -204,6 +210,21 @@ struct Vec {
   static M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
   static M both(M a, M b) { return _mm256_and_ps(a, b); }
   static F select(M m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
+  static float reduce_min(F v) {
+    __m128 r = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_min_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_min_ss(r, _mm_movehdup_ps(r)));
+  }
+  static float reduce_max(F v) {
+    __m128 r = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
+  }
+  static float reduce_add(F v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+  }
 
   static I set1_i(int32_t v) { return _mm256_set1_epi32(v); }
   static I to_int(F v) { return _mm256_cvttps_epi32(v); }
