@@ -4,8 +4,9 @@ SmolLM2-135M shapes (Hq 9, Hkv 3, head_dim 64, one query row per head), KIVI 2-b
 metadata, fp32 model: for each batch and context ``n`` the op attends over ``n`` tokens (``n - 128`` packed
 values, the packed keys in whole groups, the rest exact), and ``torch.nn.functional.scaled_dot_product_attention``
 attends over the same ``n`` tokens of dense fp32 K/V preallocated at the maximum length (what a StaticCache costs).
-Columns: median ms of each, ``dense/native`` (above 1: the fused op is faster), and GB/s of packed bytes read
-(codes + scales + zeros of the packed tokens) by the native op. Both are timed in the same run, interleaved.
+Columns: best ms of each over ``--repeats`` calls in each of 3 interleaved rounds (the least disturbed call: on a
+shared machine a descheduled pool thread adds whole time slices to the others), ``dense/native`` (above 1: the fused
+op is faster), and GB/s of packed bytes read (codes + scales + zeros of the packed tokens) by the native op.
 
     python benchmarks/bench_native_attention.py [--batch 1 4] [--context 1024 4096 8192] [--isa avx2]
 
@@ -15,7 +16,6 @@ Prints the CPU model, its SIMD flags and the ISA used. Not a test: numbers depen
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import time
 
@@ -35,14 +35,14 @@ def cpu_description() -> str:
     return f"{fields.get('Model name', '?').strip()} | flags: {' '.join(flags)}"
 
 
-def median_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def packed_layer(batch: int, n: int, capacity: int):
@@ -95,8 +95,8 @@ def main() -> None:
 
             fused_s, dense_s = [], []
             for _ in range(3):  # interleaved rounds, so a burst of load from elsewhere hits both
-                fused_s.append(median_seconds(fused, args.repeats))
-                dense_s.append(median_seconds(dense, args.repeats))
+                fused_s.append(best_seconds(fused, args.repeats))
+                dense_s.append(best_seconds(dense, args.repeats))
             f, d = min(fused_s), min(dense_s)
             print(f"| {batch} | {n} | {f * 1e3:.3f} | {d * 1e3:.3f} | {d / f:.2f}x | {packed_bytes / f / 1e9:.1f} |")
 

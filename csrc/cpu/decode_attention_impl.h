@@ -53,6 +53,8 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
 // VW codes from VW * BITS / 8 bytes (lane i = code i, little end first).
 template <int BITS>
 inline vf vcodes(const uint8_t* p) {
@@ -103,6 +105,12 @@ inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }  // b where either is NaN
+inline float vhmax(vf v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 inline float vsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -165,6 +173,11 @@ inline vf vadd(vf a, vf b) {
   return a;
 }
 inline float vsum(vf a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+inline vf vmax(vf a, vf b) {
+  for (int i = 0; i < 4; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];  // b where either is NaN, as maxps
+  return a;
+}
+inline float vhmax(vf a) { return vmax(vmax(a, vset(a.v[1])), vmax(vset(a.v[2]), vset(a.v[3]))).v[0]; }
 inline vf vload_x(const void* base, Dtype dtype, int64_t index) {
   vf a;
   for (int i = 0; i < 4; ++i) a.v[i] = load_scalar(base, dtype, index + i);
@@ -333,15 +346,19 @@ inline void exact_values(const Problem& P, const Exact& values, int64_t b, int64
 
 // NV vectors of channels [ch, ch + NV * VW) of packed tokens [t0, t1) for NR rows: acc[r][ch..] += sum_t p_rt *
 // scale_t(channel) * code_t(channel); prob[r] is indexed by packed token. Each vector lies in one value group.
-template <int BITS, int NR, int NV>
+// With ZEROS (when a token's zeros fit one vector) it also sums p_rt * zero_tg into zsum[r][g], interleaved with
+// the codes' FMAs so that its dependency chains hide behind them.
+template <int BITS, int NR, int NV, bool ZEROS>
 inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, int64_t ch,
-                        const float* const* prob, float* const* acc) {
+                        const float* const* prob, float* const* acc, int64_t zero_groups, float (*zsum)[kMaxDim]) {
   constexpr int P = 8 / BITS;
   int64_t group[NV];
   for (int v = 0; v < NV; ++v) group[v] = (ch + v * VW) / V.group;
-  float scale[kMaxDim];
+  float scale[kMaxDim], zero[VW];
+  for (int i = 0; i < VW; ++i) zero[i] = 0.0f;
   const int64_t groups = group[NV - 1] + 1;
-  vf a[NR][NV];
+  vf a[NR][NV], z[NR];
+  for (int r = 0; r < NR; ++r) z[r] = vset(0.0f);
 #pragma GCC unroll 16
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 16
@@ -352,6 +369,11 @@ inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, in
     vf p[NR];
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) p[r] = vset(prob[r][t]);
+    if (ZEROS) {
+      load_row(V.zeros, V.meta, meta0 + t * V.meta_row, zero_groups, zero);
+      const vf zv = vload(zero);
+      for (int r = 0; r < NR; ++r) z[r] = vfma(p[r], zv, z[r]);
+    }
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
       const vf cs = vmul(vcodes<BITS>(c + v * (VW / P)), vset(scale[group[v]]));
@@ -361,6 +383,33 @@ inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, in
   }
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) vstore(acc[r] + ch + v * VW, vadd(vload(acc[r] + ch + v * VW), a[r][v]));
+  if (ZEROS)
+    for (int r = 0; r < NR; ++r) vstore(zsum[r], z[r]);
+}
+
+// zsum[r][g] = sum_t p_rt * zero_tg over packed tokens [t0, t1): in registers when a token's zeros fit a vector.
+template <int NR>
+inline void zero_sums(const Packed& V, int64_t meta0, int64_t t0, int64_t t1, int64_t groups,
+                      const float* const* prob, float (*zsum)[kMaxDim]) {
+  float zero[kMaxDim];
+  if (groups <= VW) {
+    for (int i = 0; i < VW; ++i) zero[i] = 0.0f;
+    vf z[NR];
+    for (int r = 0; r < NR; ++r) z[r] = vset(0.0f);
+    for (int64_t t = t0; t < t1; ++t) {
+      load_row(V.zeros, V.meta, meta0 + t * V.meta_row, groups, zero);
+      const vf zv = vload(zero);
+      for (int r = 0; r < NR; ++r) z[r] = vfma(vset(prob[r][t]), zv, z[r]);
+    }
+    for (int r = 0; r < NR; ++r) vstore(zsum[r], z[r]);
+    return;
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int64_t g = 0; g < groups; ++g) zsum[r][g] = 0.0f;
+  for (int64_t t = t0; t < t1; ++t) {
+    load_row(V.zeros, V.meta, meta0 + t * V.meta_row, groups, zero);
+    for (int r = 0; r < NR; ++r) axpy(prob[r][t], zero, zsum[r], groups);
+  }
 }
 
 template <int BITS, int NR>
@@ -370,10 +419,26 @@ void value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const floa
   const uint8_t* codes = V.codes + bh * V.code_head;
   const int64_t meta0 = bh * V.meta_head;
   constexpr int NV = VW >= 16 ? 4 : 2;  // accumulators NR * NV stay in registers
+  float zsum[NR][kMaxDim];
+  bool zeros_done = false;
   int64_t ch = 0;
-  if (G % VW == 0) {  // whole vectors per group
-    for (; ch + NV * VW <= Dv; ch += NV * VW) value_block<BITS, NR, NV>(V, codes, meta0, t0, t1, ch, prob, acc);
-    for (; ch + VW <= Dv; ch += VW) value_block<BITS, NR, 1>(V, codes, meta0, t0, t1, ch, prob, acc);
+  if (G % VW == 0) {  // whole vectors per group; the first block also sums the zeros when they fit a vector
+    for (; ch + NV * VW <= Dv; ch += NV * VW) {
+      if (!zeros_done && groups <= VW) {
+        value_block<BITS, NR, NV, true>(V, codes, meta0, t0, t1, ch, prob, acc, groups, zsum);
+        zeros_done = true;
+      } else {
+        value_block<BITS, NR, NV, false>(V, codes, meta0, t0, t1, ch, prob, acc, groups, zsum);
+      }
+    }
+    for (; ch + VW <= Dv; ch += VW) {
+      if (!zeros_done && groups <= VW) {
+        value_block<BITS, NR, 1, true>(V, codes, meta0, t0, t1, ch, prob, acc, groups, zsum);
+        zeros_done = true;
+      } else {
+        value_block<BITS, NR, 1, false>(V, codes, meta0, t0, t1, ch, prob, acc, groups, zsum);
+      }
+    }
   }
   for (; ch < Dv; ++ch) {  // small groups, or channels past the last whole vector
     for (int r = 0; r < NR; ++r) {
@@ -385,16 +450,7 @@ void value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const floa
     }
   }
   // The zeros: sum_t p_t * z_tg once per group, added to the group's channels.
-  float zsum[NR][kMaxDim], zero[kMaxDim];
-  for (int r = 0; r < NR; ++r)
-    for (int64_t g = 0; g < groups; ++g) zsum[r][g] = 0.0f;
-  for (int64_t t = t0; t < t1; ++t) {
-    load_row(V.zeros, V.meta, meta0 + t * V.meta_row, groups, zero);
-    for (int r = 0; r < NR; ++r) {
-      const float p = prob[r][t];
-      for (int64_t g = 0; g < groups; ++g) zsum[r][g] += p * zero[g];
-    }
-  }
+  if (!zeros_done) zero_sums<NR>(V, meta0, t0, t1, groups, prob, zsum);
   for (int r = 0; r < NR; ++r)
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t d = g * G; d < (g + 1) * G; ++d) acc[r][d] += zsum[r][g];
@@ -422,40 +478,41 @@ void packed_values(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const f
 
 // ---- softmax of one chunk -----------------------------------------------------------------------------------------
 
-// Softcap and mask on row r's scores [p0, p1), then exp(score - max) in place. Returns the chunk max (NaN if any
-// score is NaN, -inf if all are masked) and stores the sum of the exponentials in `sum`.
+// Softcap and mask on row r's scores [p0, p1), then exp(score - max) in place. Returns the chunk max (-inf if all
+// are masked; NaN if all are masked or NaN and one is NaN) and stores the sum of the exponentials in `sum`. The max
+// ignores NaN, but exp(NaN - max) is NaN, so a NaN score still reaches the sum and the output.
 inline float chunk_softmax(const Problem& P, int64_t b, int64_t h, int64_t r, float* s, int64_t p0, int64_t p1,
                            float* sum) {
   const int64_t hq = h * P.q_per_kv + r / P.length, l = r % P.length;
+  if (P.softcap != 0.0f)
+    for (int64_t i = p0; i < p1; ++i) s[i] = P.softcap * __builtin_tanhf(s[i] / P.softcap);
   const int64_t mask_base = b * P.mask_sb + hq * P.mask_sh + l * P.mask_sl + P.mask_col0 * P.mask_sc;
-  const int64_t last_allowed = P.n - P.length + l;  // causal rule without a mask
-  float m = kNegInf;
-  bool nan = false;
-  for (int64_t i = p0; i < p1; ++i) {
-    float x = s[i];
-    if (P.softcap != 0.0f) x = P.softcap * __builtin_tanhf(x / P.softcap);
-    if (P.mask_kind == kMaskBool) {
-      if (!static_cast<const uint8_t*>(P.mask)[mask_base + i * P.mask_sc]) x = kNegInf;
-    } else if (P.mask_kind == kMaskFloat) {
-      x += static_cast<const float*>(P.mask)[mask_base + i * P.mask_sc];
-    } else if (P.length > 1 && i > last_allowed) {
-      x = kNegInf;
-    }
-    s[i] = x;
-    nan |= x != x;
-    m = x > m ? x : m;
+  if (P.mask_kind == kMaskBool) {
+    const uint8_t* mask = static_cast<const uint8_t*>(P.mask) + mask_base;
+    for (int64_t i = p0; i < p1; ++i) s[i] = mask[i * P.mask_sc] ? s[i] : kNegInf;
+  } else if (P.mask_kind == kMaskFloat) {
+    const float* mask = static_cast<const float*>(P.mask) + mask_base;
+    for (int64_t i = p0; i < p1; ++i) s[i] += mask[i * P.mask_sc];
+  } else if (P.length > 1) {  // no mask: the queries are the last L positions, causal
+    for (int64_t i = max64(p0, P.n - P.length + l + 1); i < p1; ++i) s[i] = kNegInf;
   }
-  if (nan) m = __builtin_nanf("");
-  if (m == kNegInf) {  // all masked: weight 0 (the values still meet them, as 0 * value, like a dense product)
-    for (int64_t i = p0; i < p1; ++i) s[i] = 0.0f;
-    *sum = 0.0f;
+  vf mv = vset(kNegInf);
+  int64_t i = p0;
+  for (; i + VW <= p1; i += VW) mv = vmax(vload(s + i), mv);
+  float m = vhmax(mv);
+  for (; i < p1; ++i) m = s[i] > m ? s[i] : m;
+  if (m == kNegInf) {  // all masked, or NaN: weight 0 (the values still meet them, as 0 * value, like a dense product)
+    bool nan = false;
+    for (int64_t k = p0; k < p1; ++k) nan |= s[k] != s[k];
+    if (nan) m = __builtin_nanf("");
+    for (int64_t k = p0; k < p1; ++k) s[k] = nan ? m : 0.0f;
+    *sum = nan ? m : 0.0f;
     return m;
   }
-  const vf mv = vset(m);
+  const vf minus_m = vset(-m);
   vf acc = vset(0.0f);
-  int64_t i = p0;
-  for (; i + VW <= p1; i += VW) {
-    const vf e = vexp(vadd(vload(s + i), vmul(mv, vset(-1.0f))));
+  for (i = p0; i + VW <= p1; i += VW) {
+    const vf e = vexp(vadd(vload(s + i), minus_m));
     vstore(s + i, e);
     acc = vadd(acc, e);
   }
