@@ -185,79 +185,106 @@ inline void dequantize_keys_range(const DequantizeJob& j, int64_t begin, int64_t
   }
 }
 
-// ---- values: lanes = consecutive channels of one group of one token row --------------------------------------------
+// ---- values: groups are contiguous pieces of the rows, numbered flat across rows ------------------------------------
+// A block of up to Vec::kWidth consecutive groups is handled together: each group's min / max is read with its
+// channels on the lanes (policy E: Vec, or Scalar when the group is not a whole number of vectors), then the
+// parameters of the whole block are computed at once with the groups on the lanes (independent work instead of one
+// long dependency chain per group), and their metadata, contiguous in memory, is stored as one vector.
 
 constexpr int64_t kPiece = 256;  // codes staged one per byte between the float math and pack/unpack_codes
 
-template <class V, class X, class M>
-inline void quantize_value_group(const typename X::T* x, int64_t g, int bits, uint8_t* codes, typename M::T* scale,
-                                 typename M::T* zero) {
-  constexpr int W = V::kWidth;
-  Range<V> lanes;
-  lanes.start(load_as_float<V, X>(x));
-  for (int64_t i = W; i < g; i += W) lanes.add(load_as_float<V, X>(x + i));
-  // The group's min / max / check, broadcast to every lane: the parameters are then computed with vector
-  // conversions (every lane alike) and lane 0 is stored.
-  Range<V> r;
-  r.lo = V::set1(V::reduce_min(lanes.lo)), r.hi = V::set1(V::reduce_max(lanes.hi));
-  r.check = V::set1(V::reduce_add(lanes.check));
-  const Params<V> p = group_params<V, M>(r, (float)((1 << bits) - 1));
-  alignas(64) typename M::T meta[16];
-  store_from_float<V, M>(meta, p.scale);
-  *scale = meta[0];
-  store_from_float<V, M>(meta, p.zero);
-  *zero = meta[0];
+template <class E, class X, class M>
+inline void quantize_value_block(const QuantizeJob& j, int64_t first, int64_t count) {
+  constexpr int W = Vec::kWidth;
+  const int64_t g = j.group;
+  const int bits = (int)j.bits;
+  const auto* x = static_cast<const typename X::T*>(j.x) + first * g;
+  alignas(64) float lo[W], hi[W], check[W];
+  for (int64_t k = 0; k < W; ++k) {
+    if (k >= count) {
+      lo[k] = hi[k] = check[k] = 0.0f;
+      continue;
+    }
+    Range<E> lanes;
+    lanes.start(load_as_float<E, X>(x + k * g));
+    for (int64_t i = E::kWidth; i < g; i += E::kWidth) lanes.add(load_as_float<E, X>(x + k * g + i));
+    lo[k] = E::reduce_min(lanes.lo), hi[k] = E::reduce_max(lanes.hi), check[k] = E::reduce_add(lanes.check);
+  }
+  Range<Vec> block;
+  block.lo = Vec::load(lo), block.hi = Vec::load(hi), block.check = Vec::load(check);
+  const Params<Vec> p = group_params<Vec, M>(block, (float)((1 << bits) - 1));
+  alignas(64) typename M::T meta[W];
+  store_from_float<Vec, M>(meta, p.scale);
+  __builtin_memcpy(static_cast<typename M::T*>(j.scales) + first, meta, (size_t)count * sizeof(meta[0]));
+  store_from_float<Vec, M>(meta, p.zero);
+  __builtin_memcpy(static_cast<typename M::T*>(j.zeros) + first, meta, (size_t)count * sizeof(meta[0]));
+  alignas(64) float zero[W], divisor[W], use[W];
+  Vec::store(zero, p.zero);
+  Vec::store(divisor, p.divisor);
+  Vec::store(use, Vec::select(p.use, Vec::set1(1.0f), Vec::set1(0.0f)));
+
+  uint8_t* codes = j.codes + first * g * bits / 8;
   alignas(64) uint8_t q[kPiece];
-  for (int64_t start = 0; start < g; start += kPiece) {
-    const int64_t n = g - start < kPiece ? g - start : kPiece;
-    for (int64_t i = 0; i < n; i += W) V::store_u8(q + i, quantize_lanes<V>(load_as_float<V, X>(x + start + i), p));
-    pack_codes(q, n, bits, codes + start * bits / 8);
-  }
-}
-
-template <class V, class M, class O>
-inline void dequantize_value_group(const uint8_t* codes, float scale, float zero, int64_t g, int bits,
-                                   typename O::T* out) {
-  constexpr int W = V::kWidth;
-  const typename V::F s = V::set1(scale), z = V::set1(zero);
-  alignas(64) uint8_t q[kPiece];
-  for (int64_t start = 0; start < g; start += kPiece) {
-    const int64_t n = g - start < kPiece ? g - start : kPiece;
-    unpack_codes(codes + start * bits / 8, n, bits, q);
-    for (int64_t i = 0; i < n; i += W) store_from_float<V, O>(out + start + i, dequantize_lanes<V>(V::load_u8(q + i), s, z));
-  }
-}
-
-template <class V, class X, class M>
-inline void quantize_value_rows(const QuantizeJob& j, int64_t begin, int64_t end) {
-  const int64_t d = j.head_dim, g = j.group, groups = d / g, row_bytes = d * j.bits / 8;
-  for (int64_t r = begin; r < end; ++r) {
-    const auto* x = static_cast<const typename X::T*>(j.x) + r * d;
-    auto* scales = static_cast<typename M::T*>(j.scales) + r * groups;
-    auto* zeros = static_cast<typename M::T*>(j.zeros) + r * groups;
-    for (int64_t k = 0; k < groups; ++k)
-      quantize_value_group<V, X, M>(x + k * g, g, (int)j.bits, j.codes + r * row_bytes + k * g * j.bits / 8,
-                                    scales + k, zeros + k);
-  }
-}
-
-template <class V, class M, class O>
-inline void dequantize_value_rows(const DequantizeJob& j, int64_t begin, int64_t end) {
-  const int64_t d = j.head_dim, g = j.group, groups = d / g, row_bytes = d * j.bits / 8;
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t head = task / j.num_tokens, t = task % j.num_tokens;
-    const uint8_t* codes = j.codes + (head * j.code_len + t) * row_bytes;
-    const int64_t meta = (head * j.meta_len + t) * groups;
-    auto* out = static_cast<typename O::T*>(j.out) + task * d;
-    for (int64_t k = 0; k < groups; ++k) {
-      const float scale = load_as_float<Scalar, M>(static_cast<const typename M::T*>(j.scales) + meta + k);
-      const float zero = load_as_float<Scalar, M>(static_cast<const typename M::T*>(j.zeros) + meta + k);
-      dequantize_value_group<V, M, O>(codes + k * g * j.bits / 8, scale, zero, g, (int)j.bits, out + k * g);
+  for (int64_t k = 0; k < count; ++k) {
+    Params<E> pe;
+    pe.zero = E::set1(zero[k]), pe.divisor = E::set1(divisor[k]), pe.qmax = E::set1((float)((1 << bits) - 1));
+    pe.use = E::gt(E::set1(use[k]), E::set1(0.0f));
+    for (int64_t start = 0; start < g; start += kPiece) {
+      const int64_t n = g - start < kPiece ? g - start : kPiece;
+      for (int64_t i = 0; i < n; i += E::kWidth)
+        E::store_u8(q + i, quantize_lanes<E>(load_as_float<E, X>(x + k * g + start + i), pe));
+      pack_codes(q, n, bits, codes + (k * g + start) * bits / 8);
     }
   }
 }
 
-// A group that is not a whole number of vectors runs on the scalar policy.
+template <class E, class M, class O>
+inline void dequantize_value_block(const DequantizeJob& j, int64_t head, int64_t t, int64_t first, int64_t count) {
+  constexpr int W = Vec::kWidth;
+  const int64_t g = j.group, groups = j.head_dim / g;
+  const int bits = (int)j.bits;
+  // Metadata and codes are read from the (over-allocated) storage rows, outputs written densely.
+  const int64_t meta = (head * j.meta_len + t) * groups + first;
+  alignas(64) typename M::T raw[W] = {};
+  alignas(64) float scale[W], zero[W];
+  __builtin_memcpy(raw, static_cast<const typename M::T*>(j.scales) + meta, (size_t)count * sizeof(raw[0]));
+  Vec::store(scale, load_as_float<Vec, M>(raw));
+  __builtin_memcpy(raw, static_cast<const typename M::T*>(j.zeros) + meta, (size_t)count * sizeof(raw[0]));
+  Vec::store(zero, load_as_float<Vec, M>(raw));
+  const uint8_t* codes = j.codes + (head * j.code_len + t) * (j.head_dim * bits / 8) + first * g * bits / 8;
+  auto* out = static_cast<typename O::T*>(j.out) + (head * j.num_tokens + t) * j.head_dim + first * g;
+  alignas(64) uint8_t q[kPiece];
+  for (int64_t k = 0; k < count; ++k) {
+    const typename E::F s = E::set1(scale[k]), z = E::set1(zero[k]);
+    for (int64_t start = 0; start < g; start += kPiece) {
+      const int64_t n = g - start < kPiece ? g - start : kPiece;
+      unpack_codes(codes + (k * g + start) * bits / 8, n, bits, q);
+      for (int64_t i = 0; i < n; i += E::kWidth)
+        store_from_float<E, O>(out + k * g + start + i, dequantize_lanes<E>(E::load_u8(q + i), s, z));
+    }
+  }
+}
+
+// Tasks are rows (head * tokens + token); quantize walks their groups as one flat range, dequantize row by row
+// (the storage rows of values may be over-allocated, so the groups of two rows are not adjacent there).
+template <class E, class X, class M>
+inline void quantize_value_rows(const QuantizeJob& j, int64_t begin, int64_t end) {
+  const int64_t groups = j.head_dim / j.group, last = end * groups;
+  for (int64_t first = begin * groups; first < last; first += Vec::kWidth)
+    quantize_value_block<E, X, M>(j, first, last - first < Vec::kWidth ? last - first : Vec::kWidth);
+}
+
+template <class E, class M, class O>
+inline void dequantize_value_rows(const DequantizeJob& j, int64_t begin, int64_t end) {
+  const int64_t groups = j.head_dim / j.group;
+  for (int64_t task = begin; task < end; ++task) {
+    for (int64_t first = 0; first < groups; first += Vec::kWidth)
+      dequantize_value_block<E, M, O>(j, task / j.num_tokens, task % j.num_tokens, first,
+                                      groups - first < Vec::kWidth ? groups - first : Vec::kWidth);
+  }
+}
+
+// A group that is not a whole number of vectors runs its element math on the scalar policy.
 template <class X, class M>
 inline void quantize_values_range(const QuantizeJob& j, int64_t begin, int64_t end) {
   if (j.group % Vec::kWidth == 0) {
