@@ -344,41 +344,50 @@ inline void exact_values(const Problem& P, const Exact& values, int64_t b, int64
   }
 }
 
+// Tokens whose converted value metadata one block holds (their meta rows are adjacent: one vector conversion).
+constexpr int64_t kMetaBlock = 1024;
+
 // NV vectors of channels [ch, ch + NV * VW) of packed tokens [t0, t1) for NR rows: acc[r][ch..] += sum_t p_rt *
 // scale_t(channel) * code_t(channel); prob[r] is indexed by packed token. Each vector lies in one value group.
 // With ZEROS (when a token's zeros fit one vector) it also sums p_rt * zero_tg into zsum[r][g], interleaved with
 // the codes' FMAs so that its dependency chains hide behind them.
 template <int BITS, int NR, int NV, bool ZEROS>
 inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, int64_t ch,
-                        const float* const* prob, float* const* acc, int64_t zero_groups, float (*zsum)[kMaxDim]) {
+                        const float* const* prob, float* const* acc, float (*zsum)[kMaxDim]) {
   constexpr int P = 8 / BITS;
+  const int64_t row = V.meta_row;  // groups per token
+  const int64_t block = max64(1, min64(64, kMetaBlock / row));
   int64_t group[NV];
   for (int v = 0; v < NV; ++v) group[v] = (ch + v * VW) / V.group;
-  float scale[kMaxDim], zero[VW];
-  for (int i = 0; i < VW; ++i) zero[i] = 0.0f;
-  const int64_t groups = group[NV - 1] + 1;
+  float scale[kMetaBlock + VW], zero[kMetaBlock + VW];  // + VW: a zero row is read as one whole vector
   vf a[NR][NV], z[NR];
-  for (int r = 0; r < NR; ++r) z[r] = vset(0.0f);
 #pragma GCC unroll 16
-  for (int r = 0; r < NR; ++r)
+  for (int r = 0; r < NR; ++r) {
+    z[r] = vset(0.0f);
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) a[r][v] = vset(0.0f);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* c = codes + t * V.code_row + ch / P;
-    load_row(V.scales, V.meta, meta0 + t * V.meta_row, groups, scale);
-    vf p[NR];
+  }
+  for (int64_t tb = t0; tb < t1; tb += block) {
+    const int64_t te = min64(tb + block, t1);
+    load_row(V.scales, V.meta, meta0 + tb * row, (te - tb) * row, scale);
+    if (ZEROS) load_row(V.zeros, V.meta, meta0 + tb * row, (te - tb) * row, zero);
+    for (int64_t t = tb; t < te; ++t) {
+      const uint8_t* c = codes + t * V.code_row + ch / P;
+      const float* s = scale + (t - tb) * row;
+      vf p[NR];
 #pragma GCC unroll 16
-    for (int r = 0; r < NR; ++r) p[r] = vset(prob[r][t]);
-    if (ZEROS) {
-      load_row(V.zeros, V.meta, meta0 + t * V.meta_row, zero_groups, zero);
-      const vf zv = vload(zero);
-      for (int r = 0; r < NR; ++r) z[r] = vfma(p[r], zv, z[r]);
-    }
+      for (int r = 0; r < NR; ++r) p[r] = vset(prob[r][t]);
+      if (ZEROS) {  // lanes past the token's groups collect the next token's zeros: never read
+        const vf zv = vload(zero + (t - tb) * row);
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) {
-      const vf cs = vmul(vcodes<BITS>(c + v * (VW / P)), vset(scale[group[v]]));
+        for (int r = 0; r < NR; ++r) z[r] = vfma(p[r], zv, z[r]);
+      }
 #pragma GCC unroll 16
-      for (int r = 0; r < NR; ++r) a[r][v] = vfma(p[r], cs, a[r][v]);
+      for (int v = 0; v < NV; ++v) {
+        const vf cs = vmul(vcodes<BITS>(c + v * (VW / P)), vset(s[group[v]]));
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; ++r) a[r][v] = vfma(p[r], cs, a[r][v]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -425,18 +434,18 @@ void value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const floa
   if (G % VW == 0) {  // whole vectors per group; the first block also sums the zeros when they fit a vector
     for (; ch + NV * VW <= Dv; ch += NV * VW) {
       if (!zeros_done && groups <= VW) {
-        value_block<BITS, NR, NV, true>(V, codes, meta0, t0, t1, ch, prob, acc, groups, zsum);
+        value_block<BITS, NR, NV, true>(V, codes, meta0, t0, t1, ch, prob, acc, zsum);
         zeros_done = true;
       } else {
-        value_block<BITS, NR, NV, false>(V, codes, meta0, t0, t1, ch, prob, acc, groups, zsum);
+        value_block<BITS, NR, NV, false>(V, codes, meta0, t0, t1, ch, prob, acc, zsum);
       }
     }
     for (; ch + VW <= Dv; ch += VW) {
       if (!zeros_done && groups <= VW) {
-        value_block<BITS, NR, 1, true>(V, codes, meta0, t0, t1, ch, prob, acc, groups, zsum);
+        value_block<BITS, NR, 1, true>(V, codes, meta0, t0, t1, ch, prob, acc, zsum);
         zeros_done = true;
       } else {
-        value_block<BITS, NR, 1, false>(V, codes, meta0, t0, t1, ch, prob, acc, groups, zsum);
+        value_block<BITS, NR, 1, false>(V, codes, meta0, t0, t1, ch, prob, acc, zsum);
       }
     }
   }
