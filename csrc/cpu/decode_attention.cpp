@@ -247,7 +247,9 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   p.chunk = key_group * std::max<int64_t>(1, 256 / key_group);
   p.chunks = std::max<int64_t>(1, (p.n - p.sinks + p.chunk - 1) / p.chunk);
 
-  const at::Tensor q = (query.to(at::kFloat) * scaling).contiguous();
+  // fp32 query times scaling, rounded as the twin does (one temporary for an fp32 query)
+  const at::Tensor q32 = query.scalar_type() == at::kFloat ? query : query.to(at::kFloat);
+  const at::Tensor q = (q32 * scaling).contiguous();
   p.query = q.data_ptr<float>();
   const auto f32 = query.options().dtype(at::kFloat);
   at::Tensor scores = at::empty({batch, kv_heads, p.rows, p.n}, f32);

@@ -131,6 +131,22 @@ inline vf vcodes(const uint8_t* p) {
       _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shift), _mm256_set1_epi32((1 << BITS) - 1));
   return _mm256_cvtepi32_ps(codes);
 }
+// 2 * VW codes from 2 * VW * BITS / 8 bytes: one load and broadcast feeds both vectors.
+template <int BITS>
+inline void vcodes2(const uint8_t* p, vf& lo, vf& hi) {
+  if (BITS != 2) {
+    lo = vcodes<BITS>(p);
+    hi = vcodes<BITS>(p + VW * BITS / 8);
+    return;
+  }
+  uint32_t w;
+  __builtin_memcpy(&w, p, 4);
+  const __m256i word = _mm256_set1_epi32((int)w), three = _mm256_set1_epi32(3);
+  const __m256i shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, shift), three));
+  hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, _mm256_add_epi32(shift, _mm256_set1_epi32(16))),
+                                           three));
+}
 inline vf vexp(vf x) {
   const vf clamped = _mm256_max_ps(x, vset(-87.0f));
   const vf n = _mm256_round_ps(_mm256_mul_ps(clamped, vset(1.44269504088896341f)),
@@ -194,6 +210,14 @@ inline vf vcodes(const uint8_t* p) {
 inline vf vexp(vf x) {
   for (int i = 0; i < 4; ++i) x.v[i] = __builtin_expf(x.v[i]);
   return x;
+}
+#endif
+
+#if !defined(KIVI_SIMD_AVX2)
+template <int BITS>
+inline void vcodes2(const uint8_t* p, vf& lo, vf& hi) {
+  lo = vcodes<BITS>(p);
+  hi = vcodes<BITS>(p + VW * BITS / 8);
 }
 #endif
 
@@ -265,7 +289,8 @@ inline void key_group(const float (*qs)[kMaxDim], const float* bias, const uint8
     for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = vset(bias[r]);
     const uint8_t* c = codes + j / P;
     for (int64_t d = 0; d < D; ++d, c += code_row) {
-      const vf c0 = vcodes<BITS>(c), c1 = vcodes<BITS>(c + VW / P);
+      vf c0, c1;
+      vcodes2<BITS>(c, c0, c1);
       for (int r = 0; r < NR; ++r) {
         const vf w = vset(qs[r][d]);
         acc[r][0] = vfma(w, c0, acc[r][0]);
@@ -382,9 +407,17 @@ inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, in
 #pragma GCC unroll 16
         for (int r = 0; r < NR; ++r) z[r] = vfma(p[r], zv, z[r]);
       }
+      vf code[NV];
+      if (NV % 2 == 0) {
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v += 2) vcodes2<BITS>(c + v * (VW / P), code[v], code[v + 1]);
+      } else {
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v) code[v] = vcodes<BITS>(c + v * (VW / P));
+      }
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
-        const vf cs = vmul(vcodes<BITS>(c + v * (VW / P)), vset(s[group[v]]));
+        const vf cs = vmul(code[v], vset(s[group[v]]));
 #pragma GCC unroll 16
         for (int r = 0; r < NR; ++r) a[r][v] = vfma(p[r], cs, a[r][v]);
       }
