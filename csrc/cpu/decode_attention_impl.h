@@ -74,8 +74,13 @@ inline vf vcodes(const uint8_t* p) {
   const __m512i shift = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, (8 * B) & 31, (9 * B) & 31,
                                           (10 * B) & 31, (11 * B) & 31, (12 * B) & 31, (13 * B) & 31, (14 * B) & 31,
                                           (15 * B) & 31);
-  const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(words, shift), _mm512_set1_epi32((1 << BITS) - 1));
-  return _mm512_cvtepi32_ps(codes);
+  // vpermps reads the low 4 bits of each lane: the code (plus, for 2 bits, the next code's bits, which the
+  // table's repetition ignores), so the lookup replaces a mask and an int -> float conversion.
+  constexpr float M = (1 << BITS) - 1;  // lane k of the table holds k & M
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4 & (int)M, 5 & (int)M, 6 & (int)M, 7 & (int)M, 8 & (int)M,
+                                      9 & (int)M, 10 & (int)M, 11 & (int)M, 12 & (int)M, 13 & (int)M, 14 & (int)M,
+                                      15 & (int)M);
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(words, shift), table);
 }
 // exp(x) for x <= 0 or NaN (all the softmax needs): 0 below -87, NaN passes through. Cephes polynomial, ~2 ulp.
 inline vf vexp(vf x) {
