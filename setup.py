@@ -57,7 +57,24 @@ def write_kernel_source_header() -> None:
         target.write_text(header)
 
 
+def native_cpu_extension():
+    """kivi_xpu._cpu: the native CPU kernels (csrc/cpu/*.cpp); needs only torch and a C++17 compiler."""
+    from torch.utils.cpp_extension import CppExtension
+
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
+    return CppExtension(
+        name="kivi_xpu._cpu",
+        sources=sources,
+        depends=[str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.h")],
+        extra_compile_args=["-O3", "-g0", "-std=c++17", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
+    )
+
+
 def extension_setup_kwargs() -> dict:
+    from torch.utils.cpp_extension import BuildExtension
+
+    native = native_cpu_extension()
     sycl_root = find_sycl_root()
     if sycl_root is None:
         print(
@@ -66,8 +83,8 @@ def extension_setup_kwargs() -> dict:
             "Install intel-sycl-rt or set KIVI_XPU_SYCL_ROOT.",
             file=sys.stderr,
         )
-        return {}
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+        return {"ext_modules": [native], "cmdclass": {"build_ext": BuildExtension}}
+    from torch.utils.cpp_extension import CppExtension
 
     write_kernel_source_header()
     lib_dir = str(sycl_root / "lib")
@@ -82,7 +99,7 @@ def extension_setup_kwargs() -> dict:
         extra_compile_args=["-O2", "-g0", "-std=c++17", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING"],
         extra_link_args=[f"-Wl,-rpath,{lib_dir}"],
     )
-    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
+    return {"ext_modules": [extension, native], "cmdclass": {"build_ext": BuildExtension}}
 
 
 setup(packages=find_packages(include=["kivi_xpu", "kivi_xpu.*"]), **extension_setup_kwargs())

@@ -1,0 +1,287 @@
+// Fused decode attention over a KIVI layer: [sinks | packed history | exact tail] in one pass (flash-decoding).
+// This file checks the arguments, describes them as a decode::Problem (raw pointers and strides, no copies of the
+// cache), runs the ISA's chunk kernel over (batch, kv head, chunk) tasks in torch's intra-op pool and merges the
+// chunks' partial softmaxes in order (deterministic). Semantics: kivi_xpu/ops/decode_reference.py.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "decode_attention.h"
+#include "isa.h"
+#include "kernels.h"
+
+namespace kivi::cpu {
+namespace {
+
+using decode::Dtype;
+using decode::Exact;
+using decode::Packed;
+using decode::Problem;
+
+Dtype float_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return decode::kF32;
+    case at::kHalf: return decode::kF16;
+    case at::kBFloat16: return decode::kBF16;
+    default: TORCH_CHECK(false, "decode_attention: `", name, "` must be float32, float16 or bfloat16, got ", t.dtype());
+  }
+}
+
+void check_cpu_rank4(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "decode_attention: `", name, "` must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.dim() == 4, "decode_attention: `", name, "` must have rank 4, got shape ", t.sizes());
+}
+
+// An exact [B, H, T, width] tensor: the model dtype, any strides except a unit last one.
+Exact exact(const at::Tensor& t, const char* name, int64_t batch, int64_t heads, int64_t width) {
+  check_cpu_rank4(t, name);
+  const Dtype dtype = float_dtype(t, name);
+  TORCH_CHECK(t.size(0) == batch && t.size(1) == heads && t.size(3) == width, "decode_attention: `", name,
+              "` must have shape [", batch, ", ", heads, ", tokens, ", width, "], got ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, "decode_attention: `", name,
+              "` must have a unit stride along its last dim (a narrow view is fine), got strides ", t.strides());
+  return Exact{t.data_ptr(), dtype, t.size(2), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+Exact optional_exact(const c10::optional<at::Tensor>& t, const char* name, const at::Tensor& like, int64_t width) {
+  if (t.has_value()) return exact(*t, name, like.size(0), like.size(1), width);
+  return Exact{nullptr, decode::kF32, 0, 0, 0, 0};
+}
+
+int64_t codes_per_byte(int64_t bits, const char* name) {
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "decode_attention: `", name, "` must be 2, 4 or 8, got ", bits);
+  return 8 / bits;
+}
+
+void check_packed_tensors(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                          const char* prefix) {
+  const std::string c = std::string(prefix) + "_codes", s = std::string(prefix) + "_scales",
+                    z = std::string(prefix) + "_zeros";
+  check_cpu_rank4(codes, c.c_str());
+  check_cpu_rank4(scales, s.c_str());
+  check_cpu_rank4(zeros, z.c_str());
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "decode_attention: `", c, "` must be uint8, got ", codes.dtype());
+  float_dtype(scales, s.c_str());
+  TORCH_CHECK(scales.scalar_type() == zeros.scalar_type(), "decode_attention: `", s, "` and `", z,
+              "` must share a dtype, got ", scales.dtype(), " and ", zeros.dtype());
+  TORCH_CHECK(scales.sizes() == zeros.sizes(), "decode_attention: `", s, "` and `", z,
+              "` must have the same shape, got ", scales.sizes(), " and ", zeros.sizes());
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(), "decode_attention: `", c,
+              "`, `", s, "` and `", z, "` must be contiguous (packed storage is dense)");
+}
+
+// Keys: codes [B, H, D, >= count/P] packed along tokens, scales/zeros [B, H, D, >= count/G].
+Packed packed_keys(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t count,
+                   int64_t group, int64_t bits, int64_t batch, int64_t heads, int64_t head_dim) {
+  check_packed_tensors(codes, scales, zeros, "key");
+  const int64_t per = codes_per_byte(bits, "key_bits");
+  TORCH_CHECK(group > 0 && group % per == 0, "decode_attention: `key_group` must be a positive multiple of ", per,
+              " for ", bits, "-bit codes, got ", group);
+  TORCH_CHECK(count >= 0 && count % group == 0, "decode_attention: `key_count` must be a non-negative multiple of ",
+              "`key_group` (", group, "), got ", count);
+  TORCH_CHECK(codes.size(0) == batch && codes.size(1) == heads && codes.size(2) == head_dim,
+              "decode_attention: `key_codes` must have shape [", batch, ", ", heads, ", ", head_dim,
+              ", tokens/", per, "], got ", codes.sizes());
+  TORCH_CHECK(scales.size(0) == batch && scales.size(1) == heads && scales.size(2) == head_dim,
+              "decode_attention: `key_scales` must have shape [", batch, ", ", heads, ", ", head_dim,
+              ", tokens/group], got ", scales.sizes());
+  TORCH_CHECK(codes.size(3) * per >= count && scales.size(3) * group >= count, "decode_attention: `key_count` (",
+              count, ") exceeds the stored keys: codes hold ", codes.size(3) * per, ", scales hold ",
+              scales.size(3) * group);
+  return Packed{codes.data_ptr<uint8_t>(), scales.data_ptr(), zeros.data_ptr(), float_dtype(scales, "key_scales"),
+                count, group, bits, codes.size(3), scales.size(3), codes.size(2) * codes.size(3),
+                scales.size(2) * scales.size(3)};
+}
+
+// Values: codes [B, H, >= count, Dv/P] packed along channels, scales/zeros [B, H, >= count, Dv/G].
+Packed packed_values(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t count,
+                     int64_t group, int64_t bits, int64_t batch, int64_t heads) {
+  check_packed_tensors(codes, scales, zeros, "value");
+  const int64_t per = codes_per_byte(bits, "value_bits");
+  const int64_t value_dim = codes.size(3) * per;
+  TORCH_CHECK(group > 0 && group % per == 0 && value_dim % group == 0, "decode_attention: `value_group` must be a ",
+              "positive multiple of ", per, " dividing the value head_dim ", value_dim, ", got ", group);
+  TORCH_CHECK(codes.size(0) == batch && codes.size(1) == heads, "decode_attention: `value_codes` must have shape [",
+              batch, ", ", heads, ", tokens, head_dim/", per, "], got ", codes.sizes());
+  TORCH_CHECK(scales.size(0) == batch && scales.size(1) == heads && scales.size(3) == value_dim / group,
+              "decode_attention: `value_scales` must have shape [", batch, ", ", heads, ", tokens, ",
+              value_dim / group, "], got ", scales.sizes());
+  TORCH_CHECK(count >= 0 && codes.size(2) >= count && scales.size(2) >= count, "decode_attention: `value_count` (",
+              count, ") must be >= 0 and within the stored values: codes hold ", codes.size(2), ", scales hold ",
+              scales.size(2));
+  return Packed{codes.data_ptr<uint8_t>(), scales.data_ptr(), zeros.data_ptr(), float_dtype(scales, "value_scales"),
+                count, group, bits, codes.size(3), scales.size(3), codes.size(2) * codes.size(3),
+                scales.size(2) * scales.size(3)};
+}
+
+void (*chunk_kernel(Isa isa))(const Problem&, int64_t) {
+  switch (isa) {
+    case Isa::kAvx512: return decode::chunk_avx512;
+    case Isa::kAvx2: return decode::chunk_avx2;
+    default: return decode::chunk_baseline;
+  }
+}
+
+void describe_mask(const c10::optional<at::Tensor>& mask_arg, Problem& p, at::Tensor& keep, int64_t q_heads) {
+  p.mask_kind = decode::kMaskNone;
+  p.mask = nullptr;
+  p.mask_sb = p.mask_sh = p.mask_sl = p.mask_sc = p.mask_col0 = 0;
+  if (!mask_arg.has_value()) {
+    TORCH_CHECK(p.length == 1 || p.n >= p.length, "decode_attention: without a mask, ", p.length,
+                " queries are the last positions and need n >= ", p.length, " tokens, got n = ", p.n);
+    return;
+  }
+  const at::Tensor& mask = *mask_arg;
+  check_cpu_rank4(mask, "mask");
+  TORCH_CHECK((mask.size(0) == 1 || mask.size(0) == p.batch) && (mask.size(1) == 1 || mask.size(1) == q_heads) &&
+                  mask.size(2) == p.length && mask.size(3) >= p.n,
+              "decode_attention: `mask` must have shape [1 or ", p.batch, ", 1 or ", q_heads, ", ", p.length,
+              ", >= ", p.n, "], got ", mask.sizes());
+  if (mask.scalar_type() == at::kBool) {
+    keep = mask;
+    p.mask_kind = decode::kMaskBool;
+  } else {
+    float_dtype(mask, "mask");
+    keep = mask.to(at::kFloat);
+    p.mask_kind = decode::kMaskFloat;
+  }
+  p.mask = keep.data_ptr();
+  p.mask_sb = keep.size(0) == 1 ? 0 : keep.stride(0);
+  p.mask_sh = keep.size(1) == 1 ? 0 : keep.stride(1);
+  p.mask_sl = keep.stride(2);
+  p.mask_sc = keep.stride(3);
+  p.mask_col0 = keep.size(3) - p.n;  // the last n columns are this layer's positions
+}
+
+// Merges the chunks of every query row in order: out = sum_c w_c acc_c / sum_c w_c l_c with w_c = exp(m_c - M).
+void merge_chunks(const Problem& p, float* out) {
+  const int64_t acc_row = 2 + p.value_dim, rows = p.batch * p.kv_heads * p.rows;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t bh = row / p.rows, r = row % p.rows;
+      const float* first = p.partials + (bh * p.chunks * p.rows + r) * acc_row;
+      const int64_t chunk_step = p.rows * acc_row;
+      float m = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      for (int64_t c = 0; c < p.chunks; ++c) {
+        const float mc = first[c * chunk_step];
+        nan |= std::isnan(mc);
+        m = mc > m ? mc : m;
+      }
+      float* o = out + row * p.value_dim;
+      if (!nan && m == -std::numeric_limits<float>::infinity()) {  // fully masked row: zeros, by definition
+        for (int64_t d = 0; d < p.value_dim; ++d) o[d] = 0.0f;
+        continue;
+      }
+      if (nan) m = std::numeric_limits<float>::quiet_NaN();
+      float total = 0.0f;
+      for (int64_t d = 0; d < p.value_dim; ++d) o[d] = 0.0f;
+      for (int64_t c = 0; c < p.chunks; ++c) {
+        const float* part = first + c * chunk_step;
+        const float w = part[0] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(part[0] - m);
+        total += w * part[1];
+        for (int64_t d = 0; d < p.value_dim; ++d) o[d] += w * part[2 + d];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < p.value_dim; ++d) o[d] *= inv;
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key_sinks,
+                            const at::Tensor& key_codes, const at::Tensor& key_scales, const at::Tensor& key_zeros,
+                            int64_t key_count, int64_t key_group, int64_t key_bits, const at::Tensor& key_tail,
+                            const c10::optional<at::Tensor>& value_sinks, const at::Tensor& value_codes,
+                            const at::Tensor& value_scales, const at::Tensor& value_zeros, int64_t value_count,
+                            int64_t value_group, int64_t value_bits, const at::Tensor& value_tail,
+                            const c10::optional<at::Tensor>& mask, double scaling,
+                            const c10::optional<double>& softcap) {
+  check_cpu_rank4(query, "query");
+  float_dtype(query, "query");
+  check_cpu_rank4(key_tail, "key_tail");
+  const int64_t batch = query.size(0), q_heads = query.size(1), length = query.size(2), head_dim = query.size(3);
+  const int64_t kv_heads = key_tail.size(1);
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "decode_attention: the query heads (", q_heads,
+              ") must be a multiple of the kv heads of `key_tail` (", kv_heads, ")");
+  TORCH_CHECK(length > 0 && head_dim > 0 && head_dim <= decode::kMaxDim, "decode_attention: `query` must have ",
+              "L > 0 and 0 < head_dim <= ", decode::kMaxDim, ", got shape ", query.sizes());
+  TORCH_CHECK(std::isfinite(scaling), "decode_attention: `scaling` must be finite, got ", scaling);
+  const double cap = softcap.has_value() ? *softcap : 0.0;
+  TORCH_CHECK(std::isfinite(cap), "decode_attention: `softcap` must be finite (0 or None: none), got ", cap);
+
+  Problem p{};
+  p.batch = batch;
+  p.kv_heads = kv_heads;
+  p.q_per_kv = q_heads / kv_heads;
+  p.length = length;
+  p.rows = p.q_per_kv * length;
+  p.head_dim = head_dim;
+  p.keys = packed_keys(key_codes, key_scales, key_zeros, key_count, key_group, key_bits, batch, kv_heads, head_dim);
+  p.values = packed_values(value_codes, value_scales, value_zeros, value_count, value_group, value_bits, batch,
+                           kv_heads);
+  p.value_dim = value_codes.size(3) * (8 / value_bits);
+  TORCH_CHECK(p.value_dim <= decode::kMaxDim, "decode_attention: the value head_dim must be <= ", decode::kMaxDim,
+              ", got ", p.value_dim);
+  p.key_tail = exact(key_tail, "key_tail", batch, kv_heads, head_dim);
+  p.value_tail = exact(value_tail, "value_tail", batch, kv_heads, p.value_dim);
+  p.key_sinks = optional_exact(key_sinks, "key_sinks", key_tail, head_dim);
+  p.value_sinks = optional_exact(value_sinks, "value_sinks", key_tail, p.value_dim);
+  TORCH_CHECK(p.key_sinks.tokens == p.value_sinks.tokens, "decode_attention: `key_sinks` holds ", p.key_sinks.tokens,
+              " tokens but `value_sinks` holds ", p.value_sinks.tokens);
+  p.sinks = p.key_sinks.tokens;
+  p.n = p.sinks + key_count + p.key_tail.tokens;
+  TORCH_CHECK(p.sinks + value_count + p.value_tail.tokens == p.n, "decode_attention: keys cover ", p.n,
+              " positions (sinks ", p.sinks, " + key_count ", key_count, " + key_tail ", p.key_tail.tokens,
+              ") but values cover ", p.sinks + value_count + p.value_tail.tokens, " (sinks ", p.sinks,
+              " + value_count ", value_count, " + value_tail ", p.value_tail.tokens, ")");
+  TORCH_CHECK(p.n > 0, "decode_attention: the layer holds no token to attend to");
+  p.softcap = (float)cap;
+
+  at::Tensor mask_keep;
+  describe_mask(mask, p, mask_keep, q_heads);
+
+  // Chunks of whole key groups, ~256 tokens: small enough to balance two cores, large enough to amortise a partial.
+  p.chunk = key_group * std::max<int64_t>(1, 256 / key_group);
+  p.chunks = std::max<int64_t>(1, (p.n - p.sinks + p.chunk - 1) / p.chunk);
+
+  // fp32 query times scaling, rounded as the twin does (one temporary for an fp32 query)
+  const at::Tensor q32 = query.scalar_type() == at::kFloat ? query : query.to(at::kFloat);
+  const at::Tensor q = (q32 * scaling).contiguous();
+  p.query = q.data_ptr<float>();
+  const auto f32 = query.options().dtype(at::kFloat);
+  at::Tensor scores = at::empty({batch, kv_heads, p.rows, p.n}, f32);
+  at::Tensor partials = at::empty({batch, kv_heads, p.chunks, p.rows, 2 + p.value_dim}, f32);
+  p.scores = scores.data_ptr<float>();
+  p.partials = partials.data_ptr<float>();
+
+  const auto kernel = chunk_kernel(current_isa());
+  // One task walks ~chunk * rows tokens; below ~8k token-rows of work a second thread costs more than it saves.
+  const int64_t tasks = batch * kv_heads * p.chunks;
+  const int64_t grain = std::max<int64_t>(1, 8192 / (p.chunk * std::max<int64_t>(1, p.rows / 4)));
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) kernel(p, task);
+  });
+
+  at::Tensor out = at::empty({batch, kv_heads, p.rows, p.value_dim}, f32);
+  merge_chunks(p, out.data_ptr<float>());
+  return out.view({batch, q_heads, length, p.value_dim}).to(query.scalar_type());
+}
+
+}  // namespace
+
+void register_decode_attention(pybind11::module& m) {
+  m.def("decode_attention", &decode_attention,
+        "Fused KIVI decode attention over [sinks | packed history | exact tail] -> [B, Hq, L, Dv] (see "
+        "kivi_xpu/ops/decode_reference.py for the exact semantics)",
+        pybind11::arg("query"), pybind11::arg("key_sinks"), pybind11::arg("key_codes"), pybind11::arg("key_scales"),
+        pybind11::arg("key_zeros"), pybind11::arg("key_count"), pybind11::arg("key_group"), pybind11::arg("key_bits"),
+        pybind11::arg("key_tail"), pybind11::arg("value_sinks"), pybind11::arg("value_codes"),
+        pybind11::arg("value_scales"), pybind11::arg("value_zeros"), pybind11::arg("value_count"),
+        pybind11::arg("value_group"), pybind11::arg("value_bits"), pybind11::arg("value_tail"),
+        pybind11::arg("mask"), pybind11::arg("scaling"), pybind11::arg("softcap"));
+}
+
+}  // namespace kivi::cpu

@@ -1,0 +1,56 @@
+// Plain-data description of one fused decode attention call, shared by the dispatcher (decode_attention.cpp) and
+// the per-ISA chunk kernels (decode_attention_{avx512,avx2,baseline}.cpp). No templates and no torch types here, so
+// the ISA translation units can include it inside their `#pragma GCC target` region.
+#pragma once
+#include <cstdint>
+
+namespace kivi::cpu::decode {
+
+enum Dtype : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum MaskKind : int { kMaskNone = 0, kMaskBool = 1, kMaskFloat = 2 };
+
+// An exact [B, H, T, D] tensor in the model dtype; strides in elements, the last one is 1.
+struct Exact {
+  const void* data;
+  Dtype dtype;
+  int64_t tokens, stride_b, stride_h, stride_t;
+};
+
+// Packed KIVI storage (contiguous). Keys: codes [B,H,D,code_cols] along tokens, meta [B,H,D,meta_cols] per group of
+// `group` tokens. Values: codes [B,H,code_rows,Dv/P] along channels, meta [B,H,meta_rows,Dv/group] per token.
+struct Packed {
+  const uint8_t* codes;
+  const void* scales;
+  const void* zeros;
+  Dtype meta;
+  int64_t count, group, bits;
+  int64_t code_row;   // bytes between consecutive channels (keys) / tokens (values)
+  int64_t meta_row;   // elements between consecutive channels (keys) / tokens (values)
+  int64_t code_head;  // bytes per (batch, head)
+  int64_t meta_head;  // elements per (batch, head)
+};
+
+struct Problem {
+  int64_t batch, kv_heads, q_per_kv, length, rows;  // rows = q_per_kv * length query rows per kv head
+  int64_t head_dim, value_dim, n, sinks;
+  const float* query;  // [B, Hkv, rows, head_dim] fp32, already multiplied by `scaling`
+  Exact key_sinks, key_tail, value_sinks, value_tail;
+  Packed keys, values;
+  MaskKind mask_kind;
+  const void* mask;  // uint8 (bool) or fp32 [mb, mh, L, >= n], read by strides (0 where broadcast)
+  int64_t mask_sb, mask_sh, mask_sl, mask_sc, mask_col0;  // mask_col0: the column of position 0
+  float softcap;           // 0: none
+  int64_t chunk, chunks;   // tokens per chunk past the sinks (a multiple of the key group); chunk 0 adds the sinks
+  float* scores;    // workspace [B, Hkv, rows, n]: scores, then probabilities
+  float* partials;  // [B, Hkv, chunks, rows, 2 + value_dim]: chunk max, chunk sum, unnormalised output
+};
+
+// Largest head_dim / value_dim the kernels' stack buffers hold.
+constexpr int64_t kMaxDim = 512;
+
+// One task = one (batch, kv head, chunk): fills that chunk's scores and partial. task = (b * Hkv + h) * chunks + c.
+void chunk_avx512(const Problem& p, int64_t task);
+void chunk_avx2(const Problem& p, int64_t task);
+void chunk_baseline(const Problem& p, int64_t task);
+
+}  // namespace kivi::cpu::decode

@@ -1,0 +1,627 @@
+// Chunk kernel of the fused decode attention, written once over a small vector layer and compiled once per ISA:
+// each decode_attention_<isa>.cpp defines KIVI_SIMD_AVX512 / KIVI_SIMD_AVX2 (neither: baseline) as simd.h wants
+// and KIVI_DA_ENTRY, opens its `#pragma GCC target` region and includes this file. Everything here has internal
+// linkage (anonymous namespace) and uses no std templates, so no instruction of one ISA can leak into another TU
+// through a shared symbol.
+//
+// One chunk = the positions [p0, p1) of one (batch, kv head); all query rows of that kv head are handled together
+// so each packed byte comes from memory once. Keys use KIVI's factored dequantization per group g and channel d:
+//   score_t = sum_d (q_d * s_gd) * c_td + sum_d q_d * z_gd       (vectorised along tokens)
+// values per token t and channel group g:
+//   out_d  += p_t * (s_tg * c_td)  and  zsum_g += p_t * z_tg     (vectorised along channels; zsum added at the end)
+// The chunk's scores become exp(score - chunk max) in place; the chunk max, sum and unnormalised output go to its
+// partial, merged in order by the dispatcher.
+#ifndef KIVI_DA_ENTRY
+#error "define KIVI_DA_ENTRY (the chunk_<isa> function to define) before including decode_attention_impl.h"
+#endif
+
+namespace kivi::cpu::decode {
+namespace {
+
+#include "simd.h"  // fp16/bf16 conversions and vector loads, with internal linkage here
+
+// ---- scalar conversions -----------------------------------------------------------------------------------------
+
+inline float load_scalar(const void* base, Dtype dtype, int64_t index) {
+  switch (dtype) {
+    case kF32:
+      return static_cast<const float*>(base)[index];
+    case kF16:
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+      return _cvtsh_ss(static_cast<const uint16_t*>(base)[index]);  // F16C: one instruction
+#else
+      return half_to_float(static_cast<const uint16_t*>(base)[index]);
+#endif
+    default:
+      return bf16_to_float(static_cast<const uint16_t*>(base)[index]);
+  }
+}
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+constexpr float kNegInf = -__builtin_inff();
+
+// ---- vector layer: VW floats per vector -------------------------------------------------------------------------
+
+#if defined(KIVI_SIMD_AVX512)
+constexpr int VW = 16;
+typedef __m512 vf;
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+// VW codes from VW * BITS / 8 bytes (lane i = code i, little end first).
+template <int BITS>
+inline vf vcodes(const uint8_t* p) {
+  if (BITS == 8) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  __m512i words;
+  if (BITS == 2) {
+    uint32_t w;
+    __builtin_memcpy(&w, p, 4);
+    words = _mm512_set1_epi32((int)w);
+  } else {
+    uint64_t w;
+    __builtin_memcpy(&w, p, 8);
+    words = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                     _mm512_castsi128_si512(_mm_cvtsi64_si128((long long)w)));
+  }
+  constexpr int B = BITS;  // lane i shifts by (i * BITS) mod 32 within its word
+  const __m512i shift = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, (8 * B) & 31, (9 * B) & 31,
+                                          (10 * B) & 31, (11 * B) & 31, (12 * B) & 31, (13 * B) & 31, (14 * B) & 31,
+                                          (15 * B) & 31);
+  // vpermps reads the low 4 bits of each lane: the code (plus, for 2 bits, the next code's bits, which the
+  // table's repetition ignores), so the lookup replaces a mask and an int -> float conversion.
+  constexpr float M = (1 << BITS) - 1;  // lane k of the table holds k & M
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4 & (int)M, 5 & (int)M, 6 & (int)M, 7 & (int)M, 8 & (int)M,
+                                      9 & (int)M, 10 & (int)M, 11 & (int)M, 12 & (int)M, 13 & (int)M, 14 & (int)M,
+                                      15 & (int)M);
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(words, shift), table);
+}
+// exp(x) for x <= 0 or NaN (all the softmax needs): 0 below -87, NaN passes through. Cephes polynomial, ~2 ulp.
+inline vf vexp(vf x) {
+  const vf clamped = _mm512_max_ps(x, vset(-87.0f));
+  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  vf r = _mm512_fnmadd_ps(n, vset(0.693359375f), clamped);
+  r = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+  vf y = vset(1.9875691500e-4f);
+  y = vfma(y, r, vset(1.3981999507e-3f));
+  y = vfma(y, r, vset(8.3334519073e-3f));
+  y = vfma(y, r, vset(4.1665795894e-2f));
+  y = vfma(y, r, vset(1.6666665459e-1f));
+  y = vfma(y, r, vset(5.0000001201e-1f));
+  y = vfma(y, vmul(r, r), vadd(r, vset(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  y = vmul(y, _mm512_castsi512_ps(e));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vset(-87.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+
+#elif defined(KIVI_SIMD_AVX2)
+constexpr int VW = 8;
+typedef __m256 vf;
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }  // b where either is NaN
+inline float vhmax(vf v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+template <int BITS>
+inline vf vcodes(const uint8_t* p) {
+  if (BITS == 8) {
+    uint64_t w;
+    __builtin_memcpy(&w, p, 8);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)w)));
+  }
+  uint32_t w = 0;
+  __builtin_memcpy(&w, p, BITS == 2 ? 2 : 4);
+  const __m256i shift = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+  const __m256i codes =
+      _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shift), _mm256_set1_epi32((1 << BITS) - 1));
+  return _mm256_cvtepi32_ps(codes);
+}
+// 2 * VW codes from 2 * VW * BITS / 8 bytes: one load and broadcast feeds both vectors.
+template <int BITS>
+inline void vcodes2(const uint8_t* p, vf& lo, vf& hi) {
+  if (BITS != 2) {
+    lo = vcodes<BITS>(p);
+    hi = vcodes<BITS>(p + VW * BITS / 8);
+    return;
+  }
+  uint32_t w;
+  __builtin_memcpy(&w, p, 4);
+  const __m256i word = _mm256_set1_epi32((int)w), three = _mm256_set1_epi32(3);
+  const __m256i shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, shift), three));
+  hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, _mm256_add_epi32(shift, _mm256_set1_epi32(16))),
+                                           three));
+}
+inline vf vexp(vf x) {
+  const vf clamped = _mm256_max_ps(x, vset(-87.0f));
+  const vf n = _mm256_round_ps(_mm256_mul_ps(clamped, vset(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm256_fnmadd_ps(n, vset(0.693359375f), clamped);
+  r = _mm256_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+  vf y = vset(1.9875691500e-4f);
+  y = vfma(y, r, vset(1.3981999507e-3f));
+  y = vfma(y, r, vset(8.3334519073e-3f));
+  y = vfma(y, r, vset(4.1665795894e-2f));
+  y = vfma(y, r, vset(1.6666665459e-1f));
+  y = vfma(y, r, vset(5.0000001201e-1f));
+  y = vfma(y, vmul(r, r), vadd(r, vset(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = vmul(y, _mm256_castsi256_ps(e));
+  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, vset(-87.0f), _CMP_LT_OQ));
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+#else  // baseline: 4-float structs in plain C++, left to the compiler's default (SSE2) vectorisation
+constexpr int VW = 4;
+struct vf {
+  float v[4];
+};
+inline vf vset(float x) { return vf{{x, x, x, x}}; }
+inline vf vload(const float* p) { return vf{{p[0], p[1], p[2], p[3]}}; }
+inline void vstore(float* p, vf a) {
+  for (int i = 0; i < 4; ++i) p[i] = a.v[i];
+}
+inline vf vfma(vf a, vf b, vf c) {
+  for (int i = 0; i < 4; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline vf vmul(vf a, vf b) {
+  for (int i = 0; i < 4; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline vf vadd(vf a, vf b) {
+  for (int i = 0; i < 4; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline float vsum(vf a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+inline vf vmax(vf a, vf b) {
+  for (int i = 0; i < 4; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];  // b where either is NaN, as maxps
+  return a;
+}
+inline float vhmax(vf a) { return vmax(vmax(a, vset(a.v[1])), vmax(vset(a.v[2]), vset(a.v[3]))).v[0]; }
+inline vf vload_x(const void* base, Dtype dtype, int64_t index) {
+  vf a;
+  for (int i = 0; i < 4; ++i) a.v[i] = load_scalar(base, dtype, index + i);
+  return a;
+}
+template <int BITS>
+inline vf vcodes(const uint8_t* p) {
+  uint32_t w = 0;
+  __builtin_memcpy(&w, p, BITS / 2);  // 4 codes = BITS / 2 bytes
+  vf a;
+  for (int i = 0; i < 4; ++i) a.v[i] = (float)((w >> (i * BITS)) & ((1u << BITS) - 1u));
+  return a;
+}
+inline vf vexp(vf x) {
+  for (int i = 0; i < 4; ++i) x.v[i] = __builtin_expf(x.v[i]);
+  return x;
+}
+#endif
+
+#if !defined(KIVI_SIMD_AVX2)
+template <int BITS>
+inline void vcodes2(const uint8_t* p, vf& lo, vf& hi) {
+  lo = vcodes<BITS>(p);
+  hi = vcodes<BITS>(p + VW * BITS / 8);
+}
+#endif
+
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+inline vf vload_x(const void* base, Dtype dtype, int64_t index) {
+  switch (dtype) {
+    case kF32:
+      return Vec::load(static_cast<const float*>(base) + index);
+    case kF16:
+      return Vec::load(static_cast<const uint16_t*>(base) + index, F16{});
+    default:
+      return Vec::load(static_cast<const uint16_t*>(base) + index, BF16{});
+  }
+}
+#endif
+
+template <int BITS>
+inline float scalar_code(const uint8_t* p, int64_t i) {
+  constexpr int P = 8 / BITS;
+  return (float)((p[i / P] >> ((i % P) * BITS)) & ((1 << BITS) - 1));
+}
+
+// out[0, count) = row converted to fp32.
+inline void load_row(const void* base, Dtype dtype, int64_t offset, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + VW <= count; i += VW) vstore(out + i, vload_x(base, dtype, offset + i));
+  for (; i < count; ++i) out[i] = load_scalar(base, dtype, offset + i);
+}
+
+inline float dot(const float* a, const float* b, int64_t count) {
+  vf acc = vset(0.0f);
+  int64_t i = 0;
+  for (; i + VW <= count; i += VW) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < count; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// acc[0, count) += p * x[0, count)
+inline void axpy(float p, const float* x, float* acc, int64_t count) {
+  const vf pv = vset(p);
+  int64_t i = 0;
+  for (; i + VW <= count; i += VW) vstore(acc + i, vfma(pv, vload(x + i), vload(acc + i)));
+  for (; i < count; ++i) acc[i] += p * x[i];
+}
+
+// ---- keys ---------------------------------------------------------------------------------------------------------
+
+// Scores of an exact key range: tokens [t0, t0 + count) of `keys` -> score rows at `out[r]` (already offset).
+inline void exact_scores(const Problem& P, const Exact& keys, int64_t b, int64_t h, int64_t t0, int64_t count,
+                         const float* q, float* scores, int64_t pos0) {
+  float row[kMaxDim];
+  const int64_t D = P.head_dim;
+  for (int64_t t = 0; t < count; ++t) {
+    load_row(keys.data, keys.dtype, b * keys.stride_b + h * keys.stride_h + (t0 + t) * keys.stride_t, D, row);
+    for (int64_t r = 0; r < P.rows; ++r) scores[r * P.n + pos0 + t] = dot(q + r * D, row, D);
+  }
+}
+
+// One packed key group for NR rows: qs [NR][kMaxDim] = q * scale, bias[NR] = q . zero; codes points at channel 0's
+// first byte of the group (channels `code_row` bytes apart); out[r] at the group's first score.
+template <int BITS, int NR>
+inline void key_group(const float (*qs)[kMaxDim], const float* bias, const uint8_t* codes, int64_t code_row,
+                      int64_t D, int64_t G, float* const* out) {
+  constexpr int P = 8 / BITS;
+  int64_t j = 0;
+  for (; j + 2 * VW <= G; j += 2 * VW) {
+    vf acc[NR][2];
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = vset(bias[r]);
+    const uint8_t* c = codes + j / P;
+    for (int64_t d = 0; d < D; ++d, c += code_row) {
+      vf c0, c1;
+      vcodes2<BITS>(c, c0, c1);
+      for (int r = 0; r < NR; ++r) {
+        const vf w = vset(qs[r][d]);
+        acc[r][0] = vfma(w, c0, acc[r][0]);
+        acc[r][1] = vfma(w, c1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      vstore(out[r] + j, acc[r][0]);
+      vstore(out[r] + j + VW, acc[r][1]);
+    }
+  }
+  for (; j + VW <= G; j += VW) {
+    vf acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = vset(bias[r]);
+    const uint8_t* c = codes + j / P;
+    for (int64_t d = 0; d < D; ++d, c += code_row) {
+      const vf c0 = vcodes<BITS>(c);
+      for (int r = 0; r < NR; ++r) acc[r] = vfma(vset(qs[r][d]), c0, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) vstore(out[r] + j, acc[r]);
+  }
+  for (; j < G; ++j) {  // a group that is not a whole number of vectors
+    for (int r = 0; r < NR; ++r) {
+      float s = bias[r];
+      for (int64_t d = 0; d < D; ++d) s += qs[r][d] * scalar_code<BITS>(codes + d * code_row, j);
+      out[r][j] = s;
+    }
+  }
+}
+
+template <int BITS>
+void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const float* q, float* scores,
+                   int64_t pos0) {
+  const Packed& K = P.keys;
+  const int64_t D = P.head_dim, G = K.group;
+  const uint8_t* codes = K.codes + bh * K.code_head;
+  float scale[kMaxDim], zero[kMaxDim], qs[4][kMaxDim], bias[4];
+  float* out[4];
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t meta = bh * K.meta_head + g;
+    for (int64_t d = 0; d < D; ++d) {
+      scale[d] = load_scalar(K.scales, K.meta, meta + d * K.meta_row);
+      zero[d] = load_scalar(K.zeros, K.meta, meta + d * K.meta_row);
+    }
+    const uint8_t* group_codes = codes + g * (G * BITS / 8);
+    const int64_t pos = pos0 + (g - g0) * G;
+    for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
+      const int nr = (int)min64(4, P.rows - r0);
+      for (int i = 0; i < nr; ++i) {
+        const float* qr = q + (r0 + i) * D;
+        for (int64_t d = 0; d < D; ++d) qs[i][d] = qr[d] * scale[d];
+        bias[i] = dot(qr, zero, D);
+        out[i] = scores + (r0 + i) * P.n + pos;
+      }
+      switch (nr) {
+        case 1: key_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;
+        case 2: key_group<BITS, 2>(qs, bias, group_codes, K.code_row, D, G, out); break;
+        case 3: key_group<BITS, 3>(qs, bias, group_codes, K.code_row, D, G, out); break;
+        default: key_group<BITS, 4>(qs, bias, group_codes, K.code_row, D, G, out); break;
+      }
+    }
+  }
+}
+
+// ---- values -------------------------------------------------------------------------------------------------------
+
+// Exact values, tokens [t0, t0 + count), probabilities at prob[r * n + pos0 + t]; acc rows `acc_row` floats apart.
+inline void exact_values(const Problem& P, const Exact& values, int64_t b, int64_t h, int64_t t0, int64_t count,
+                         const float* prob, int64_t pos0, float* acc, int64_t acc_row) {
+  float row[kMaxDim];
+  const int64_t Dv = P.value_dim;
+  for (int64_t t = 0; t < count; ++t) {
+    load_row(values.data, values.dtype, b * values.stride_b + h * values.stride_h + (t0 + t) * values.stride_t, Dv,
+             row);
+    for (int64_t r = 0; r < P.rows; ++r) axpy(prob[r * P.n + pos0 + t], row, acc + r * acc_row, Dv);
+  }
+}
+
+// Tokens whose converted value metadata one block holds (their meta rows are adjacent: one vector conversion).
+constexpr int64_t kMetaBlock = 1024;
+
+// NV vectors of channels [ch, ch + NV * VW) of packed tokens [t0, t1) for NR rows: acc[r][ch..] += sum_t p_rt *
+// scale_t(channel) * code_t(channel); prob[r] is indexed by packed token. Each vector lies in one value group.
+// With ZEROS (when a token's zeros fit one vector) it also sums p_rt * zero_tg into zsum[r][g], interleaved with
+// the codes' FMAs so that its dependency chains hide behind them.
+template <int BITS, int NR, int NV, bool ZEROS>
+inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, int64_t ch,
+                        const float* const* prob, float* const* acc, float (*zsum)[kMaxDim]) {
+  constexpr int P = 8 / BITS;
+  const int64_t row = V.meta_row;  // groups per token
+  const int64_t block = max64(1, min64(64, kMetaBlock / row));
+  int64_t group[NV];
+  for (int v = 0; v < NV; ++v) group[v] = (ch + v * VW) / V.group;
+  float scale[kMetaBlock + VW], zero[kMetaBlock + VW];  // + VW: a zero row is read as one whole vector
+  vf a[NR][NV], z[NR];
+#pragma GCC unroll 16
+  for (int r = 0; r < NR; ++r) {
+    z[r] = vset(0.0f);
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) a[r][v] = vset(0.0f);
+  }
+  for (int64_t tb = t0; tb < t1; tb += block) {
+    const int64_t te = min64(tb + block, t1);
+    load_row(V.scales, V.meta, meta0 + tb * row, (te - tb) * row, scale);
+    if (ZEROS) load_row(V.zeros, V.meta, meta0 + tb * row, (te - tb) * row, zero);
+    for (int64_t t = tb; t < te; ++t) {
+      const uint8_t* c = codes + t * V.code_row + ch / P;
+      const float* s = scale + (t - tb) * row;
+      vf p[NR];
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) p[r] = vset(prob[r][t]);
+      if (ZEROS) {  // lanes past the token's groups collect the next token's zeros: never read
+        const vf zv = vload(zero + (t - tb) * row);
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; ++r) z[r] = vfma(p[r], zv, z[r]);
+      }
+      vf code[NV];
+      if (NV % 2 == 0) {
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v += 2) vcodes2<BITS>(c + v * (VW / P), code[v], code[v + 1]);
+      } else {
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v) code[v] = vcodes<BITS>(c + v * (VW / P));
+      }
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        const vf cs = vmul(code[v], vset(s[group[v]]));
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; ++r) a[r][v] = vfma(p[r], cs, a[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) vstore(acc[r] + ch + v * VW, vadd(vload(acc[r] + ch + v * VW), a[r][v]));
+  if (ZEROS)
+    for (int r = 0; r < NR; ++r) vstore(zsum[r], z[r]);
+}
+
+// zsum[r][g] = sum_t p_rt * zero_tg over packed tokens [t0, t1): in registers when a token's zeros fit a vector.
+template <int NR>
+inline void zero_sums(const Packed& V, int64_t meta0, int64_t t0, int64_t t1, int64_t groups,
+                      const float* const* prob, float (*zsum)[kMaxDim]) {
+  float zero[kMaxDim];
+  if (groups <= VW) {
+    for (int i = 0; i < VW; ++i) zero[i] = 0.0f;
+    vf z[NR];
+    for (int r = 0; r < NR; ++r) z[r] = vset(0.0f);
+    for (int64_t t = t0; t < t1; ++t) {
+      load_row(V.zeros, V.meta, meta0 + t * V.meta_row, groups, zero);
+      const vf zv = vload(zero);
+      for (int r = 0; r < NR; ++r) z[r] = vfma(vset(prob[r][t]), zv, z[r]);
+    }
+    for (int r = 0; r < NR; ++r) vstore(zsum[r], z[r]);
+    return;
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int64_t g = 0; g < groups; ++g) zsum[r][g] = 0.0f;
+  for (int64_t t = t0; t < t1; ++t) {
+    load_row(V.zeros, V.meta, meta0 + t * V.meta_row, groups, zero);
+    for (int r = 0; r < NR; ++r) axpy(prob[r][t], zero, zsum[r], groups);
+  }
+}
+
+template <int BITS, int NR>
+void value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const float* const* prob, float* const* acc) {
+  const Packed& V = P.values;
+  const int64_t Dv = P.value_dim, G = V.group, groups = Dv / G;
+  const uint8_t* codes = V.codes + bh * V.code_head;
+  const int64_t meta0 = bh * V.meta_head;
+  constexpr int NV = VW >= 16 ? 4 : 2;  // accumulators NR * NV stay in registers
+  float zsum[NR][kMaxDim];
+  bool zeros_done = false;
+  int64_t ch = 0;
+  if (G % VW == 0) {  // whole vectors per group; the first block also sums the zeros when they fit a vector
+    for (; ch + NV * VW <= Dv; ch += NV * VW) {
+      if (!zeros_done && groups <= VW) {
+        value_block<BITS, NR, NV, true>(V, codes, meta0, t0, t1, ch, prob, acc, zsum);
+        zeros_done = true;
+      } else {
+        value_block<BITS, NR, NV, false>(V, codes, meta0, t0, t1, ch, prob, acc, zsum);
+      }
+    }
+    for (; ch + VW <= Dv; ch += VW) {
+      if (!zeros_done && groups <= VW) {
+        value_block<BITS, NR, 1, true>(V, codes, meta0, t0, t1, ch, prob, acc, zsum);
+        zeros_done = true;
+      } else {
+        value_block<BITS, NR, 1, false>(V, codes, meta0, t0, t1, ch, prob, acc, zsum);
+      }
+    }
+  }
+  for (; ch < Dv; ++ch) {  // small groups, or channels past the last whole vector
+    for (int r = 0; r < NR; ++r) {
+      float s = 0.0f;
+      for (int64_t t = t0; t < t1; ++t)
+        s += prob[r][t] * (load_scalar(V.scales, V.meta, meta0 + t * V.meta_row + ch / G) *
+                           scalar_code<BITS>(codes + t * V.code_row, ch));
+      acc[r][ch] += s;
+    }
+  }
+  // The zeros: sum_t p_t * z_tg once per group, added to the group's channels.
+  if (!zeros_done) zero_sums<NR>(V, meta0, t0, t1, groups, prob, zsum);
+  for (int r = 0; r < NR; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t d = g * G; d < (g + 1) * G; ++d) acc[r][d] += zsum[r][g];
+}
+
+template <int BITS>
+void packed_values(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const float* prob, int64_t pos_of_t0,
+                   float* acc, int64_t acc_row) {
+  const float* p[4];
+  float* a[4];
+  for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
+    const int nr = (int)min64(4, P.rows - r0);
+    for (int i = 0; i < nr; ++i) {
+      p[i] = prob + (r0 + i) * P.n + pos_of_t0 - t0;  // indexed by packed token
+      a[i] = acc + (r0 + i) * acc_row;
+    }
+    switch (nr) {
+      case 1: value_rows<BITS, 1>(P, bh, t0, t1, p, a); break;
+      case 2: value_rows<BITS, 2>(P, bh, t0, t1, p, a); break;
+      case 3: value_rows<BITS, 3>(P, bh, t0, t1, p, a); break;
+      default: value_rows<BITS, 4>(P, bh, t0, t1, p, a); break;
+    }
+  }
+}
+
+// ---- softmax of one chunk -----------------------------------------------------------------------------------------
+
+// Softcap and mask on row r's scores [p0, p1), then exp(score - max) in place. Returns the chunk max (-inf if all
+// are masked; NaN if all are masked or NaN and one is NaN) and stores the sum of the exponentials in `sum`. The max
+// ignores NaN, but exp(NaN - max) is NaN, so a NaN score still reaches the sum and the output.
+inline float chunk_softmax(const Problem& P, int64_t b, int64_t h, int64_t r, float* s, int64_t p0, int64_t p1,
+                           float* sum) {
+  const int64_t hq = h * P.q_per_kv + r / P.length, l = r % P.length;
+  if (P.softcap != 0.0f)
+    for (int64_t i = p0; i < p1; ++i) s[i] = P.softcap * __builtin_tanhf(s[i] / P.softcap);
+  const int64_t mask_base = b * P.mask_sb + hq * P.mask_sh + l * P.mask_sl + P.mask_col0 * P.mask_sc;
+  if (P.mask_kind == kMaskBool) {
+    const uint8_t* mask = static_cast<const uint8_t*>(P.mask) + mask_base;
+    for (int64_t i = p0; i < p1; ++i) s[i] = mask[i * P.mask_sc] ? s[i] : kNegInf;
+  } else if (P.mask_kind == kMaskFloat) {
+    const float* mask = static_cast<const float*>(P.mask) + mask_base;
+    for (int64_t i = p0; i < p1; ++i) s[i] += mask[i * P.mask_sc];
+  } else if (P.length > 1) {  // no mask: the queries are the last L positions, causal
+    for (int64_t i = max64(p0, P.n - P.length + l + 1); i < p1; ++i) s[i] = kNegInf;
+  }
+  vf mv = vset(kNegInf);
+  int64_t i = p0;
+  for (; i + VW <= p1; i += VW) mv = vmax(vload(s + i), mv);
+  float m = vhmax(mv);
+  for (; i < p1; ++i) m = s[i] > m ? s[i] : m;
+  if (m == kNegInf) {  // all masked, or NaN: weight 0 (the values still meet them, as 0 * value, like a dense product)
+    bool nan = false;
+    for (int64_t k = p0; k < p1; ++k) nan |= s[k] != s[k];
+    if (nan) m = __builtin_nanf("");
+    for (int64_t k = p0; k < p1; ++k) s[k] = nan ? m : 0.0f;
+    *sum = nan ? m : 0.0f;
+    return m;
+  }
+  const vf minus_m = vset(-m);
+  vf acc = vset(0.0f);
+  for (i = p0; i + VW <= p1; i += VW) {
+    const vf e = vexp(vadd(vload(s + i), minus_m));
+    vstore(s + i, e);
+    acc = vadd(acc, e);
+  }
+  float total = vsum(acc);
+  for (; i < p1; ++i) {
+    s[i] = __builtin_expf(s[i] - m);
+    total += s[i];
+  }
+  *sum = total;
+  return m;
+}
+
+// ---- one task -----------------------------------------------------------------------------------------------------
+
+inline void run_chunk(const Problem& P, int64_t task) {
+  const int64_t c = task % P.chunks, bh = task / P.chunks, b = bh / P.kv_heads, h = bh % P.kv_heads;
+  const int64_t S = P.sinks, n = P.n, D = P.head_dim, Dv = P.value_dim;
+  const int64_t p0 = c == 0 ? 0 : S + c * P.chunk, p1 = min64(S + (c + 1) * P.chunk, n);
+  const float* q = P.query + bh * P.rows * D;
+  float* scores = P.scores + bh * P.rows * n;
+  const int64_t acc_row = 2 + Dv;
+  float* partial = P.partials + task * P.rows * acc_row;
+
+  // Scores: sinks [0, S), packed [S, S + kc), tail [S + kc, n), each clipped to the chunk.
+  const int64_t kc = P.keys.count;
+  if (p0 < S) exact_scores(P, P.key_sinks, b, h, p0, min64(p1, S) - p0, q, scores, p0);
+  const int64_t k0 = max64(p0, S), k1 = min64(p1, S + kc);
+  if (k0 < k1) {
+    const int64_t g0 = (k0 - S) / P.keys.group, g1 = (k1 - S) / P.keys.group;
+    switch (P.keys.bits) {
+      case 2: packed_scores<2>(P, bh, g0, g1, q, scores, k0); break;
+      case 4: packed_scores<4>(P, bh, g0, g1, q, scores, k0); break;
+      default: packed_scores<8>(P, bh, g0, g1, q, scores, k0); break;
+    }
+  }
+  const int64_t tail0 = max64(p0, S + kc);
+  if (tail0 < p1) exact_scores(P, P.key_tail, b, h, tail0 - S - kc, p1 - tail0, q, scores, tail0);
+
+  for (int64_t r = 0; r < P.rows; ++r) {
+    float* out = partial + r * acc_row;
+    out[0] = chunk_softmax(P, b, h, r, scores + r * n, p0, p1, out + 1);
+    for (int64_t d = 0; d < Dv; ++d) out[2 + d] = 0.0f;
+  }
+
+  // Values: sinks [0, S), packed [S, S + vc), tail [S + vc, n).
+  const int64_t vc = P.values.count;
+  float* acc = partial + 2;
+  if (p0 < S) exact_values(P, P.value_sinks, b, h, p0, min64(p1, S) - p0, scores, p0, acc, acc_row);
+  const int64_t v0 = max64(p0, S), v1 = min64(p1, S + vc);
+  if (v0 < v1) {
+    switch (P.values.bits) {
+      case 2: packed_values<2>(P, bh, v0 - S, v1 - S, scores, v0, acc, acc_row); break;
+      case 4: packed_values<4>(P, bh, v0 - S, v1 - S, scores, v0, acc, acc_row); break;
+      default: packed_values<8>(P, bh, v0 - S, v1 - S, scores, v0, acc, acc_row); break;
+    }
+  }
+  const int64_t vt0 = max64(p0, S + vc);
+  if (vt0 < p1) exact_values(P, P.value_tail, b, h, vt0 - S - vc, p1 - vt0, scores, vt0, acc, acc_row);
+}
+
+}  // namespace
+
+void KIVI_DA_ENTRY(const Problem& p, int64_t task) { run_chunk(p, task); }
+
+}  // namespace kivi::cpu::decode

@@ -1,0 +1,103 @@
+// Run-time ISA detection and override (see isa.h), and its Python bindings.
+#include "isa.h"
+
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdlib>
+
+#include "kernels.h"
+
+namespace kivi::cpu {
+namespace {
+
+constexpr int kUnset = -1;
+std::atomic<int> g_isa{kUnset};
+
+Isa best_isa() {
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2}) {
+    if (isa_supported(isa)) return isa;
+  }
+  return Isa::kBaseline;
+}
+
+Isa isa_from_environment() {
+  const char* requested = std::getenv("KIVI_XPU_CPU_ISA");
+  if (requested == nullptr || *requested == '\0') return best_isa();
+  const Isa isa = parse_isa(requested);
+  TORCH_CHECK_VALUE(isa_supported(isa), "KIVI_XPU_CPU_ISA=", requested, " but this CPU lacks ", isa_name(isa),
+                    "; available: ", c10::Join(", ", available_isas()));
+  return isa;
+}
+
+}  // namespace
+
+bool isa_supported(Isa isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  switch (isa) {
+    case Isa::kAvx512:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case Isa::kAvx2:
+      return avx2;
+    case Isa::kBaseline:
+      return true;
+  }
+  return false;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kBaseline:
+      return "baseline";
+  }
+  return "unknown";
+}
+
+Isa parse_isa(const std::string& name) {
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
+    if (name == isa_name(isa)) return isa;
+  }
+  TORCH_CHECK_VALUE(false, "unknown CPU ISA '", name, "': expected one of avx512, avx2, baseline");
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
+    if (isa_supported(isa)) names.emplace_back(isa_name(isa));
+  }
+  return names;
+}
+
+Isa current_isa() {
+  int isa = g_isa.load(std::memory_order_relaxed);
+  if (isa == kUnset) {
+    isa = static_cast<int>(isa_from_environment());
+    g_isa.store(isa, std::memory_order_relaxed);
+  }
+  return static_cast<Isa>(isa);
+}
+
+void set_isa(Isa isa) {
+  TORCH_CHECK_VALUE(isa_supported(isa), "this CPU lacks ", isa_name(isa), "; available: ",
+                    c10::Join(", ", available_isas()));
+  g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+void register_isa(pybind11::module& m) {
+  m.def(
+      "isa", [] { return std::string(isa_name(current_isa())); },
+      "The SIMD instruction set the native kernels use: 'avx512', 'avx2' or 'baseline'.");
+  m.def("available_isas", &available_isas, "The instruction sets this CPU supports, best first.");
+  m.def(
+      "set_isa", [](const std::string& name) { set_isa(parse_isa(name)); },
+      "Forces the instruction set of every later call (tests; KIVI_XPU_CPU_ISA sets it for a whole process).");
+}
+
+}  // namespace kivi::cpu

@@ -1,0 +1,24 @@
+// Run-time choice of the SIMD instruction set the native CPU kernels use.
+//
+// The best ISA this CPU supports, unless the environment variable KIVI_XPU_CPU_ISA (avx512 | avx2 | baseline)
+// asks for another one (an ISA the CPU lacks is refused with an error). Tests may force one with set_isa().
+#pragma once
+#include <string>
+#include <vector>
+
+namespace kivi::cpu {
+
+enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// What the per-ISA translation units are compiled for:
+//   avx512: AVX-512 F/BW/VL/DQ + AVX2, FMA, F16C, BMI2;  avx2: AVX2, FMA, F16C, BMI2;  baseline: x86-64 (SSE2).
+bool isa_supported(Isa isa);
+const char* isa_name(Isa isa);
+Isa parse_isa(const std::string& name);  // throws (c10::Error -> ValueError) naming the allowed values
+std::vector<std::string> available_isas();  // best first
+
+// The ISA in use: set_isa()'s choice, else KIVI_XPU_CPU_ISA, else the best supported (decided at first call).
+Isa current_isa();
+void set_isa(Isa isa);  // throws if the CPU lacks it
+
+}  // namespace kivi::cpu

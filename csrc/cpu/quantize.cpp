@@ -1,0 +1,204 @@
+// Native CPU quantize / dequantize: argument checks, output allocation, ISA dispatch and threading (torch's
+// intra-op pool via at::parallel_for). The kernels are in quantize_impl.h, compiled per ISA in quantize_<isa>.cpp.
+// Semantics and layouts: kivi_xpu/ops/reference.py (bit-identical).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+
+#include "isa.h"
+#include "kernels.h"
+#include "quantize_job.h"
+
+namespace kivi::cpu {
+namespace {
+
+using quant::DequantizeJob;
+using quant::Dtype;
+using quant::QuantizeJob;
+
+// Elements a parallel chunk should hold at least, so a one-token decode call runs on the calling thread.
+constexpr int64_t kMinElementsPerChunk = 1 << 15;
+
+struct Kernels {
+  void (*quantize_keys)(const QuantizeJob&, int64_t, int64_t);
+  void (*quantize_values)(const QuantizeJob&, int64_t, int64_t);
+  void (*dequantize_keys)(const DequantizeJob&, int64_t, int64_t);
+  void (*dequantize_values)(const DequantizeJob&, int64_t, int64_t);
+};
+
+Kernels kernels() {
+  switch (current_isa()) {
+    case Isa::kAvx512:
+      return {quant::quantize_keys_avx512, quant::quantize_values_avx512, quant::dequantize_keys_avx512,
+              quant::dequantize_values_avx512};
+    case Isa::kAvx2:
+      return {quant::quantize_keys_avx2, quant::quantize_values_avx2, quant::dequantize_keys_avx2,
+              quant::dequantize_values_avx2};
+    case Isa::kBaseline:
+      break;
+  }
+  return {quant::quantize_keys_baseline, quant::quantize_values_baseline, quant::dequantize_keys_baseline,
+          quant::dequantize_values_baseline};
+}
+
+Dtype float_dtype(at::ScalarType type, const char* name) {
+  switch (type) {
+    case at::kFloat:
+      return quant::kF32;
+    case at::kHalf:
+      return quant::kF16;
+    case at::kBFloat16:
+      return quant::kBF16;
+    default:
+      TORCH_CHECK_TYPE(false, "`", name, "` must be one of (float32, float16, bfloat16), got ", type);
+  }
+}
+
+void check_bits_and_group(int64_t group_size, int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 2 || bits == 4 || bits == 8, "`bits` must be one of (2, 4, 8), got ", bits);
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % (8 / bits) == 0, "`group_size` must be a positive multiple of ",
+                    8 / bits, " for ", bits, "-bit codes, got ", group_size);
+}
+
+void check_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), "`", name, "` is an undefined tensor");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "`", name, "` must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == 4, "`", name, "` must have rank 4, got shape ", t.sizes());
+}
+
+void run(int64_t tasks, int64_t elements_per_task, const std::function<void(int64_t, int64_t)>& body) {
+  if (tasks == 0) return;
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerChunk / std::max<int64_t>(1, elements_per_task));
+  at::parallel_for(0, tasks, grain, body);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& input, int64_t group_size, int64_t bits,
+                                                         at::ScalarType meta_dtype, bool keys) {
+  check_tensor(input, "x");
+  check_bits_and_group(group_size, bits);
+  QuantizeJob job{};
+  job.x_dtype = float_dtype(input.scalar_type(), "x");
+  job.meta_dtype = float_dtype(meta_dtype, "meta_dtype");
+  const at::Tensor x = input.contiguous();
+  const int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
+  const int64_t grouped = keys ? t : d;
+  TORCH_CHECK_VALUE(grouped % group_size == 0, "`group_size` (", group_size, ") must divide the ",
+                    keys ? "number of tokens x.shape[2] (" : "head_dim x.shape[3] (", grouped, ")");
+  const auto meta_options = x.options().dtype(meta_dtype);
+  at::Tensor codes, scales, zeros;
+  if (keys) {
+    codes = at::empty({b, h, d, t * bits / 8}, x.options().dtype(at::kByte));
+    scales = at::empty({b, h, d, t / group_size}, meta_options);
+  } else {
+    codes = at::empty({b, h, t, d * bits / 8}, x.options().dtype(at::kByte));
+    scales = at::empty({b, h, t, d / group_size}, meta_options);
+  }
+  zeros = at::empty_like(scales);
+  job.x = x.data_ptr();
+  job.codes = codes.data_ptr<uint8_t>();
+  job.scales = scales.data_ptr();
+  job.zeros = zeros.data_ptr();
+  job.heads = b * h, job.tokens = t, job.head_dim = d, job.group = group_size, job.bits = bits;
+  const Kernels k = kernels();
+  if (keys) {
+    run(b * h * (t / group_size), group_size * d, [&](int64_t s, int64_t e) { k.quantize_keys(job, s, e); });
+  } else {
+    run(b * h * t, d, [&](int64_t s, int64_t e) { k.quantize_values(job, s, e); });
+  }
+  return {codes, scales, zeros};
+}
+
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t num_tokens,
+                      int64_t group_size, int64_t bits, at::ScalarType out_dtype, bool keys) {
+  check_tensor(codes, "codes");
+  check_tensor(scales, "scales");
+  check_tensor(zeros, "zeros");
+  check_bits_and_group(group_size, bits);
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "`codes` must be uint8, got ", codes.scalar_type());
+  DequantizeJob job{};
+  job.meta_dtype = float_dtype(scales.scalar_type(), "scales");
+  job.out_dtype = float_dtype(out_dtype, "out_dtype");
+  TORCH_CHECK_TYPE(zeros.scalar_type() == scales.scalar_type(), "`scales` and `zeros` must share a dtype, got ",
+                   scales.scalar_type(), " and ", zeros.scalar_type());
+  TORCH_CHECK_VALUE(scales.sizes() == zeros.sizes(), "`scales` and `zeros` must have the same shape, got ",
+                    scales.sizes(), " and ", zeros.sizes());
+  TORCH_CHECK_VALUE(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
+                    "`codes`, `scales` and `zeros` must be contiguous (packed storage is laid out densely)");
+  TORCH_CHECK_VALUE(num_tokens >= 0, "`num_tokens` must be non-negative, got ", num_tokens);
+  const int64_t b = codes.size(0), h = codes.size(1), per = 8 / bits;
+  TORCH_CHECK_VALUE(scales.size(0) == b && scales.size(1) == h, "`scales` batch/heads ", scales.sizes(),
+                    " do not match `codes` batch/heads ", codes.sizes());
+  int64_t d;
+  if (keys) {
+    d = codes.size(2);
+    TORCH_CHECK_VALUE(num_tokens % group_size == 0, "`num_tokens` (", num_tokens,
+                      ") must be a multiple of `group_size` (", group_size, ") for keys");
+    TORCH_CHECK_VALUE(scales.size(2) == d, "`scales` dim 2 (", scales.size(2), ") must equal head_dim ", d);
+    TORCH_CHECK_VALUE(codes.size(3) >= num_tokens / per && scales.size(3) >= num_tokens / group_size,
+                      "`num_tokens` (", num_tokens, ") exceeds the stored tokens: codes hold ", codes.size(3) * per,
+                      ", scales hold ", scales.size(3) * group_size);
+    job.code_len = codes.size(3), job.meta_len = scales.size(3);
+  } else {
+    d = codes.size(3) * per;
+    TORCH_CHECK_VALUE(d % group_size == 0, "`group_size` (", group_size, ") must divide head_dim (", d, ")");
+    TORCH_CHECK_VALUE(scales.size(3) == d / group_size, "`scales` last dim ", scales.size(3),
+                      " must equal head_dim / group_size = ", d / group_size);
+    TORCH_CHECK_VALUE(codes.size(2) >= num_tokens && scales.size(2) >= num_tokens, "`num_tokens` (", num_tokens,
+                      ") exceeds the stored tokens: codes hold ", codes.size(2), ", scales hold ", scales.size(2));
+    job.code_len = codes.size(2), job.meta_len = scales.size(2);
+  }
+  at::Tensor out = at::empty({b, h, num_tokens, d}, codes.options().dtype(out_dtype));
+  job.codes = codes.data_ptr<uint8_t>();
+  job.scales = scales.data_ptr();
+  job.zeros = zeros.data_ptr();
+  job.out = out.data_ptr();
+  job.heads = b * h, job.num_tokens = num_tokens, job.head_dim = d, job.group = group_size, job.bits = bits;
+  const Kernels k = kernels();
+  if (keys) {
+    run(b * h * (num_tokens / group_size), group_size * d, [&](int64_t s, int64_t e) { k.dequantize_keys(job, s, e); });
+  } else {
+    run(b * h * num_tokens, d, [&](int64_t s, int64_t e) { k.dequantize_values(job, s, e); });
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_quantize(pybind11::module& m) {
+  namespace py = pybind11;
+  m.def(
+      "quantize_keys",
+      [](const at::Tensor& x, int64_t group_size, int64_t bits, at::ScalarType meta_dtype) {
+        return quantize(x, group_size, bits, meta_dtype, true);
+      },
+      "x [B,H,T,D] -> codes uint8 [B,H,D,T*bits/8], scales, zeros [B,H,D,T/G] (per-channel keys).", py::arg("x"),
+      py::arg("group_size"), py::arg("bits"), py::arg("meta_dtype") = at::kHalf);
+  m.def(
+      "quantize_values",
+      [](const at::Tensor& x, int64_t group_size, int64_t bits, at::ScalarType meta_dtype) {
+        return quantize(x, group_size, bits, meta_dtype, false);
+      },
+      "x [B,H,T,D] -> codes uint8 [B,H,T,D*bits/8], scales, zeros [B,H,T,D/G] (per-token values).", py::arg("x"),
+      py::arg("group_size"), py::arg("bits"), py::arg("meta_dtype") = at::kHalf);
+  m.def(
+      "dequantize_keys",
+      [](const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t num_tokens,
+         int64_t group_size, int64_t bits, at::ScalarType out_dtype) {
+        return dequantize(codes, scales, zeros, num_tokens, group_size, bits, out_dtype, true);
+      },
+      "Packed keys (possibly over-allocated) -> [B,H,num_tokens,D].", py::arg("codes"), py::arg("scales"),
+      py::arg("zeros"), py::arg("num_tokens"), py::arg("group_size"), py::arg("bits"),
+      py::arg("out_dtype") = at::kFloat);
+  m.def(
+      "dequantize_values",
+      [](const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t num_tokens,
+         int64_t group_size, int64_t bits, at::ScalarType out_dtype) {
+        return dequantize(codes, scales, zeros, num_tokens, group_size, bits, out_dtype, false);
+      },
+      "Packed values (possibly over-allocated) -> [B,H,num_tokens,D].", py::arg("codes"), py::arg("scales"),
+      py::arg("zeros"), py::arg("num_tokens"), py::arg("group_size"), py::arg("bits"),
+      py::arg("out_dtype") = at::kFloat);
+}
+
+}  // namespace kivi::cpu

@@ -1,0 +1,361 @@
+// KIVI quantize / dequantize kernels, written once against simd.h and compiled per ISA (quantize_<isa>.cpp includes
+// this file after simd.h inside an anonymous namespace). Semantics are kivi_xpu/ops/reference.py's, bit for bit:
+//   scale = meta((mx - mn) / qmax), zero = meta(mn)        (meta = round to the metadata dtype and back)
+//   q     = clamp(rint((x - zero) / scale), 0, qmax)        (a real division; q = 0 where scale == 0)
+//   a group with a non-finite element, scale or zero: codes 0, scale = zero = NaN
+//   x'    = q * scale + zero                                 (two roundings: the TU is built with fp-contract=off)
+// Keys put SIMD lanes on channels (a group runs along tokens, i.e. down a column of x); values put lanes along the
+// group's channels (a group is a contiguous piece of a row).
+
+template <class V, class X>
+inline typename V::F load_as_float(const typename X::T* p) {
+  if constexpr (sizeof(typename X::T) == 4) {
+    return V::load(p);
+  } else {
+    return V::load(p, X{});
+  }
+}
+
+template <class V, class X>
+inline void store_from_float(typename X::T* p, typename V::F v) {
+  if constexpr (sizeof(typename X::T) == 4) {
+    V::store(p, v);
+  } else {
+    V::store(p, v, X{});
+  }
+}
+
+// Rounds to the metadata dtype and back, as torch's `.to(meta_dtype).float()` does.
+template <class V, class M>
+inline typename V::F round_to(typename V::F v) {
+  if constexpr (sizeof(typename M::T) == 4) {
+    return v;
+  } else {
+    alignas(64) uint16_t tmp[16];
+    V::store(tmp, v, M{});
+    return V::load(tmp, M{});
+  }
+}
+
+// Per-lane statistics of a group while it is read: min, max, and the sum of (x - x), which is 0 if every element is
+// finite and NaN otherwise (min/max alone may drop a NaN).
+template <class V>
+struct Range {
+  typename V::F lo, hi, check;
+  void start(typename V::F v) {
+    lo = hi = v;
+    check = V::sub(v, v);
+  }
+  void add(typename V::F v) {
+    lo = V::min(lo, v);
+    hi = V::max(hi, v);
+    check = V::add(check, V::sub(v, v));
+  }
+};
+
+// Stored scale and zero of a group (NaN if invalid) and what quantization needs: `use` (valid and scale > 0) and a
+// divisor that is the scale where used (1 elsewhere, so no lane divides by zero).
+template <class V>
+struct Params {
+  typename V::F scale, zero, divisor, qmax;
+  typename V::M use;
+};
+
+template <class V, class M>
+inline Params<V> group_params(const Range<V>& r, float qmax) {
+  using F = typename V::F;
+  const F zero_f = V::set1(0.0f), nan = V::set1(bits_float(0x7FC00000u));
+  const F scale = round_to<V, M>(V::div(V::sub(r.hi, r.lo), V::set1(qmax)));
+  const F zero = round_to<V, M>(r.lo);
+  const F check = V::add(r.check, V::add(V::sub(scale, scale), V::sub(zero, zero)));
+  const typename V::M valid = V::eq(check, zero_f);
+  Params<V> p;
+  p.use = V::both(valid, V::gt(scale, zero_f));
+  p.divisor = V::select(p.use, scale, V::set1(1.0f));
+  p.scale = V::select(valid, scale, nan);
+  p.zero = V::select(valid, zero, nan);
+  p.qmax = V::set1(qmax);
+  return p;
+}
+
+template <class V>
+inline typename V::I quantize_lanes(typename V::F v, const Params<V>& p) {
+  typename V::F q = V::round_even(V::div(V::sub(v, p.zero), p.divisor));
+  q = V::min(V::max(q, V::set1(0.0f)), p.qmax);
+  return V::select_i(p.use, V::to_int(q), V::set1_i(0));
+}
+
+template <class V>
+inline typename V::F dequantize_lanes(typename V::I q, typename V::F scale, typename V::F zero) {
+  return V::add(V::mul(V::to_float(q), scale), zero);  // not contracted into an fma (fp-contract=off)
+}
+
+// ---- keys: lanes = channels c0 .. c0 + W - 1 of one (head, group) ------------------------------------------------
+
+template <class V, class X, class M>
+inline void quantize_key_channels(const QuantizeJob& j, int64_t head, int64_t group, int64_t c0) {
+  constexpr int W = V::kWidth;
+  const int64_t d = j.head_dim, g = j.group, bits = j.bits;
+  const auto* x = static_cast<const typename X::T*>(j.x) + (head * j.tokens + group * g) * d + c0;
+  Range<V> r;
+  r.start(load_as_float<V, X>(x));
+  for (int64_t t = 1; t < g; ++t) r.add(load_as_float<V, X>(x + t * d));
+  const Params<V> p = group_params<V, M>(r, (float)((1 << bits) - 1));
+
+  // Metadata [heads, D, groups]: lanes are `groups` elements apart.
+  const int64_t groups = j.tokens / g, meta0 = (head * d + c0) * groups + group;
+  alignas(64) typename M::T scale[16], zero[16];
+  store_from_float<V, M>(scale, p.scale);
+  store_from_float<V, M>(zero, p.zero);
+  for (int l = 0; l < W; ++l) {
+    static_cast<typename M::T*>(j.scales)[meta0 + l * groups] = scale[l];
+    static_cast<typename M::T*>(j.zeros)[meta0 + l * groups] = zero[l];
+  }
+
+  // Codes [heads, D, tokens*bits/8]: each lane packs 32/bits tokens into a 32-bit word, written to its channel row.
+  const int64_t row = j.tokens * bits / 8;
+  uint8_t* out = j.codes + (head * d + c0) * row + group * g * bits / 8;
+  const int64_t per_word = 32 / bits;
+  for (int64_t t = 0; t < g; t += per_word) {
+    const int64_t n = t + per_word <= g ? per_word : g - t;  // a multiple of 8 / bits
+    typename V::I word = V::set1_i(0);
+    for (int64_t k = 0; k < n; ++k)
+      word = V::or_i(word, V::shl(quantize_lanes<V>(load_as_float<V, X>(x + (t + k) * d), p), (int)(k * bits)));
+    alignas(64) int32_t words[16];
+    V::store_i(words, word);
+    if (n == per_word) {  // a constant size: a plain 4-byte store, not a memcpy call
+      for (int l = 0; l < W; ++l) __builtin_memcpy(out + l * row + t * bits / 8, &words[l], 4);
+    } else {
+      for (int l = 0; l < W; ++l) __builtin_memcpy(out + l * row + t * bits / 8, &words[l], (size_t)(n * bits / 8));
+    }
+  }
+}
+
+template <class V, class M, class O>
+inline void dequantize_key_channels(const DequantizeJob& j, int64_t head, int64_t group, int64_t c0) {
+  constexpr int W = V::kWidth;
+  const int64_t d = j.head_dim, g = j.group, bits = j.bits;
+  alignas(64) typename M::T scale_lanes[16], zero_lanes[16];  // gathered raw, converted as vectors
+  const int64_t meta0 = (head * d + c0) * j.meta_len + group;
+  for (int l = 0; l < W; ++l) {
+    scale_lanes[l] = static_cast<const typename M::T*>(j.scales)[meta0 + l * j.meta_len];
+    zero_lanes[l] = static_cast<const typename M::T*>(j.zeros)[meta0 + l * j.meta_len];
+  }
+  const typename V::F scale = load_as_float<V, M>(scale_lanes), zero = load_as_float<V, M>(zero_lanes);
+  const typename V::I mask = V::set1_i((1 << bits) - 1);
+  const uint8_t* in = j.codes + (head * d + c0) * j.code_len + group * g * bits / 8;
+  auto* out = static_cast<typename O::T*>(j.out) + (head * j.num_tokens + group * g) * d + c0;
+  const int64_t per_word = 32 / bits;
+  for (int64_t t = 0; t < g; t += per_word) {
+    const int64_t n = t + per_word <= g ? per_word : g - t;
+    alignas(64) int32_t words[16];
+    if (n == per_word) {
+      for (int l = 0; l < W; ++l) __builtin_memcpy(&words[l], in + l * j.code_len + t * bits / 8, 4);
+    } else {
+      for (int l = 0; l < W; ++l) {
+        words[l] = 0;
+        __builtin_memcpy(&words[l], in + l * j.code_len + t * bits / 8, (size_t)(n * bits / 8));
+      }
+    }
+    const typename V::I word = V::load_i(words);
+    for (int64_t k = 0; k < n; ++k) {
+      const typename V::I q = V::and_i(V::shr(word, (int)(k * bits)), mask);
+      store_from_float<V, O>(out + (t + k) * d, dequantize_lanes<V>(q, scale, zero));
+    }
+  }
+}
+
+// A key task reads (or writes) G rows of D contiguous elements, column chunk by column chunk: strided accesses the
+// hardware prefetchers follow poorly. The whole block of the NEXT task is contiguous, so it is prefetched in order.
+inline void prefetch_block(const void* start, int64_t bytes, bool for_write) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) {
+    if (for_write) {
+      __builtin_prefetch(p + offset, 1);
+    } else {
+      __builtin_prefetch(p + offset, 0);
+    }
+  }
+}
+
+template <class X, class M>
+inline void quantize_keys_range(const QuantizeJob& j, int64_t begin, int64_t end) {
+  const int64_t groups = j.tokens / j.group, block = j.group * j.head_dim;
+  for (int64_t task = begin; task < end; ++task) {
+    if (task + 1 < end) prefetch_block(static_cast<const typename X::T*>(j.x) + (task + 1) * block,
+                                       block * (int64_t)sizeof(typename X::T), false);
+    int64_t c = 0;
+    for (; c + Vec::kWidth <= j.head_dim; c += Vec::kWidth) quantize_key_channels<Vec, X, M>(j, task / groups, task % groups, c);
+    for (; c < j.head_dim; ++c) quantize_key_channels<Scalar, X, M>(j, task / groups, task % groups, c);
+  }
+}
+
+template <class M, class O>
+inline void dequantize_keys_range(const DequantizeJob& j, int64_t begin, int64_t end) {
+  const int64_t groups = j.num_tokens / j.group, block = j.group * j.head_dim;
+  for (int64_t task = begin; task < end; ++task) {
+    if (task + 1 < end) prefetch_block(static_cast<typename O::T*>(j.out) + (task + 1) * block,
+                                       block * (int64_t)sizeof(typename O::T), true);
+    int64_t c = 0;
+    for (; c + Vec::kWidth <= j.head_dim; c += Vec::kWidth) dequantize_key_channels<Vec, M, O>(j, task / groups, task % groups, c);
+    for (; c < j.head_dim; ++c) dequantize_key_channels<Scalar, M, O>(j, task / groups, task % groups, c);
+  }
+}
+
+// ---- values: groups are contiguous pieces of the rows, numbered flat across rows ------------------------------------
+// A block of up to Vec::kWidth consecutive groups is handled together: each group's min / max is read with its
+// channels on the lanes (policy E: Vec, or Scalar when the group is not a whole number of vectors), then the
+// parameters of the whole block are computed at once with the groups on the lanes (independent work instead of one
+// long dependency chain per group), and their metadata, contiguous in memory, is stored as one vector.
+
+constexpr int64_t kPiece = 256;  // codes staged one per byte between the float math and pack/unpack_codes
+
+template <class E, class X, class M>
+inline void quantize_value_block(const QuantizeJob& j, int64_t first, int64_t count) {
+  constexpr int W = Vec::kWidth;
+  const int64_t g = j.group;
+  const int bits = (int)j.bits;
+  const auto* x = static_cast<const typename X::T*>(j.x) + first * g;
+  alignas(64) float lo[W], hi[W], check[W];
+  for (int64_t k = 0; k < W; ++k) {
+    if (k >= count) {
+      lo[k] = hi[k] = check[k] = 0.0f;
+      continue;
+    }
+    Range<E> lanes;
+    lanes.start(load_as_float<E, X>(x + k * g));
+    for (int64_t i = E::kWidth; i < g; i += E::kWidth) lanes.add(load_as_float<E, X>(x + k * g + i));
+    lo[k] = E::reduce_min(lanes.lo), hi[k] = E::reduce_max(lanes.hi), check[k] = E::reduce_add(lanes.check);
+  }
+  Range<Vec> block;
+  block.lo = Vec::load(lo), block.hi = Vec::load(hi), block.check = Vec::load(check);
+  const Params<Vec> p = group_params<Vec, M>(block, (float)((1 << bits) - 1));
+  alignas(64) typename M::T meta[W];
+  store_from_float<Vec, M>(meta, p.scale);
+  __builtin_memcpy(static_cast<typename M::T*>(j.scales) + first, meta, (size_t)count * sizeof(meta[0]));
+  store_from_float<Vec, M>(meta, p.zero);
+  __builtin_memcpy(static_cast<typename M::T*>(j.zeros) + first, meta, (size_t)count * sizeof(meta[0]));
+  alignas(64) float zero[W], divisor[W], use[W];
+  Vec::store(zero, p.zero);
+  Vec::store(divisor, p.divisor);
+  Vec::store(use, Vec::select(p.use, Vec::set1(1.0f), Vec::set1(0.0f)));
+
+  uint8_t* codes = j.codes + first * g * bits / 8;
+  alignas(64) uint8_t q[kPiece];
+  for (int64_t k = 0; k < count; ++k) {
+    Params<E> pe;
+    pe.zero = E::set1(zero[k]), pe.divisor = E::set1(divisor[k]), pe.qmax = E::set1((float)((1 << bits) - 1));
+    pe.use = E::gt(E::set1(use[k]), E::set1(0.0f));
+    for (int64_t start = 0; start < g; start += kPiece) {
+      const int64_t n = g - start < kPiece ? g - start : kPiece;
+      for (int64_t i = 0; i < n; i += E::kWidth)
+        E::store_u8(q + i, quantize_lanes<E>(load_as_float<E, X>(x + k * g + start + i), pe));
+      pack_codes(q, n, bits, codes + (k * g + start) * bits / 8);
+    }
+  }
+}
+
+template <class E, class M, class O>
+inline void dequantize_value_block(const DequantizeJob& j, int64_t head, int64_t t, int64_t first, int64_t count) {
+  constexpr int W = Vec::kWidth;
+  const int64_t g = j.group, groups = j.head_dim / g;
+  const int bits = (int)j.bits;
+  // Metadata and codes are read from the (over-allocated) storage rows, outputs written densely.
+  const int64_t meta = (head * j.meta_len + t) * groups + first;
+  alignas(64) typename M::T raw[W] = {};
+  alignas(64) float scale[W], zero[W];
+  __builtin_memcpy(raw, static_cast<const typename M::T*>(j.scales) + meta, (size_t)count * sizeof(raw[0]));
+  Vec::store(scale, load_as_float<Vec, M>(raw));
+  __builtin_memcpy(raw, static_cast<const typename M::T*>(j.zeros) + meta, (size_t)count * sizeof(raw[0]));
+  Vec::store(zero, load_as_float<Vec, M>(raw));
+  const uint8_t* codes = j.codes + (head * j.code_len + t) * (j.head_dim * bits / 8) + first * g * bits / 8;
+  auto* out = static_cast<typename O::T*>(j.out) + (head * j.num_tokens + t) * j.head_dim + first * g;
+  alignas(64) uint8_t q[kPiece];
+  for (int64_t k = 0; k < count; ++k) {
+    const typename E::F s = E::set1(scale[k]), z = E::set1(zero[k]);
+    for (int64_t start = 0; start < g; start += kPiece) {
+      const int64_t n = g - start < kPiece ? g - start : kPiece;
+      unpack_codes(codes + (k * g + start) * bits / 8, n, bits, q);
+      for (int64_t i = 0; i < n; i += E::kWidth)
+        store_from_float<E, O>(out + k * g + start + i, dequantize_lanes<E>(E::load_u8(q + i), s, z));
+    }
+  }
+}
+
+// Tasks are rows (head * tokens + token); quantize walks their groups as one flat range, dequantize row by row
+// (the storage rows of values may be over-allocated, so the groups of two rows are not adjacent there).
+template <class E, class X, class M>
+inline void quantize_value_rows(const QuantizeJob& j, int64_t begin, int64_t end) {
+  const int64_t groups = j.head_dim / j.group, last = end * groups;
+  for (int64_t first = begin * groups; first < last; first += Vec::kWidth)
+    quantize_value_block<E, X, M>(j, first, last - first < Vec::kWidth ? last - first : Vec::kWidth);
+}
+
+template <class E, class M, class O>
+inline void dequantize_value_rows(const DequantizeJob& j, int64_t begin, int64_t end) {
+  const int64_t groups = j.head_dim / j.group;
+  for (int64_t task = begin; task < end; ++task) {
+    for (int64_t first = 0; first < groups; first += Vec::kWidth)
+      dequantize_value_block<E, M, O>(j, task / j.num_tokens, task % j.num_tokens, first,
+                                      groups - first < Vec::kWidth ? groups - first : Vec::kWidth);
+  }
+}
+
+// A group that is not a whole number of vectors runs its element math on the scalar policy.
+template <class X, class M>
+inline void quantize_values_range(const QuantizeJob& j, int64_t begin, int64_t end) {
+  if (j.group % Vec::kWidth == 0) {
+    quantize_value_rows<Vec, X, M>(j, begin, end);
+  } else {
+    quantize_value_rows<Scalar, X, M>(j, begin, end);
+  }
+}
+
+template <class M, class O>
+inline void dequantize_values_range(const DequantizeJob& j, int64_t begin, int64_t end) {
+  if (j.group % Vec::kWidth == 0) {
+    dequantize_value_rows<Vec, M, O>(j, begin, end);
+  } else {
+    dequantize_value_rows<Scalar, M, O>(j, begin, end);
+  }
+}
+
+// Calls f(tag) with the element-type tag of a run-time dtype.
+template <class Fn>
+inline void with_dtype(Dtype dtype, Fn&& f) {
+  switch (dtype) {
+    case kF32:
+      f(F32{});
+      break;
+    case kF16:
+      f(F16{});
+      break;
+    case kBF16:
+      f(BF16{});
+      break;
+  }
+}
+
+inline void quantize_keys(const QuantizeJob& j, int64_t begin, int64_t end) {
+  with_dtype(j.x_dtype, [&](auto x) {
+    with_dtype(j.meta_dtype, [&](auto m) { quantize_keys_range<decltype(x), decltype(m)>(j, begin, end); });
+  });
+}
+
+inline void quantize_values(const QuantizeJob& j, int64_t begin, int64_t end) {
+  with_dtype(j.x_dtype, [&](auto x) {
+    with_dtype(j.meta_dtype, [&](auto m) { quantize_values_range<decltype(x), decltype(m)>(j, begin, end); });
+  });
+}
+
+inline void dequantize_keys(const DequantizeJob& j, int64_t begin, int64_t end) {
+  with_dtype(j.meta_dtype, [&](auto m) {
+    with_dtype(j.out_dtype, [&](auto o) { dequantize_keys_range<decltype(m), decltype(o)>(j, begin, end); });
+  });
+}
+
+inline void dequantize_values(const DequantizeJob& j, int64_t begin, int64_t end) {
+  with_dtype(j.meta_dtype, [&](auto m) {
+    with_dtype(j.out_dtype, [&](auto o) { dequantize_values_range<decltype(m), decltype(o)>(j, begin, end); });
+  });
+}

@@ -1,0 +1,327 @@
+// Tiny vector API the native CPU kernels are written against, once, and compiled per ISA.
+//
+// Usage (one translation unit per ISA, see quantize_avx512.cpp): include <immintrin.h>, <cstdint> and <cstring>
+// FIRST, then `#pragma GCC target(...)`, define KIVI_SIMD_AVX512 or KIVI_SIMD_AVX2 (neither: baseline), and include
+// this file INSIDE `namespace kivi::cpu::<isa> { namespace {`. Everything here then has internal linkage, so the
+// linker can never hand an AVX-512 instance of an inline function to code running on an AVX2-only CPU.
+// No headers are included and no std templates are used here for the same reason.
+//
+// Policies: `Scalar` (1 lane, exact software conversions) always exists, for tails and the baseline; `Vec` is the
+// widest policy of the ISA (16 lanes AVX-512, 8 lanes AVX2, Scalar on baseline). Every policy has the same static
+// functions, so kernels are templates over the policy: F float lanes, I int32 lanes, M lane mask.
+// Conversions are bit-exact with kivi_xpu/ops/reference.py: fp16 and bf16 round to nearest even, fp16 overflows to
+// Inf, NaN becomes sign|0x7E00 (fp16) or 0x7FC0 (bf16); fp16/bf16 -> fp32 is exact.
+
+// Element type tags: storage type of each supported dtype.
+struct F32 {
+  using T = float;
+};
+struct F16 {
+  using T = uint16_t;
+};
+struct BF16 {
+  using T = uint16_t;
+};
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+// fp16 -> fp32, exact (software decode: the baseline has no F16C).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  if (exponent == 0x1Fu) return bits_float(sign | 0x7F800000u | (mantissa << 13));
+  if (exponent == 0) return bits_float(sign | float_bits((float)mantissa * bits_float(0x33800000u)));  // m * 2^-24
+  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+// fp32 -> fp16, round to nearest even, overflow to Inf, gradual underflow, NaN -> sign|0x7E00.
+inline uint16_t float_to_half(float f) {
+  const uint32_t u = float_bits(f);
+  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  const uint32_t abs_bits = u & 0x7FFFFFFFu;
+  if (abs_bits > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);
+  if (abs_bits >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);  // rounds to >= 65520: Inf
+  if (abs_bits >= 0x38800000u) {                                   // normal fp16 (>= 2^-14)
+    const uint32_t rounded = abs_bits + 0xFFFu + ((abs_bits >> 13) & 1u);
+    return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
+  }
+  // Subnormal or zero: m * 2^-24 with m = rint(|f| * 2^24), exact in fp32; rint rounds half to even.
+  return (uint16_t)(sign | (uint16_t)__builtin_rintf(bits_float(abs_bits) * bits_float(0x4B800000u)));
+}
+
+inline float bf16_to_float(uint16_t b) { return bits_float((uint32_t)b << 16); }
+
+// fp32 -> bf16, round to nearest even; NaN -> 0x7FC0 (torch's c10::BFloat16 rule).
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct Scalar {
+  static constexpr int kWidth = 1;
+  using F = float;
+  using I = int32_t;
+  using M = bool;
+
+  static F load(const float* p) { return *p; }
+  static F load(const uint16_t* p, F16) { return half_to_float(*p); }
+  static F load(const uint16_t* p, BF16) { return bf16_to_float(*p); }
+  static void store(float* p, F v) { *p = v; }
+  static void store(uint16_t* p, F v, F16) { *p = float_to_half(v); }
+  static void store(uint16_t* p, F v, BF16) { *p = float_to_bf16(v); }
+
+  static F set1(float v) { return v; }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F min(F a, F b) { return a < b ? a : b; }  // minps semantics
+  static F max(F a, F b) { return a > b ? a : b; }
+  static F round_even(F v) { return __builtin_rintf(v); }  // default rounding mode: nearest even
+  static M eq(F a, F b) { return a == b; }                  // ordered: false if either is NaN
+  static M gt(F a, F b) { return a > b; }
+  static M both(M a, M b) { return a && b; }
+  static F select(M m, F a, F b) { return m ? a : b; }
+  static float reduce_min(F v) { return v; }  // across lanes (order unspecified)
+  static float reduce_max(F v) { return v; }
+  static float reduce_add(F v) { return v; }
+
+  static I set1_i(int32_t v) { return v; }
+  static I to_int(F v) { return (int32_t)v; }  // truncates; used on integral values only
+  static F to_float(I v) { return (float)v; }
+  static I and_i(I a, I b) { return a & b; }
+  static I or_i(I a, I b) { return a | b; }
+  static I shl(I v, int n) { return (int32_t)((uint32_t)v << n); }
+  static I shr(I v, int n) { return (int32_t)((uint32_t)v >> n); }  // logical
+  static I select_i(M m, I a, I b) { return m ? a : b; }
+  static I load_i(const int32_t* p) { return *p; }
+  static void store_i(int32_t* p, I v) { *p = v; }
+  static I load_u8(const uint8_t* p) { return *p; }                      // kWidth bytes -> lanes
+  static void store_u8(uint8_t* p, I v) { *p = (uint8_t)v; }            // lanes (< 256) -> kWidth bytes
+};
+
+#if defined(KIVI_SIMD_AVX512)
+struct Vec {
+  static constexpr int kWidth = 16;
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const uint16_t* p, F16) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static F load(const uint16_t* p, BF16) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static void store(uint16_t* p, F v, F16) {
+    // Hardware RNE with overflow to Inf; NaN payloads are replaced first so every NaN becomes sign|0x7E00.
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)),
+                                          _mm512_set1_epi32(0x7FC00000));
+    v = _mm512_mask_blend_ps(nan, v, _mm512_castsi512_ps(quiet));
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void store(uint16_t* p, F v, BF16) {
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(r, 16),
+                                _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+  }
+
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F round_even(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static M both(M a, M b) { return (M)(a & b); }
+  static F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
+  static float reduce_min(F v) { return _mm512_reduce_min_ps(v); }
+  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
+
+  static I set1_i(int32_t v) { return _mm512_set1_epi32(v); }
+  static I to_int(F v) { return _mm512_cvttps_epi32(v); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static I and_i(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_i(I a, I b) { return _mm512_or_si512(a, b); }
+  static I shl(I v, int n) { return _mm512_sll_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I shr(I v, int n) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I select_i(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
+  static I load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static void store_i(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
+  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static void store_u8(uint8_t* p, I v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v)); }
+};
+#elif defined(KIVI_SIMD_AVX2)
+struct Vec {
+  static constexpr int kWidth = 8;
+  using F = __m256;
+  using I = __m256i;
+  using M = __m256;  // all-ones / all-zeros lanes
+
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const uint16_t* p, F16) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static F load(const uint16_t* p, BF16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void store(uint16_t* p, F v, F16) {
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    const __m256 quiet = _mm256_or_ps(_mm256_and_ps(v, _mm256_set1_ps(-0.0f)), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)));
+    v = _mm256_blendv_ps(v, quiet, nan);
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void store(uint16_t* p, F v, BF16) {
+    const __m256i u = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_set1_epi32(0x7FC0),
+                           _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    // Values < 2^16 in 32-bit lanes: unsigned-saturating pack is exact; the permute undoes its lane interleave.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+  }
+
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F round_even(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  static M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  static M both(M a, M b) { return _mm256_and_ps(a, b); }
+  static F select(M m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
+  static float reduce_min(F v) {
+    __m128 r = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_min_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_min_ss(r, _mm_movehdup_ps(r)));
+  }
+  static float reduce_max(F v) {
+    __m128 r = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
+  }
+  static float reduce_add(F v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+  }
+
+  static I set1_i(int32_t v) { return _mm256_set1_epi32(v); }
+  static I to_int(F v) { return _mm256_cvttps_epi32(v); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static I and_i(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_i(I a, I b) { return _mm256_or_si256(a, b); }
+  static I shl(I v, int n) { return _mm256_sll_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I shr(I v, int n) { return _mm256_srl_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I select_i(M m, I a, I b) { return _mm256_blendv_epi8(b, a, _mm256_castps_si256(m)); }
+  static I load_i(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static void store_i(int32_t* p, I v) { _mm256_storeu_si256((__m256i*)p, v); }
+  static I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static void store_u8(uint8_t* p, I v) {
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i*)p, _mm_packus_epi16(words, words));
+  }
+};
+#else
+using Vec = Scalar;
+#endif
+
+// Codes <-> packed bytes, little-end first (2-bit byte = q0 | q1<<2 | q2<<4 | q3<<6). `q` holds one code per byte;
+// `n` codes (a multiple of 8 / bits) become n * bits / 8 bytes.
+inline void pack_codes(const uint8_t* q, int64_t n, int bits, uint8_t* out) {
+  int64_t i = 0;
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+  if (bits == 8) {
+    __builtin_memcpy(out, q, (size_t)n);
+    return;
+  }
+  // 16 codes at a time: multiply-add adjacent codes into 16-bit (and for 2 bits 32-bit) lanes, then narrow.
+  const __m128i pairs = _mm_set1_epi16((short)(1 | (1 << (8 + bits))));
+  for (; i + 16 <= n; i += 16) {
+    const __m128i codes = _mm_loadu_si128((const __m128i*)(q + i));
+    __m128i words = _mm_maddubs_epi16(codes, pairs);  // q0 + q1 << bits
+    if (bits == 4) {
+      _mm_storel_epi64((__m128i*)(out + i / 2), _mm_packus_epi16(words, words));
+    } else {
+      words = _mm_madd_epi16(words, _mm_set1_epi32(1 | (16 << 16)));  // + (q2 + q3 << 2) << 4
+      const __m128i halves = _mm_packus_epi32(words, words);
+      const int32_t packed = _mm_cvtsi128_si32(_mm_packus_epi16(halves, halves));
+      __builtin_memcpy(out + i / 4, &packed, 4);
+    }
+  }
+#endif
+  const int per = 8 / bits;
+  for (; i < n; i += per) {
+    unsigned byte = 0;
+    for (int k = 0; k < per; ++k) byte |= (unsigned)q[i + k] << (k * bits);
+    out[i / per] = (uint8_t)byte;
+  }
+}
+
+// Inverse of pack_codes: n codes (a multiple of 8 / bits) from n * bits / 8 bytes, one code per byte of `q`.
+inline void unpack_codes(const uint8_t* in, int64_t n, int bits, uint8_t* q) {
+  int64_t i = 0;
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+  if (bits == 8) {
+    __builtin_memcpy(q, in, (size_t)n);
+    return;
+  }
+  if (bits == 4) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (; i + 16 <= n; i += 16) {  // 8 bytes -> 16 codes: low nibble first
+      const __m128i bytes = _mm_loadl_epi64((const __m128i*)(in + i / 2));
+      _mm_storeu_si128((__m128i*)(q + i),
+                       _mm_unpacklo_epi8(_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+    }
+  } else {
+    // 4 bytes -> 16 codes: byte j goes to lanes 4j..4j+3, and lane l keeps (byte >> 2 * (l % 4)) & 3 (SSE has no
+    // per-byte variable shift: four shifted copies, blended by lane).
+    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m128i three = _mm_set1_epi8(3);
+    const __m128i lane_mod = _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    for (; i + 16 <= n; i += 16) {
+      int32_t word;
+      __builtin_memcpy(&word, in + i / 4, 4);
+      const __m128i bytes = _mm_shuffle_epi8(_mm_cvtsi32_si128(word), spread);
+      // Shifting 16-bit lanes leaks bits across bytes; the & 3 after each shift removes them.
+      const __m128i s0 = _mm_and_si128(bytes, three);
+      const __m128i s2 = _mm_and_si128(_mm_srli_epi16(bytes, 2), three);
+      const __m128i s4 = _mm_and_si128(_mm_srli_epi16(bytes, 4), three);
+      const __m128i s6 = _mm_and_si128(_mm_srli_epi16(bytes, 6), three);
+      const __m128i is1 = _mm_cmpeq_epi8(lane_mod, _mm_set1_epi8(1));
+      const __m128i is2 = _mm_cmpeq_epi8(lane_mod, _mm_set1_epi8(2));
+      const __m128i is3 = _mm_cmpeq_epi8(lane_mod, _mm_set1_epi8(3));
+      __m128i codes = _mm_blendv_epi8(s0, s2, is1);
+      codes = _mm_blendv_epi8(codes, s4, is2);
+      codes = _mm_blendv_epi8(codes, s6, is3);
+      _mm_storeu_si128((__m128i*)(q + i), codes);
+    }
+  }
+#endif
+  const int per = 8 / bits;
+  const unsigned mask = (1u << bits) - 1u;
+  for (; i < n; i += per) {
+    const unsigned byte = in[i / per];
+    for (int k = 0; k < per; ++k) q[i + k] = (uint8_t)((byte >> (k * bits)) & mask);
+  }
+}

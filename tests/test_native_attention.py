@@ -1,0 +1,259 @@
+"""kivi_xpu._cpu.decode_attention against its pure-PyTorch twin (kivi_xpu.ops.decode_reference) on awkward shapes,
+on every ISA of this CPU.
+
+Skipped when the extension is not built, unless KIVI_XPU_REQUIRE_NATIVE=1 (then a missing build fails).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from kivi_xpu.ops.decode_reference import decode_attention_reference
+from kivi_xpu.ops.reference import quantize_keys, quantize_values
+
+try:
+    from kivi_xpu import _cpu as native
+except ImportError as err:
+    if os.environ.get("KIVI_XPU_REQUIRE_NATIVE") == "1":
+        raise
+    pytest.skip(f"kivi_xpu._cpu is not built: {err}", allow_module_level=True)
+
+
+@pytest.fixture(params=native.available_isas())
+def isa(request):
+    """Runs the test on one ISA of this CPU, restoring the process's default afterwards."""
+    previous = native.isa()
+    native.set_isa(request.param)
+    yield request.param
+    native.set_isa(previous)
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 2
+    kv_heads: int = 3
+    ratio: int = 3  # query heads per kv head
+    length: int = 1  # query rows per head
+    head_dim: int = 64
+    value_dim: int = 64
+    sinks: int = 0
+    key_count: int = 64
+    key_tail: int = 20
+    value_count: int = 70  # the value tail is whatever remains of n
+    key_group: int = 32
+    value_group: int = 32
+    key_bits: int = 2
+    value_bits: int = 2
+    meta: torch.dtype = torch.float16
+    dtype: torch.dtype = torch.float32
+    mask: str = "none"  # none | bool | float
+    softcap: float | None = None
+
+    @property
+    def n(self) -> int:
+        return self.sinks + self.key_count + self.key_tail
+
+
+CASES = [
+    Case(),
+    Case(key_count=0, value_count=0, key_tail=7),  # no packed history at all
+    Case(key_count=32, value_count=31, key_tail=1),  # just around one group boundary
+    Case(key_count=96, value_count=97, key_tail=33, sinks=1, key_bits=4, value_bits=8),
+    Case(sinks=4, key_count=0, value_count=3, key_tail=5, ratio=1),
+    Case(ratio=8, kv_heads=1, length=3, key_count=288, value_count=300, key_tail=40, mask="bool"),
+    Case(ratio=1, length=3, sinks=4, key_bits=8, value_bits=4, meta=torch.bfloat16, mask="float"),
+    Case(head_dim=48, value_dim=40, key_group=8, value_group=8, key_count=80, value_count=85, key_tail=9),
+    Case(head_dim=72, value_dim=96, key_group=24, value_group=48, key_bits=4, key_count=72, value_count=70),
+    Case(meta=torch.float32, softcap=3.0, length=3, mask="bool"),
+    Case(dtype=torch.float16, sinks=4, key_bits=4, value_bits=2, mask="float"),
+    Case(dtype=torch.bfloat16, meta=torch.bfloat16, sinks=1, ratio=8, kv_heads=1, length=3),
+    Case(batch=1, kv_heads=3, key_count=2048, value_count=2100, key_tail=180, key_group=64, value_group=64),
+    Case(batch=3, kv_heads=2, ratio=3, length=1, key_count=1024, value_count=1000, key_tail=40, mask="bool"),
+]
+
+
+def build(case: Case, seed: int = 0):
+    """The op's arguments for ``case``: over-allocated packed storage and narrow (non-contiguous) exact views."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, hq, length = case.batch, case.kv_heads, case.kv_heads * case.ratio, case.length
+    n, s = case.n, case.sinks
+    value_tail = n - s - case.value_count
+    assert value_tail >= 0, case
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    def narrow(tokens: int, width: int) -> torch.Tensor:  # a view into a bigger buffer, as the cache keeps them
+        return randn(b, h, tokens + 9, width + 8).to(case.dtype)[:, :, 3 : 3 + tokens, 2 : 2 + width]
+
+    capacity = 32 * 24 * ((max(case.key_count, case.value_count) + 32 * 24) // (32 * 24) + 1)
+    keys = quantize_keys(randn(b, h, capacity, case.head_dim), case.key_group, case.key_bits, case.meta)
+    values = quantize_values(randn(b, h, capacity, case.value_dim), case.value_group, case.value_bits, case.meta)
+    mask = None
+    if case.mask != "none":
+        pad = 5  # columns before this layer's n positions, which the op must ignore
+        attend = torch.rand(b, 1, length, pad + n, generator=gen) > 0.3
+        attend[..., -1] = True
+        attend[0, 0, -1, :] = False  # a fully masked (padding) query row
+        mask = attend if case.mask == "bool" else torch.where(attend, 0.0, float("-inf")) + randn(b, 1, length, pad + n)
+        if case.mask == "float":
+            mask = mask.to(case.dtype)
+    return dict(
+        query=randn(b, hq, length, case.head_dim).to(case.dtype),
+        key_sinks=narrow(s, case.head_dim) if s else None,
+        key_codes=keys[0],
+        key_scales=keys[1],
+        key_zeros=keys[2],
+        key_count=case.key_count,
+        key_group=case.key_group,
+        key_bits=case.key_bits,
+        key_tail=narrow(case.key_tail, case.head_dim),
+        value_sinks=narrow(s, case.value_dim) if s else None,
+        value_codes=values[0],
+        value_scales=values[1],
+        value_zeros=values[2],
+        value_count=case.value_count,
+        value_group=case.value_group,
+        value_bits=case.value_bits,
+        value_tail=narrow(value_tail, case.value_dim),
+        mask=mask,
+        scaling=case.head_dim**-0.5,
+        softcap=case.softcap,
+    )
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same NaN positions; elsewhere within ~1e-4 of the output scale (fp32) or about one rounding (fp16/bf16)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(actual.isnan(), expected.isnan()), "NaN rows differ"
+    finite = ~expected.isnan()
+    a, e = actual[finite].float(), expected[finite].float()
+    scale = max(1.0, e.abs().max().item()) if e.numel() else 1.0
+    tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[expected.dtype] * scale
+    worst = (a - e).abs().max().item() if e.numel() else 0.0
+    assert worst <= tolerance, f"max error {worst:.3g} > {tolerance:.3g}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"n{c.n}-s{c.sinks}-r{c.ratio}-L{c.length}-{c.mask}")
+def test_matches_reference(isa, case):
+    args = build(case)
+    out = native.decode_attention(**args)
+    expected = decode_attention_reference(**args)
+    assert out.shape == (case.batch, case.kv_heads * case.ratio, case.length, case.value_dim)
+    assert_close(out, expected)
+    if case.mask != "none":  # the fully masked row gives zeros, never NaN
+        assert torch.equal(out[0, :, -1], torch.zeros_like(out[0, :, -1]))
+
+
+@pytest.mark.parametrize("where", ["tail", "sink", "packed"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_key_makes_the_row_nan(isa, where, bad):
+    case = Case(sinks=2, length=3, ratio=1, mask="bool")
+    args = build(case)
+    args["query"][..., 0] = 1.0  # every score meets the bad channel with a positive weight: +inf, not -inf
+    args["mask"][:] = True
+    args["mask"][1, 0, 2, :] = False  # a fully masked row stays zeros even so
+    if where == "tail":
+        args["key_tail"][0, 1, 3, 0] = bad
+    elif where == "sink":
+        args["key_sinks"][0, 1, 1, 0] = bad
+    else:
+        args["key_scales"][0, 1, 0, 1] = bad
+    out = native.decode_attention(**args)
+    assert_close(out, decode_attention_reference(**args))
+    assert out[0, 1].isnan().all() and not out[0, 0].isnan().any() and not out[1].isnan().any()
+    assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
+
+
+def test_masked_nan_key_is_ignored(isa):
+    args = build(Case(mask="bool"))
+    args["mask"][:] = True
+    args["key_tail"][:, :, 5, :] = float("nan")
+    args["mask"][..., args["mask"].shape[-1] - args["key_tail"].shape[2] + 5] = False
+    out = native.decode_attention(**args)
+    assert not out.isnan().any()
+    assert_close(out, decode_attention_reference(**args))
+
+
+def test_deterministic_across_thread_counts():
+    args = build(Case(batch=1, key_count=4096, value_count=4100, key_tail=100))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.decode_attention(**args)
+        torch.set_num_threads(max(2, threads))
+        many = native.decode_attention(**args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+SCRIPT = """
+import torch
+from kivi_xpu import _cpu as native
+from kivi_xpu.ops.decode_reference import decode_attention_reference
+from tests.test_native_attention import CASES, assert_close, build
+assert native.isa() == {isa!r}, native.isa()
+for case in CASES[:6]:
+    args = build(case)
+    assert_close(native.decode_attention(**args), decode_attention_reference(**args))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("requested", native.available_isas())
+def test_environment_selects_the_isa(requested):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KIVI_XPU_CPU_ISA=requested, PYTHONPATH=root)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(isa=requested)], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def bad_inputs():
+    """(description, change to the arguments of a valid call, expected message fragment)."""
+    yield "rank", lambda a: a.update(query=a["query"][0]), "`query` must have rank 4"
+    yield "int query", lambda a: a.update(query=a["query"].int()), "`query` must be float32"
+    yield "bits", lambda a: a.update(key_bits=3), "`key_bits` must be 2, 4 or 8"
+    yield "key group", lambda a: a.update(key_group=30), "`key_group` must be a positive multiple"
+    yield "key count", lambda a: a.update(key_count=48, key_tail=a["key_tail"][:, :, 16:]), "`key_count`"
+    yield "too many keys", lambda a: a.update(key_count=1 << 20), "exceeds the stored keys"
+    yield "too many values", lambda a: a.update(value_count=1 << 20), "`value_count`"
+    yield "counts", lambda a: a.update(value_tail=a["value_tail"][:, :, 1:]), "but values cover"
+    yield "heads", lambda a: a.update(query=a["query"][:, :4]), "multiple of the kv heads"
+    yield "head_dim", lambda a: a.update(query=a["query"][..., :32]), "`key_codes` must have shape"
+    yield "codes dtype", lambda a: a.update(key_codes=a["key_codes"].int()), "`key_codes` must be uint8"
+    yield "meta dtypes", lambda a: a.update(key_zeros=a["key_zeros"].float()), "must share a dtype"
+    yield "packed strides", lambda a: a.update(value_codes=a["value_codes"][:, :, ::2]), "must be contiguous"
+    channel_major = lambda t: t.transpose(2, 3).contiguous().transpose(2, 3)  # noqa: E731
+    yield "tail stride", lambda a: a.update(key_tail=channel_major(a["key_tail"])), "unit stride"
+    yield "sinks", lambda a: a.update(value_sinks=None), "`key_sinks` holds"
+    yield "mask shape", lambda a: a.update(mask=torch.ones(1, 1, 1, 3, dtype=torch.bool)), "`mask` must have shape"
+    yield "mask dtype", lambda a: a.update(mask=torch.ones(1, 1, 1, 200, dtype=torch.int32)), "`mask` must be float32"
+    yield "softcap", lambda a: a.update(softcap=float("inf")), "`softcap` must be finite"
+
+
+@pytest.mark.parametrize("what,change,message", list(bad_inputs()), ids=[b[0] for b in bad_inputs()])
+def test_bad_input_raises(what, change, message):
+    args = build(Case(sinks=2))
+    change(args)
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=message):
+        native.decode_attention(**args)
+
+
+def test_isa_override_rejects_unknown_names():
+    with pytest.raises((RuntimeError, ValueError), match="expected one of"):
+        native.set_isa("sse9")
+
+
+def test_fp16_model_with_fp16_tails():
+    case = replace(CASES[0], dtype=torch.float16, sinks=3, mask="bool")
+    args = build(case)
+    assert_close(native.decode_attention(**args), decode_attention_reference(**args))
