@@ -51,7 +51,8 @@ def dense_kind(inputs: KindOperands, kind: str, backend: str) -> torch.Tensor:
         )
         parts.append(history.to(inputs.tail.device))
     parts.append(inputs.tail)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    # Always a new tensor: the tail may be a view of the layer's window, which the next append overwrites.
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0].clone()
 
 
 def dense_states(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:

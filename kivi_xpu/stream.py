@@ -62,12 +62,12 @@ class KindStream:
             return self.settings.quantized_key_count(length)
         return self.settings.quantized_value_count(length)
 
-    def operands(self, count: int, tail: torch.Tensor) -> KindOperands:
-        """What attention reads: the sinks, the first ``count`` packed tokens (the whole buffers: the op reads only
+    def operands(self, sinks: torch.Tensor, count: int, tail: torch.Tensor) -> KindOperands:
+        """What attention reads: ``sinks``, the first ``count`` packed tokens (the whole buffers: the op reads only
         ``count``) and the exact ``tail``."""
         codes, scales, zeros = (b.data for b in self.packed.buffers())
         packed = self.packed
-        return KindOperands(self.sinks.view(), codes, scales, zeros, count, packed.group_size, packed.bits, tail)
+        return KindOperands(sinks, codes, scales, zeros, count, packed.group_size, packed.bits, tail)
 
     def append_and_read(self, new: torch.Tensor, record: bool) -> KindOperands:
         """Appends ``new [B, H, m, D]`` (as :meth:`append`) and returns what attention reads for it: the sinks, the
@@ -77,11 +77,13 @@ class KindStream:
         A decode step (sinks full, ``m <= R``) appends into the window first and hands out a view of it: no copy
         of the window. The view stays valid until the next append (the rows it shows are only moved or
         overwritten then)."""
-        count = self.packed.num_tokens
+        count, sinks = self.packed.num_tokens, self.sinks.view()  # as before this append
         if len(self.sinks) < self.settings.sink_tokens or new.shape[2] > self.settings.residual_length:
+            # Tokens of `new` bound for the sinks are in the tail, which is in order: the window is empty until
+            # the sinks are full.
             tail = torch.cat([self.window.view(), new], dim=2)
             self.append(new, record)
-            return self.operands(count, tail)
+            return self.operands(sinks, count, tail)
         self.window.append(new)
         tail = self.window.view()
         self.length += new.shape[2]
@@ -89,7 +91,7 @@ class KindStream:
         if leaving:
             self._pack(tail[:, :, :leaving], record)
             self.window.drop_front(leaving)
-        return self.operands(count, tail)
+        return self.operands(sinks, count, tail)
 
     def _pack(self, block: torch.Tensor, record: bool) -> None:
         self.packed.append(block)

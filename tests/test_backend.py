@@ -1,11 +1,14 @@
-"""Backend choice without a SYCL device: the reference path with one clear warning, or a clear error when SYCL
-was required. Run in subprocesses, because the SYCL runtime reads OCL_ICD_FILENAMES once per process."""
+"""Backend choice without a SYCL device (and, for `auto`, without the native CPU extension): the reference path with
+one clear warning, or a clear error when SYCL was required. Run in subprocesses, because the SYCL runtime reads
+OCL_ICD_FILENAMES once per process."""
 
 import os
 import subprocess
 import sys
 
 SCRIPT = """
+import sys
+sys.modules["kivi_xpu._cpu"] = None  # an install without the native CPU extension: importing it fails
 import warnings
 warnings.simplefilter("always")
 import torch

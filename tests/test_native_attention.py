@@ -1,5 +1,5 @@
-"""kivi_xpu._cpu.decode_attention against its pure-PyTorch twin (kivi_xpu.ops.decode_reference) on awkward shapes,
-on every ISA of this CPU.
+"""kivi_xpu._cpu.decode_attention against its pure-PyTorch twin (kivi_xpu.ops.reference.decode_attention) on
+awkward shapes, on every ISA of this CPU.
 
 Skipped when the extension is not built, unless KIVI_XPU_REQUIRE_NATIVE=1 (then a missing build fails).
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from kivi_xpu.ops.decode_reference import decode_attention_reference
+from kivi_xpu.ops.reference import decode_attention as decode_attention_reference
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
 
 try:
@@ -197,7 +197,7 @@ def test_deterministic_across_thread_counts():
 SCRIPT = """
 import torch
 from kivi_xpu import _cpu as native
-from kivi_xpu.ops.decode_reference import decode_attention_reference
+from kivi_xpu.ops.reference import decode_attention as decode_attention_reference
 from tests.test_native_attention import CASES, assert_close, build
 assert native.isa() == {isa!r}, native.isa()
 for case in CASES[:6]:

@@ -271,15 +271,15 @@ def decode_attention(
     ``mask``: None or a transformers mask whose last ``n`` columns apply (see :func:`masked_scores`); ``softcap`` 0
     means none. Returns ``[B, Hq, L, Dv]`` in query's dtype. The twin of every fused implementation: it dequantizes
     the history and attends densely in fp32."""
-    device = query.device
-    keys = [key_sinks.float()]
+    device = query.device  # (sinks None and softcap None are accepted too, as by the native kernel)
+    keys = [] if key_sinks is None else [key_sinks.float()]
     if key_count:
         keys.append(dequantize_keys(key_codes, key_scales, key_zeros, key_count, key_group, key_bits).to(device))
-    values = [value_sinks.float()]
+    values = [] if value_sinks is None else [value_sinks.float()]
     if value_count:
         values.append(
             dequantize_values(value_codes, value_scales, value_zeros, value_count, value_group, value_bits).to(device)
         )
     keys = torch.cat(keys + [key_tail.float()], dim=2)
     values = torch.cat(values + [value_tail.float()], dim=2)
-    return dense_attention(query, keys, values, mask, scaling, softcap)
+    return dense_attention(query, keys, values, mask, scaling, softcap or 0.0)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import transformers
 
+from ..backend import BACKENDS
 from .options import CACHE_NAMES, DTYPES, ToolError, ToolOptions
 
 DEFAULTS = ToolOptions()
@@ -128,7 +129,7 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="extra KiviCache keyword argument (repeatable), passed through unchanged",
     )
-    p.add_argument("--backend", choices=("auto", "sycl", "reference"), help="KIVI kernels (default: auto)")
+    p.add_argument("--backend", choices=BACKENDS, help="KIVI kernels (default: auto)")
     p.add_argument("--device", help="SYCL device filter for KIVI, e.g. opencl:cpu (default: automatic)")
 
 
