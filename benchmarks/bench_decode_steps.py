@@ -1,0 +1,89 @@
+"""Decode ms/step of DynamicCache, StaticCache and KiviCache (fused) on SmolLM2-135M after one shared prefill.
+
+One prefill with DynamicCache per context; its keys/values fill every cache through ``cache.update`` (the KIVI cache
+quantizes them as a prefill would), then ``--steps`` single-token forward passes are timed per cache (median, first
+2 untimed) and the ratios of the full-precision caches' ms/step to KIVI's printed (above 1: KIVI faster). Not a
+test: numbers depend on the machine; run it on a quiet one. ``KIVI_XPU_CPU_ISA=avx2`` measures the AVX2 path.
+
+    python benchmarks/bench_decode_steps.py --ctx 1024 4096 8192 --batch 1
+"""
+
+import argparse
+import statistics
+import subprocess
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+
+from kivi_xpu import KiviCache, assets, backend
+
+p = argparse.ArgumentParser()
+p.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 8192])
+p.add_argument("--batch", type=int, default=1)
+p.add_argument("--steps", type=int, default=16)
+p.add_argument("--backend", default=None)
+p.add_argument("--caches", nargs="+", default=["dynamic", "static", "kivi"])
+p.add_argument("--profile", action="store_true")
+args = p.parse_args()
+lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
+print("KIVI kernels:", backend.select(args.backend).describe(), "| torch threads:", torch.get_num_threads())
+torch.manual_seed(0)
+path = assets.smollm2_checkpoint()
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+cfg = model.config
+
+
+def fill(cache, kv, ctx):
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i, {"cache_position": torch.arange(ctx)})
+
+
+def run(kind, kv, ctx):
+    if kind == "dynamic":
+        cache = DynamicCache(config=cfg)
+        model.set_attn_implementation("sdpa")
+    elif kind == "static":
+        cache = StaticCache(config=cfg, max_cache_len=ctx + args.steps + 4)
+        model.set_attn_implementation("sdpa")
+    else:
+        cache = KiviCache(config=cfg, backend=args.backend)
+        model.set_attn_implementation("kivi")
+    fill(cache, kv, ctx)
+    tok = torch.randint(0, 1000, (args.batch, 1))
+    times = []
+    with torch.inference_mode():
+        for s in range(args.steps):
+            pos = torch.tensor([ctx + s])
+            t0 = time.perf_counter()
+            positions = pos.expand(args.batch, 1)
+            out = model(
+                input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=positions, use_cache=True
+            )
+            times.append(time.perf_counter() - t0)
+            tok = out.logits[:, -1:].argmax(-1)
+    return statistics.median(times[2:]) * 1e3, cache
+
+
+for ctx in args.ctx:
+    with torch.inference_mode():
+        ids = torch.randint(0, 30000, (args.batch, ctx))
+        dc = DynamicCache(config=cfg)
+        model.set_attn_implementation("sdpa")
+        model(input_ids=ids, past_key_values=dc, use_cache=True)
+        kv = [(layer.keys[:, :, :ctx].clone(), layer.values[:, :, :ctx].clone()) for layer in dc.layers]
+        del dc
+    res = {}
+    for kind in args.caches:
+        ms, cache = run(kind, kv, ctx)
+        res[kind] = ms
+        if kind == "kivi" and args.profile:
+            with torch.profiler.profile() as prof:
+                run(kind, kv, ctx)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    line = f"ctx {ctx} b{args.batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items())
+    if "kivi" in res:
+        for base in ("dynamic", "static"):
+            line += f"  | {base}/KIVI {res.get(base, float('nan')) / res['kivi']:.2f}x"
+    print(line, flush=True)
