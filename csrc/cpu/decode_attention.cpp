@@ -16,16 +16,15 @@
 namespace kivi::cpu {
 namespace {
 
-using decode::Dtype;
 using decode::Exact;
 using decode::Packed;
 using decode::Problem;
 
 Dtype float_dtype(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
-    case at::kFloat: return decode::kF32;
-    case at::kHalf: return decode::kF16;
-    case at::kBFloat16: return decode::kBF16;
+    case at::kFloat: return kF32;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
     default: TORCH_CHECK(false, "decode_attention: `", name, "` must be float32, float16 or bfloat16, got ", t.dtype());
   }
 }
@@ -48,7 +47,7 @@ Exact exact(const at::Tensor& t, const char* name, int64_t batch, int64_t heads,
 
 Exact optional_exact(const c10::optional<at::Tensor>& t, const char* name, const at::Tensor& like, int64_t width) {
   if (t.has_value()) return exact(*t, name, like.size(0), like.size(1), width);
-  return Exact{nullptr, decode::kF32, 0, 0, 0, 0};
+  return Exact{nullptr, kF32, 0, 0, 0, 0};
 }
 
 int64_t codes_per_byte(int64_t bits, const char* name) {

@@ -4,9 +4,10 @@
 #pragma once
 #include <cstdint>
 
+#include "dtype.h"
+
 namespace kivi::cpu::decode {
 
-enum Dtype : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 enum MaskKind : int { kMaskNone = 0, kMaskBool = 1, kMaskFloat = 2 };
 
 // An exact [B, H, T, D] tensor in the model dtype; strides in elements, the last one is 1.

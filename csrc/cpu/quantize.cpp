@@ -14,7 +14,6 @@ namespace kivi::cpu {
 namespace {
 
 using quant::DequantizeJob;
-using quant::Dtype;
 using quant::QuantizeJob;
 
 // Elements a parallel chunk should hold at least, so a one-token decode call runs on the calling thread.
@@ -45,11 +44,11 @@ Kernels kernels() {
 Dtype float_dtype(at::ScalarType type, const char* name) {
   switch (type) {
     case at::kFloat:
-      return quant::kF32;
+      return kF32;
     case at::kHalf:
-      return quant::kF16;
+      return kF16;
     case at::kBFloat16:
-      return quant::kBF16;
+      return kBF16;
     default:
       TORCH_CHECK_TYPE(false, "`", name, "` must be one of (float32, float16, bfloat16), got ", type);
   }

@@ -4,9 +4,10 @@
 #pragma once
 #include <cstdint>
 
+#include "dtype.h"
+
 namespace kivi::cpu::quant {
 
-enum Dtype : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // x [heads, tokens, head_dim] (heads = B*H, contiguous) -> codes, scales, zeros (contiguous):
 //   keys:   codes [heads, head_dim, tokens*bits/8], meta [heads, head_dim, tokens/group];
