@@ -32,3 +32,22 @@ def backend_name(request):
     if request.param != "reference":
         require_backend(request.param)
     return request.param
+
+
+def _native_isas() -> list[str]:
+    try:
+        from kivi_xpu import _cpu
+    except ImportError:
+        return []  # the native tests skip (or fail under KIVI_XPU_REQUIRE_NATIVE=1) through tests/native_module.py
+    return _cpu.available_isas()
+
+
+@pytest.fixture(params=_native_isas())
+def isa(request):
+    """Runs a native-kernel test on one ISA of this CPU, restoring the process's default afterwards."""
+    from kivi_xpu import _cpu as native
+
+    previous = native.isa()
+    native.set_isa(request.param)
+    yield request.param
+    native.set_isa(previous)

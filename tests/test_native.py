@@ -11,15 +11,9 @@ import sys
 
 import pytest
 import torch
+from native_module import native
 
 from kivi_xpu.ops import reference
-
-try:
-    from kivi_xpu import _cpu as native
-except ImportError as err:
-    if os.environ.get("KIVI_XPU_REQUIRE_NATIVE") == "1":
-        raise
-    pytest.skip(f"kivi_xpu._cpu is not built: {err}", allow_module_level=True)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BITS = (2, 4, 8)
@@ -33,15 +27,6 @@ SHAPES = (
     (2, 1, 48, 40, 24, 8),
     (1, 5, 128, 128, 128, 128),
 )
-
-
-@pytest.fixture(params=native.available_isas())
-def isa(request):
-    """Runs the test on one ISA of this CPU, restoring the process's default afterwards."""
-    previous = native.isa()
-    native.set_isa(request.param)
-    yield request.param
-    native.set_isa(previous)
 
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:

@@ -13,25 +13,10 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from native_module import native
 
 from kivi_xpu.ops.reference import decode_attention as decode_attention_reference
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
-
-try:
-    from kivi_xpu import _cpu as native
-except ImportError as err:
-    if os.environ.get("KIVI_XPU_REQUIRE_NATIVE") == "1":
-        raise
-    pytest.skip(f"kivi_xpu._cpu is not built: {err}", allow_module_level=True)
-
-
-@pytest.fixture(params=native.available_isas())
-def isa(request):
-    """Runs the test on one ISA of this CPU, restoring the process's default afterwards."""
-    previous = native.isa()
-    native.set_isa(request.param)
-    yield request.param
-    native.set_isa(previous)
 
 
 @dataclass(frozen=True)
@@ -210,7 +195,8 @@ print("ok")
 @pytest.mark.parametrize("requested", native.available_isas())
 def test_environment_selects_the_isa(requested):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, KIVI_XPU_CPU_ISA=requested, PYTHONPATH=root)
+    tests_dir = os.path.join(root, "tests")  # this module imports tests/native_module.py
+    env = dict(os.environ, KIVI_XPU_CPU_ISA=requested, PYTHONPATH=os.pathsep.join([root, tests_dir]))
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT.format(isa=requested)], env=env, cwd=root, capture_output=True, text=True
     )
