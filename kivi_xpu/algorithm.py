@@ -36,6 +36,11 @@ PER_KIND_FIELDS = {
 }
 
 
+# The longest full-precision window accepted: 16M tokens, above the longest context of any model today (~10M), so
+# only a mistaken value (2**40) is refused, at construction rather than by the allocator at the first update.
+MAX_RESIDUAL_LENGTH = 2**24
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -48,7 +53,8 @@ class KiviSettings:
         bits: bits per quantized element, one of (2, 4, 8); the default for ``key_bits`` and ``value_bits``.
         group_size: ``G``, elements sharing one scale and zero point (tokens for keys, channels for values);
             the default for ``key_group_size`` and ``value_group_size``.
-        residual_length: ``R``, tokens kept in full precision (the key block and the value window).
+        residual_length: ``R``, tokens kept in full precision (the key block and the value window), at most
+            ``2**24``; memory follows the tokens held, not ``R``.
         meta_dtype: dtype of the stored scales and zero points (``float16``, ``bfloat16`` or ``float32``).
         key_bits / value_bits: bits of the key / value codes (default: ``bits``), each one of (2, 4, 8).
         key_group_size: tokens per key group (default: ``group_size``); divides ``R`` (keys are quantized in
@@ -92,6 +98,11 @@ class KiviSettings:
         r = self.residual_length
         if not _is_int(r) or r <= 0:
             raise ValueError(f"`residual_length` must be a positive integer, got {r!r}")
+        if r > MAX_RESIDUAL_LENGTH:
+            raise ValueError(
+                f"`residual_length` must be at most {MAX_RESIDUAL_LENGTH} (2**24 tokens, beyond any model's context; "
+                f"a full-precision window that long takes >= 4 GiB per head at head_dim 128), got {r}"
+            )
         if r % self.key_group_size != 0:
             name = self._name("key_group_size")
             raise ValueError(

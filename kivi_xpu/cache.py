@@ -58,7 +58,8 @@ class KiviCache(Cache):
         bits: 2, 4 or 8 bits per stored element (keys and values, unless ``key_bits`` / ``value_bits`` say otherwise).
         group_size: elements per scale/zero group (tokens for keys, channels for values), unless
             ``key_group_size`` / ``value_group_size`` say otherwise; must divide head_dim.
-        residual_length: ``R``, tokens kept in full precision; a multiple of the key group size.
+        residual_length: ``R``, tokens kept in full precision; a multiple of the key group size, at most ``2**24``.
+            Memory follows the tokens held (a 27-token cache allocates about 27 tokens' worth whatever ``R``).
         meta_dtype: dtype of the stored scales and zero points (default ``torch.float16``).
         backend: ``"auto"`` (default: ``$KIVI_XPU_BACKEND`` or SYCL kernels when a SYCL device exists, else the
             pure-PyTorch reference with one warning), ``"sycl"`` or ``"reference"``.

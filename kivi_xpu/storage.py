@@ -1,7 +1,7 @@
 """Growable token buffers and the packed key/value history of one cache layer.
 
-Storage grows by amortised chunks (geometric growth), never by concatenating the whole history at every
-step, and a decode step only quantizes the tokens that leave the full-precision window.
+Storage grows with the tokens actually held, by amortised chunks (geometric growth), never by concatenating the
+whole history at every step, and a decode step only quantizes the tokens that leave the full-precision window.
 """
 
 from __future__ import annotations
@@ -14,24 +14,41 @@ from .algorithm import KiviSettings
 from .ops import kernel
 from .ops.checks import codes_per_byte
 
-# Capacity grows by 25% (at least one residual block): amortised O(1) copies per token, at most ~20% slack.
+# Unbounded buffers (the packed history) grow by 25%: amortised O(1) copies per token, at most ~20% slack.
 GROWTH_FACTOR = 1.25
+# Bounded buffers (the full-precision windows) double up to their bound: few reallocations for a short cache.
+WINDOW_GROWTH_FACTOR = 2
+# The packed history grows by at least this many tokens (or one residual block if smaller) when it is full.
+MIN_GROWTH_TOKENS = 1024
 
 
 class TokenBuffer:
     """A 4-D tensor used as a sequence along its token axis ``dim`` (2: ``[B, H, capacity, X]``; 3:
     ``[B, H, X, capacity]``), holding rows ``[start, end)`` of that axis.
 
-    Appends write into spare capacity (growing geometrically when full); dropping rows from the front only
-    moves ``start``, and the live rows are moved back to the front when the buffer runs out of room at its end.
+    Appends write into spare capacity; dropping rows from the front only moves ``start``, and the live rows are
+    moved back to the front when the buffer runs out of room at its end. Capacity follows the rows held: when full
+    it grows geometrically (by ``GROWTH_FACTOR``, at least ``min_rows``), or, for a buffer with a ``bound`` (rows
+    it normally never exceeds, e.g. a full-precision window), doubles up to that bound, so that a short cache never
+    reserves a whole window.
     """
 
-    def __init__(self, batch: int, heads: int, width: int, dtype: torch.dtype, device, min_rows: int = 1, dim: int = 2):
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        width: int,
+        dtype: torch.dtype,
+        device,
+        min_rows: int = 1,
+        dim: int = 2,
+        bound: int | None = None,
+    ):
         if dim not in (2, 3):
             raise ValueError(f"`dim` must be 2 or 3, got {dim!r}")
         self.batch, self.heads, self.width, self.dim = batch, heads, width, dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.min_rows = max(1, min_rows)
+        self.min_rows, self.bound = max(1, min_rows), bound
         self.data = self._empty(0)
         self.start = self.end = 0
 
@@ -64,11 +81,16 @@ class TokenBuffer:
             # Enough room once the live rows move to the front, and the move does not overlap itself.
             self.rows(0, live).copy_(self.view())
         else:
-            new_cap = max(live + n, math.ceil(self.capacity * GROWTH_FACTOR), self.min_rows)
-            grown = self._empty(math.ceil(new_cap / self.min_rows) * self.min_rows)
+            grown = self._empty(self._grown_capacity(live + n))
             grown.narrow(self.dim, 0, live).copy_(self.view())
             self.data = grown
         self.start, self.end = 0, live
+
+    def _grown_capacity(self, needed: int) -> int:
+        if self.bound is None:
+            return max(needed, math.ceil(self.capacity * GROWTH_FACTOR), self.min_rows)
+        doubled = max(self.capacity * WINDOW_GROWTH_FACTOR, self.min_rows)
+        return max(needed, min(doubled, self.bound))
 
     def append(self, rows: torch.Tensor) -> None:
         """Appends ``rows`` (``n`` rows along the token axis)."""
@@ -126,8 +148,10 @@ class PackedHistory:
         else:
             token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 2, 1, 1
             code_width, meta_width = head_dim // per, head_dim // g
-        # Grow by at least one residual block of tokens at a time.
-        code_rows, meta_rows = r // self.tokens_per_code_row, r // self.tokens_per_meta_row
+        # Grow by at least one residual block of tokens at a time (capped: see MIN_GROWTH_TOKENS).
+        grow_tokens = min(r, MIN_GROWTH_TOKENS)
+        code_rows = max(1, grow_tokens // self.tokens_per_code_row)
+        meta_rows = max(1, grow_tokens // self.tokens_per_meta_row)
         self.codes = TokenBuffer(batch, heads, code_width, torch.uint8, device, code_rows, token_dim)
         self.scales = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)
         self.zeros = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)

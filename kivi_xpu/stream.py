@@ -36,10 +36,11 @@ class KindStream:
         self.kind, self.settings = kind, settings
         self.dtype, self.device = like.dtype, like.device
         r = settings.residual_length
-        # The key window holds < R tokens; the value FIFO holds R and briefly more during an append.
+        # The key window holds < R tokens; the value FIFO holds R and briefly more during an append (2R rows let it
+        # move its live rows back to the front only once every R steps). Both grow with the tokens held up to that.
         window_rows = r if kind == "keys" else 2 * r
-        self.sinks = TokenBuffer(batch, heads, head_dim, self.dtype, self.device, min_rows=settings.sink_tokens)
-        self.window = TokenBuffer(batch, heads, head_dim, self.dtype, self.device, min_rows=window_rows)
+        self.sinks = TokenBuffer(batch, heads, head_dim, self.dtype, self.device, bound=settings.sink_tokens)
+        self.window = TokenBuffer(batch, heads, head_dim, self.dtype, self.device, bound=window_rows)
         self.packed = PackedHistory(kind, settings, batch, heads, head_dim, storage_device, backend)
         self.departed = DepartedTokens()
         self.length = 0

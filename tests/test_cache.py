@@ -182,11 +182,34 @@ def test_memory_report_for_a_4096_token_llama_cache(backend_name):
     assert report.residual_bytes == 2 * 2 * 128 * head_dim * 4
     assert report.compression_ratio == pytest.approx(report.dense_bytes / report.total_bytes)
     assert 9.0 < report.compression_ratio < 9.5  # 3 bits/element + a 128-token fp32 value window
-    # The prefill allocates the packed history it needs; beyond that only the fixed full-precision buffers
+    # The prefill allocates the packed history it needs; beyond that at most the full-precision windows' bounds
     # (R rows for keys, 2R for the value FIFO) are reserved.
     window = 2 * 2 * 128 * head_dim * 4
     assert report.total_bytes <= report.allocated_bytes <= report.total_bytes + 3 * window - report.residual_bytes
     assert "smaller" in str(report)
+
+
+def test_memory_follows_the_tokens_held_not_the_residual_length(backend_name):
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    cache = KiviCache(config=config, residual_length=2**20, backend=backend_name)
+    k = torch.randn(2, 2, 27, 64)
+    for layer_idx in range(2):
+        cache.update(k, k, layer_idx)
+    for layer_idx in range(2):  # a few decode steps: the windows grow with the tokens, not to R rows
+        cache.update(k[:, :, :1], k[:, :, :1], layer_idx)
+    report = cache.memory_report()
+    assert report.tokens == 28 and report.dense_bytes == 2 * 2 * (2 * 2 * 28 * 64 * 4)
+    assert report.allocated_bytes <= 4 * report.dense_bytes  # was 2**20 rows per window: 3 GiB
+    cache.reorder_cache(torch.tensor([1, 0]))  # beam search copies whole buffers: they must be small too
+    assert cache.memory_report().allocated_bytes == report.allocated_bytes
+    window = cache.layers[0].keys_stream.window.view()
+    torch.testing.assert_close(window, torch.cat([k[[1, 0]], k[[1, 0], :, :1]], dim=2))
+
+
+def test_an_absurd_residual_length_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"`residual_length` must be at most 16777216.*got 1099511627776"):
+        KiviCache(residual_length=2**40)
+    KiviCache(residual_length=2**24, backend="reference")  # the bound itself is accepted
 
 
 def test_gqa_is_stored_at_kv_heads():
