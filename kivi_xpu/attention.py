@@ -9,13 +9,25 @@ the quantized history is ever built. Everything else (prefill, other caches, sli
 goes to transformers' SDPA attention unchanged, so the implementation is safe to set on any model.
 
 The hand-over: the attention function never receives the cache, only the module and the tensors ``update``
-returned. ``update`` records its :class:`DecodeInputs` in a thread-local slot (never part of the cache); the
-attention function takes the slot and uses it only if the key tensor it received is that very object.
+returned. ``update`` records a :class:`Pending` step in a thread-local slot (never part of the cache): weak
+references to the layer and to the key and value tensors it returned, and, under the fused attention, its
+:class:`DecodeInputs` without those tensors. The attention function uses the step only if the key and value it
+received are those very objects. The step holds nothing alive: when the returned tensors die unused (a manual
+``update``, an exception in between) it shrinks to a tensor-free record, and the next ``update`` replaces it, so
+a stale step never breaks an unrelated forward. The one case still refused is a model that changes the keys or
+values between ``update`` and attention (the tail alone would be silently wrong).
+
+The same record lets the attention function tell a layer that the model runs the kivi attention: a layer built
+without the model's config (``KiviCache()``) or with a copy of it then takes ``module.config`` as its model config
+and uses the fused path from its next update on.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,25 +72,75 @@ def dense_states(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return dense_kind(inputs.keys, "keys", inputs.backend), dense_kind(inputs.values, "values", inputs.backend)
 
 
-_slot = threading.local()
+@dataclass
+class Pending:
+    """The last ``update`` of a :class:`~kivi_xpu.KiviLayer` on this thread, waiting for its attention call.
+
+    ``layer``, ``key`` and ``value`` are weak references (to the layer and to the tensors ``update`` returned);
+    ``fused``: whether ``key``/``value`` are only the exact tails of a fused step, whose rest is ``inputs`` (the
+    hand-over with its tails left out; dropped, ``None``, once ``key`` dies unused); ``tail_shape`` the shape of
+    ``key`` (kept to recognise a model that replaced the tensors)."""
+
+    layer: weakref.ref
+    key: weakref.ref
+    value: weakref.ref
+    fused: bool
+    inputs: DecodeInputs | None
+    tail_shape: torch.Size
 
 
-def hand_over(inputs: DecodeInputs) -> None:
-    _slot.inputs = inputs
+class _Slot(threading.local):
+    pending: Pending | None = None
 
 
-def take_over(key: torch.Tensor) -> DecodeInputs | None:
-    """The inputs the preceding ``update`` handed over (``None`` if there are none); clears the slot."""
-    inputs = getattr(_slot, "inputs", None)
-    _slot.inputs = None
-    if inputs is not None and inputs.keys.tail is not key:
-        # The model changed the keys between `update` and attention: the tail alone would be silently wrong.
+_slot = _Slot()
+
+
+def _release(slot: _Slot, key_ref: weakref.ref) -> None:
+    """Weak-reference callback: the key tensor of the pending step died before its attention call; drop the
+    tensors the step would have handed over (the record of its shape stays until the next update)."""
+    pending = slot.pending
+    if pending is not None and pending.key is key_ref:
+        slot.pending = dataclasses.replace(pending, inputs=None)
+
+
+def hand_over(layer, key: torch.Tensor, value: torch.Tensor, inputs: DecodeInputs | None) -> None:
+    """Records what ``layer.update`` returned (``key``, ``value``) and, under the fused attention, the rest of the
+    hand-over (``inputs``, whose tails are ``key`` and ``value``) for the attention call that follows."""
+    if inputs is not None:  # the slot must not keep the returned tensors alive
+        inputs = DecodeInputs(inputs.keys._replace(tail=None), inputs.values._replace(tail=None), inputs.backend)
+    key_ref = weakref.ref(key, functools.partial(_release, _slot))
+    _slot.pending = Pending(weakref.ref(layer), key_ref, weakref.ref(value), inputs is not None, inputs, key.shape)
+
+
+def pending_step() -> Pending | None:
+    """The step waiting in this thread's slot (for tests and debugging)."""
+    return _slot.pending
+
+
+def take_over(module, key: torch.Tensor, value: torch.Tensor) -> DecodeInputs | None:
+    """The fused inputs the preceding ``update`` handed over for ``key``/``value`` (``None`` if there are none,
+    including a stale step of another forward); clears the slot. Gives the updating layer ``module.config``."""
+    pending, _slot.pending = _slot.pending, None
+    if pending is None:
+        return None
+    if pending.key() is key and pending.value() is value:
+        layer = pending.layer()
+        config = getattr(module, "config", None)
+        if layer is not None and config is not None and layer.model_config is not config:
+            layer.model_config = config  # the model runs this attention: fuse from the next update on
+        if not pending.fused:
+            return None
+        keys, values = pending.inputs.keys._replace(tail=key), pending.inputs.values._replace(tail=value)
+        return DecodeInputs(keys, values, pending.inputs.backend)
+    if pending.fused and (pending.key() is key or pending.value() is value or key.shape == pending.tail_shape):
+        # The model changed the keys or values between `update` and attention: the tail alone would be wrong.
         raise RuntimeError(
             "kivi attention: the keys reaching attention are not those KiviCache.update returned (this model "
             "transforms them in between), so the fused path cannot be used: build the cache with "
             "KiviCache(..., attention='dense') or use another attn_implementation"
         )
-    return inputs
+    return None  # a stale step (an update whose attention never ran): nothing to do with this call
 
 
 def decode_attention(
@@ -102,7 +164,7 @@ def kivi_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Transformers attention interface: ``query [B, Hq, L, D]`` -> ``([B, L, Hq, D], None)``."""
-    inputs = take_over(key)
+    inputs = take_over(module, key, value)
     softcap = kwargs.get("softcap")
     if inputs is not None and (dropout > 0 or kwargs.get("sliding_window") is not None):
         key, value = dense_states(inputs)  # the layer returned only its tail: rebuild the dense states

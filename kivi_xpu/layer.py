@@ -116,7 +116,9 @@ class KiviLayer(CacheLayerMixin):
 
     @property
     def fused(self) -> bool:
-        """Whether the model reads this layer through the fused KIVI attention (``attn_implementation="kivi"``)."""
+        """Whether the model reads this layer through the fused KIVI attention (``attn_implementation="kivi"``):
+        read from ``model_config``, which the kivi attention sets to the model's own config at its first call when
+        the cache was built without it (or with another config object)."""
         return self.attention == "auto" and getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
 
     def update(
@@ -131,16 +133,19 @@ class KiviLayer(CacheLayerMixin):
         if self.cumulative_length == 0:  # prefill attends to the exact states
             self.keys_stream.append(key_states, self.record_past)
             self.values_stream.append(value_states, self.record_past)
-            return key_states, value_states
-        inputs = DecodeInputs(
-            self.keys_stream.append_and_read(key_states, self.record_past),
-            self.values_stream.append_and_read(value_states, self.record_past),
-            self.backend.name,
-        )
-        if not self.fused:
-            return dense_states(inputs)
-        hand_over(inputs)
-        keys_out, values_out = inputs.keys.tail, inputs.values.tail
+            keys_out, values_out, inputs = key_states, value_states, None
+        else:
+            inputs = DecodeInputs(
+                self.keys_stream.append_and_read(key_states, self.record_past),
+                self.values_stream.append_and_read(value_states, self.record_past),
+                self.backend.name,
+            )
+            if self.fused:
+                keys_out, values_out = inputs.keys.tail, inputs.values.tail
+            else:
+                (keys_out, values_out), inputs = dense_states(inputs), None
+        if self.attention == "auto":  # (also when dense: the kivi attention then tells the layer to fuse)
+            hand_over(self, keys_out, values_out, inputs)
         return keys_out, values_out
 
     def _check_states(self, key_states, value_states) -> None:

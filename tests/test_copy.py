@@ -120,12 +120,13 @@ def test_the_attention_hand_over_is_never_copied(how):
     cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend="reference")
     states = torch.randn(1, 2, 40, 32)
     cache.update(states, states, 0)
-    cache.update(states[:, :, :1], states[:, :, :1], 0)  # a fused decode step: the inputs wait in the slot
-    handed = attention._slot.inputs
-    assert handed is not None
+    tails = cache.update(states[:, :, :1], states[:, :, :1], 0)  # a fused decode step: the inputs wait in the slot
+    handed = attention.pending_step()
+    assert handed is not None and handed.inputs is not None
     size_with_slot = len(pickle.dumps(cache))
     copied = COPIES[how](cache)
-    assert attention._slot.inputs is handed  # copying neither took nor duplicated it
-    attention._slot.inputs = None
+    assert attention.pending_step() is handed  # copying neither took nor duplicated it
+    del tails  # the step is released
+    assert attention.pending_step().inputs is None
     assert len(pickle.dumps(cache)) == size_with_slot
     assert_same_state(cache, copied)
