@@ -95,6 +95,10 @@ class TokenBuffer:
     def append(self, rows: torch.Tensor) -> None:
         """Appends ``rows`` (``n`` rows along the token axis)."""
         n = rows.shape[self.dim]
+        if self.data.is_inference() and not torch.is_inference_mode_enabled():
+            # Filled under torch.inference_mode(), whose tensors refuse in-place writes outside it: go on with a
+            # normal copy (once), as DynamicCache does implicitly by concatenating.
+            self.data = self.data.clone()
         self._make_room(n)
         self.rows(self.end, self.end + n).copy_(rows)
         self.end += n

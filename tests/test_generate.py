@@ -130,3 +130,23 @@ def test_cache_without_config_creates_kivi_layers_on_first_use(model, backend_na
     cache = KiviCache(group_size=32, residual_length=64, backend=backend_name)
     assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), dense)
     assert len(cache.layers) == model.config.num_hidden_layers and cache.get_seq_length() == 49
+
+
+@pytest.mark.parametrize("attn", ("sdpa", "kivi"))
+def test_a_cache_filled_under_inference_mode_continues_outside_it_and_back(backend_name, attn):
+    model = tiny_gqa_llama()
+    model.set_attn_implementation(attn)
+    ids = torch.randint(0, VOCAB, (1, 41))
+    kwargs = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    outs = []
+    for first, then in (
+        (torch.no_grad, torch.no_grad),
+        (torch.inference_mode, torch.no_grad),
+        (torch.no_grad, torch.inference_mode),
+    ):
+        cache = KiviCache(config=model.config, group_size=32, residual_length=32, backend=backend_name)
+        with first():
+            model(ids[:, :40], past_key_values=cache)  # the packed history is created here, with spare room
+        with then():
+            outs.append(model.generate(ids, past_key_values=cache, **kwargs))  # appends into that room
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
