@@ -218,6 +218,13 @@ class KiviCache(Cache):
         self._record_new_layers = True
         super().activate_past_recording()
 
+    def __iter__(self):
+        """Per layer ``(keys, values, sliding_window_tensor)`` as ``DynamicCache`` yields them (transformers 5.23;
+        DataParallel gathers caches this way): a :class:`KiviLayer`'s dense ``keys`` / ``values`` (computed on
+        access, see :attr:`KiviLayer.keys`) and ``None``; a sliding-window layer's tensors and window size."""
+        for layer in self.layers:
+            yield layer.keys, layer.values, getattr(layer, "_sliding_window_tensor", None)
+
     def memory_report(self) -> KiviMemoryReport:
         """Bytes held by the KIVI layers (sliding-window and shared layers are not counted)."""
         report = KiviMemoryReport()

@@ -22,7 +22,8 @@ class KiviLayer(CacheLayerMixin):
     """One attention layer's KIVI cache: transformers' layer protocol over two :class:`~kivi_xpu.stream.KindStream`
     (``keys_stream``, ``values_stream``; ``None`` until the first ``update``), which split the tokens into exact
     sinks, packed history and exact window by the rule of :mod:`kivi_xpu.algorithm`. The mixin's ``keys`` /
-    ``values`` (dense tensors in transformers' own layers) stay ``None``.
+    ``values`` (the dense tensors of transformers' own layers) are read-only properties here: dense
+    ``[B, H_kv, n, D]`` computed at each access (see :attr:`keys`), never stored.
 
     ``update`` returns dense ``[B, H_kv, n, D]`` keys and values ``[sinks | dequantized history | exact tail]`` for
     attention implementations that need them (the history dequantized into a temporary, never kept). Under the
@@ -49,7 +50,8 @@ class KiviLayer(CacheLayerMixin):
         attention: str = "auto",
         model_config=None,
     ):
-        super().__init__()
+        # (not CacheLayerMixin.__init__, which assigns the read-only `keys` / `values`)
+        self.is_initialized = False
         if attention not in ATTENTION_MODES:
             raise ValueError(f"`attention` must be one of {ATTENTION_MODES}, got {attention!r}")
         if settings is not None and not isinstance(settings, KiviSettings):
@@ -76,6 +78,19 @@ class KiviLayer(CacheLayerMixin):
     def _streams(self) -> tuple[KindStream, ...]:
         """(keys, values) streams, or () before the first update."""
         return () if self.keys_stream is None else (self.keys_stream, self.values_stream)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The keys held, dense ``[B, H_kv, n, D]`` in the model's dtype on the layer's device (``None`` before the
+        first update), as transformers' layers expose them: exact sinks and window, the packed history
+        dequantized. Computed at each access (a dequantization of the whole history, as the dense path does per
+        step) and never kept; writing into it does not change the cache."""
+        return None if self.keys_stream is None else self.keys_stream.dense()
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The values held, dense ``[B, H_kv, n, D]``; computed at each access like :attr:`keys`."""
+        return None if self.values_stream is None else self.values_stream.dense()
 
     @property
     def cumulative_length(self) -> int:

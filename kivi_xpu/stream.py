@@ -94,6 +94,15 @@ class KindStream:
             self.window.drop_front(leaving)
         return self.operands(sinks, count, tail)
 
+    def dense(self) -> torch.Tensor:
+        """All ``length`` tokens as ``[B, H, length, D]`` in the stream's dtype on its device: the exact sinks and
+        window around the dequantized packed history (a new tensor; nothing of it is kept)."""
+        parts = [self.sinks.view()]
+        if self.packed.num_tokens:
+            parts.append(self.packed.dequantize(self.dtype).to(self.device))
+        parts.append(self.window.view())
+        return torch.cat(parts, dim=2)
+
     def _pack(self, block: torch.Tensor, record: bool) -> None:
         self.packed.append(block)
         if record:  # an exact copy (the window rows will be overwritten)

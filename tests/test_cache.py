@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, Gemma2Config, GPT2Config, LlamaConfig, LlamaForCausalLM
 
 from kivi_xpu import KiviCache, KiviLayer, KiviSettings
 from kivi_xpu.backend import select
@@ -210,6 +210,49 @@ def test_an_absurd_residual_length_is_refused_at_construction():
     with pytest.raises(ValueError, match=r"`residual_length` must be at most 16777216.*got 1099511627776"):
         KiviCache(residual_length=2**40)
     KiviCache(residual_length=2**24, backend="reference")  # the bound itself is accepted
+
+
+def test_layer_keys_and_values_are_dense_views_computed_on_access(backend_name):
+    layer = make_layer(backend_name)  # G=16, R=32
+    assert layer.keys is None and layer.values is None
+    keys, values = torch.randn(B, H, 70, D), torch.randn(B, H, 70, D)
+    layer.update(keys[:, :, :50], values[:, :, :50])
+    for t in range(50, 70):
+        layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    expected_keys, expected_values = expected_dense(keys, values, 70, layer.settings)
+    assert layer.keys.shape == layer.values.shape == (B, H, 70, D) and layer.keys.dtype == torch.float32
+    torch.testing.assert_close(layer.keys, expected_keys, rtol=0, atol=1e-6)
+    torch.testing.assert_close(layer.values, expected_values, rtol=0, atol=1e-6)
+    layer.keys.zero_()  # a new tensor at each access: writing into it changes nothing
+    torch.testing.assert_close(layer.keys, expected_keys, rtol=0, atol=1e-6)
+    assert "keys" not in vars(layer) and "values" not in vars(layer)  # never kept
+    with pytest.raises(AttributeError):
+        layer.keys = torch.zeros(1)
+    layer.reset()
+    assert layer.keys is None
+
+
+def test_iterating_a_cache_yields_what_dynamic_cache_yields():
+    config = Gemma2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=16,
+    )  # fmt: skip
+    cache = KiviCache(config=config, group_size=16, residual_length=32, backend="reference")
+    dynamic = DynamicCache(config=config)
+    assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer", "KiviLayer"]
+    k, v = torch.randn(1, 1, 20, 32), torch.randn(1, 1, 20, 32)
+    for c in (cache, dynamic):
+        for layer_idx in range(2):
+            c.update(k, v, layer_idx)
+    got, expected = list(cache), list(dynamic)
+    assert len(got) == len(expected) == 2
+    for ours, theirs in zip(got, expected, strict=True):
+        assert len(ours) == len(theirs) == 3
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])  # inside the window: exact
+        assert (ours[2] is None) == (theirs[2] is None) and (ours[2] is None or torch.equal(ours[2], theirs[2]))
+    assert got[0][2] is not None and got[1][2] is None  # the sliding layer's window size, none for KIVI
+    rebuilt = DynamicCache(ddp_cache_data=cache)  # how DataParallel gathers a cache
+    assert rebuilt.get_seq_length(1) == 20 and torch.equal(rebuilt.layers[1].keys, k)
 
 
 def test_gqa_is_stored_at_kv_heads():
