@@ -7,6 +7,7 @@ whole history at every step, and a decode step only quantizes the tokens that le
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -20,6 +21,28 @@ GROWTH_FACTOR = 1.25
 WINDOW_GROWTH_FACTOR = 2
 # The packed history grows by at least this many tokens (or one residual block if smaller) when it is full.
 MIN_GROWTH_TOKENS = 1024
+
+
+_overflow_warned = False
+
+
+def warn_on_metadata_overflow(x: torch.Tensor, scales: torch.Tensor, kind: str) -> None:
+    """Warns once per process when finite ``x [B, H, n, D]`` exceeded the float16 range of its scales/zero points
+    (their groups then hold NaN, by the quantizer's rule: a loud result, but the cause deserves a message). Cheap:
+    ``scales`` is small, and ``x`` is only looked at when some scale is NaN."""
+    global _overflow_warned
+    if _overflow_warned or not scales.isnan().any():
+        return
+    largest = x.abs().masked_fill(~x.isfinite(), 0).max()
+    if largest > torch.finfo(torch.float16).max:
+        _overflow_warned = True
+        warnings.warn(
+            f"KiviCache: {kind} up to {largest.item():.3g} in magnitude overflow the float16 scales and zero points "
+            "(max 65504): their quantization groups hold NaN, so the model's output becomes NaN. Use "
+            "meta_dtype=torch.bfloat16 (or torch.float32) for this model",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 class TokenBuffer:
@@ -172,6 +195,8 @@ class PackedHistory:
         """Quantizes and appends ``x [B, H, n, D]`` (for keys, ``n`` is a multiple of the group size)."""
         quantize = kernel(f"quantize_{self.kind}", self.backend)
         parts = quantize(x.to(self.device), self.group_size, self.bits, self.settings.meta_dtype)
+        if self.settings.meta_dtype == torch.float16 and x.dtype != torch.float16:  # only then can it overflow
+            warn_on_metadata_overflow(x, parts[1], self.kind)
         for buf, part in zip(self.buffers(), parts, strict=True):
             buf.append(part)
         self.num_tokens += x.shape[2]

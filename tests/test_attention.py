@@ -1,12 +1,14 @@
 """Fused attention on the packed history: the packed score/value ops against dense math, the softmax over
 [history | tail] against SDPA on dequantized states, and generation through the fused path against the dense path."""
 
+import warnings
+
 import pytest
 import tiny_models as models
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
-from kivi_xpu import KiviCache, use_fused_attention
+from kivi_xpu import KiviCache, storage, use_fused_attention
 from kivi_xpu.ops import for_backend
 from kivi_xpu.ops import reference as ref
 
@@ -237,3 +239,58 @@ def test_sliding_window_layers_stay_dense_under_kivi_attention():
                 model.generate(ids, past_key_values=cache, max_new_tokens=60, min_new_tokens=60, do_sample=False)
             )
     assert torch.equal(outs[0], outs[1])
+
+
+def decode_logits(model, attn, backend_name, ids, prefill=40, **cache_kwargs):
+    """Logits of teacher-forced decode steps after a ``prefill``-token prefill (G=16, R=32: 32 keys and 8 values of
+    the prefill are packed), through the fused (``attn="kivi"``) or dense (``"sdpa"``) path."""
+    model.set_attn_implementation(attn)
+    cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend=backend_name, **cache_kwargs)
+    with torch.no_grad():
+        model(ids[:, :prefill], past_key_values=cache)
+        steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(prefill, ids.shape[1])]
+    return torch.cat(steps, dim=1).float()
+
+
+def overflow_warnings(record) -> int:
+    return sum("overflow the float16 scales" in str(w.message) for w in record)
+
+
+def test_keys_overflowing_fp16_metadata_give_nan_logits_in_both_paths_and_one_warning(backend_name, monkeypatch):
+    monkeypatch.setattr(storage, "_overflow_warned", False)
+    model = tiny_llama().to(torch.bfloat16)
+    with torch.no_grad():  # layer 0's keys ~1e5: fine in bf16, beyond float16's 65504
+        model.model.layers[0].self_attn.k_proj.weight.mul_(4e5)
+    ids = torch.randint(1, 256, (1, 44))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fused = decode_logits(model, "kivi", backend_name, ids)
+        dense = decode_logits(model, "sdpa", backend_name, ids)
+    assert fused.isnan().all() and dense.isnan().all()  # never plausible garbage from one path only
+    assert overflow_warnings(record) == 1  # once per process, naming the cause and the fix
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for attn in ("kivi", "sdpa"):  # bfloat16 metadata holds them
+            assert decode_logits(model, attn, backend_name, ids, meta_dtype=torch.bfloat16).isfinite().all()
+    assert overflow_warnings(record) == 0
+
+
+@pytest.mark.parametrize("position", (5, 35), ids=("packed", "window"))
+def test_one_inf_key_gives_the_same_nan_logits_in_both_paths(backend_name, position):
+    model = tiny_llama()
+
+    def one_inf_key(module, args, out):
+        if out.shape[1] > position:  # the prefill: key `position`, first channel
+            out = out.clone()
+            out[:, position, 0] = float("inf")
+        return out
+
+    model.model.layers[0].self_attn.k_proj.register_forward_hook(one_inf_key)
+    ids = torch.randint(1, 256, (1, 44))
+    fused = decode_logits(model, "kivi", backend_name, ids)
+    dense = decode_logits(model, "sdpa", backend_name, ids)
+    assert torch.equal(fused.isnan(), dense.isnan())
+    if position < 32:  # a packed key: its whole group dequantizes to NaN, which every query meets
+        assert fused.isnan().all()
+    else:  # an exact key: +-inf scores, NaN as in SDPA (none of it hidden as zeros)
+        assert fused.isnan().any()
