@@ -259,7 +259,7 @@ inline void dequantize_keys_range(const DequantizeJob& j, int64_t begin, int64_t
 }
 
 // ---- values: groups are contiguous pieces of the rows, numbered flat across rows ------------------------------------
-// A block of up to Vec::kWidth consecutive groups is handled together: each group's min / max is read with its
+// Quantize handles a block of up to Vec::kWidth consecutive groups together: each group's min / max is read with its
 // channels on the lanes (policy E: Vec, or Scalar when the group is not a whole number of vectors), then the
 // parameters of the whole block are computed at once with the groups on the lanes (independent work instead of one
 // long dependency chain per group), and their metadata, contiguous in memory, is stored as one vector.
@@ -313,31 +313,35 @@ inline void quantize_value_block(const QuantizeJob& j, int64_t first, int64_t co
   }
 }
 
-// Dequantizes `count` consecutive groups of one stored row (all of its groups, as dequantize_value_rows calls it). Metadata is converted one group at a time (a vector load
-// of a few just-copied elements stalls on store forwarding, and rows hold only a few groups); codes are unpacked
-// straight into lanes where the group is whole vectors.
+// Dequantizes the groups of one stored row. Metadata is converted one group at a time (a vector load of a few
+// just-copied elements stalls on store forwarding, and a row holds only a few groups); where a group is whole vectors
+// its codes are unpacked straight into lanes.
 template <class E, class M, class O>
-inline void dequantize_value_block(const DequantizeJob& j, int64_t head, int64_t t, int64_t first, int64_t count) {
+inline void dequantize_value_row(const DequantizeJob& j, int64_t head, int64_t t) {
   const int64_t g = j.group, groups = j.head_dim / g;
   const int bits = (int)j.bits;
   // Metadata and codes are read from the (over-allocated) storage rows, outputs written densely.
-  const int64_t meta = (head * j.meta_len + t) * groups + first;
+  const int64_t meta = (head * j.meta_len + t) * groups;
   const auto* scales = static_cast<const typename M::T*>(j.scales) + meta;
   const auto* zeros = static_cast<const typename M::T*>(j.zeros) + meta;
-  const uint8_t* codes = j.codes + (head * j.code_len + t) * (j.head_dim * bits / 8) + first * g * bits / 8;
-  auto* out = static_cast<typename O::T*>(j.out) + (head * j.num_tokens + t) * j.head_dim + first * g;
-  for (int64_t k = 0; k < count; ++k) {
+  const uint8_t* codes = j.codes + (head * j.code_len + t) * (j.head_dim * bits / 8);
+  auto* out = static_cast<typename O::T*>(j.out) + (head * j.num_tokens + t) * j.head_dim;
+  for (int64_t k = 0; k < groups; ++k) {
     const typename E::F s = E::set1(load_as_float<Scalar, M>(scales + k));
     const typename E::F z = E::set1(load_as_float<Scalar, M>(zeros + k));
+    const uint8_t* group_codes = codes + k * g * bits / 8;
+    auto* group_out = out + k * g;
     if constexpr (E::kWidth > 1) {
-      for (int64_t i = 0; i < g; i += E::kWidth)
-        store_from_float<E, O>(out + k * g + i, dequantize_lanes<E>(E::load_codes(codes + (k * g + i) * bits / 8, bits), s, z));
+      for (int64_t i = 0; i < g; i += E::kWidth) {
+        const typename E::I q = E::load_codes(group_codes + i * bits / 8, bits);
+        store_from_float<E, O>(group_out + i, dequantize_lanes<E>(q, s, z));
+      }
     } else {
       alignas(64) uint8_t q[kPiece];
       for (int64_t start = 0; start < g; start += kPiece) {
         const int64_t n = g - start < kPiece ? g - start : kPiece;
-        unpack_codes(codes + (k * g + start) * bits / 8, n, bits, q);
-        for (int64_t i = 0; i < n; ++i) store_from_float<E, O>(out + k * g + start + i, dequantize_lanes<E>(q[i], s, z));
+        unpack_codes(group_codes + start * bits / 8, n, bits, q);
+        for (int64_t i = 0; i < n; ++i) store_from_float<E, O>(group_out + start + i, dequantize_lanes<E>(q[i], s, z));
       }
     }
   }
@@ -356,7 +360,7 @@ template <class E, class M, class O>
 inline void dequantize_value_rows(const DequantizeJob& j, int64_t begin, int64_t end) {
   int64_t head = begin / j.num_tokens, t = begin % j.num_tokens;  // one division per range, not per row
   for (int64_t task = begin; task < end; ++task) {
-    dequantize_value_block<E, M, O>(j, head, t, 0, j.head_dim / j.group);
+    dequantize_value_row<E, M, O>(j, head, t);
     if (++t == j.num_tokens) t = 0, ++head;
   }
 }

@@ -182,8 +182,8 @@ struct Vec {
     if (bits == 4) {  // 8 bytes: lanes 0-7 from the low 32-bit word, 8-15 from the high one
       int64_t qword;
       __builtin_memcpy(&qword, p, 8);
-      const __m512i words = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                                     _mm512_castsi128_si512(_mm_cvtsi64_si128(qword)));
+      const __m512i word_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const __m512i words = _mm512_permutexvar_epi32(word_of_lane, _mm512_castsi128_si512(_mm_cvtsi64_si128(qword)));
       const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
       return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15));
     }
