@@ -256,3 +256,25 @@ def test_quantize_near_rounding_ties_matches_reference(isa, bits):
         theirs = getattr(reference, quantize)(x, group, bits, torch.float32)
         for part, a, e in zip(("codes", "scales", "zeros"), ours, theirs, strict=True):
             assert_identical(a, e, f"{quantize} {part} [{isa}] bits={bits} near ties ({name})")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_quantize_values_into_matches_reference(isa, shape):
+    b, h, t, d, _, value_group = shape
+    for bits in BITS:
+        for dtype in DTYPES:
+            for meta_dtype in DTYPES:
+                x = awkward_input((b, h, t, d), dtype, value_group, axis=3)
+                capacity, offset = t + 7, 3
+                ours = (
+                    torch.zeros(b, h, capacity, d * bits // 8, dtype=torch.uint8),
+                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
+                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
+                )
+                theirs = tuple(part.clone() for part in ours)
+                native.quantize_values_into(x, *ours, offset, value_group, bits)
+                reference.quantize_values_into(x, *theirs, offset, value_group, bits)
+                for name, a, e in zip(("codes", "scales", "zeros"), ours, theirs, strict=True):
+                    assert_identical(
+                        a, e, f"quantize_values_into {name} [{isa}] bits={bits} x={dtype} meta={meta_dtype}"
+                    )
