@@ -4,8 +4,11 @@ One prefill with DynamicCache per context; its keys/values fill every cache thro
 quantizes them as a prefill would), then ``--steps`` single-token forward passes are timed per cache (median, first
 2 untimed) and the ratios of the full-precision caches' ms/step to KIVI's printed (above 1: KIVI faster). Not a
 test: numbers depend on the machine; run it on a quiet one. ``KIVI_XPU_CPU_ISA=avx2`` measures the AVX2 path.
+``--contend N`` times every cache twice, quiet and then with N CPU-bound competitor processes running (those of
+``kivi-xpu bench --contend``), and prints each cache's slowdown and KIVI's slowdown over Dynamic's.
 
     python benchmarks/bench_decode_steps.py --ctx 1024 4096 8192 --batch 1
+    python benchmarks/bench_decode_steps.py --ctx 4096 --batch 4 --contend 2
 """
 
 import argparse
@@ -17,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from kivi_xpu import KiviCache, assets, backend
+from kivi_xpu.tools.timing import competitors
 
 p = argparse.ArgumentParser()
 p.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -25,6 +29,7 @@ p.add_argument("--steps", type=int, default=16)
 p.add_argument("--backend", default=None)
 p.add_argument("--caches", nargs="+", default=["dynamic", "static", "kivi"])
 p.add_argument("--profile", action="store_true")
+p.add_argument("--contend", type=int, default=0, help="also time every cache with N competitor processes")
 args = p.parse_args()
 lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
 print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
@@ -74,10 +79,14 @@ for ctx in args.ctx:
         model(input_ids=ids, past_key_values=dc, use_cache=True)
         kv = [(layer.keys[:, :, :ctx].clone(), layer.values[:, :, :ctx].clone()) for layer in dc.layers]
         del dc
-    res = {}
+    res, loaded = {}, {}
     for kind in args.caches:
         ms, cache = run(kind, kv, ctx)
         res[kind] = ms
+        if args.contend:
+            del cache
+            with competitors(args.contend):
+                loaded[kind], cache = run(kind, kv, ctx)
         if kind == "kivi" and args.profile:
             with torch.profiler.profile() as prof:
                 run(kind, kv, ctx)
@@ -87,3 +96,11 @@ for ctx in args.ctx:
         for base in ("dynamic", "static"):
             line += f"  | {base}/KIVI {res.get(base, float('nan')) / res['kivi']:.2f}x"
     print(line, flush=True)
+    if args.contend:
+        slowdown = {k: loaded[k] / res[k] for k in loaded}
+        line = f"  with {args.contend} competitors: " + ", ".join(
+            f"{k} {loaded[k]:.1f} ms ({slowdown[k]:.2f}x slower)" for k in loaded
+        )
+        if "kivi" in slowdown and "dynamic" in slowdown:
+            line += f"  | KIVI slowdown / Dynamic slowdown {slowdown['kivi'] / slowdown['dynamic']:.2f}"
+        print(line, flush=True)

@@ -227,3 +227,54 @@ def test_dequantize_rejects_bad_input():
         native.dequantize_values(*values, 5, 32, 2, torch.float32)
     with pytest.raises(ValueError, match="last dim"):
         native.dequantize_values(*values, 4, 16, 2, torch.float32)
+
+
+def near_tie_input(shape, group: int, axis: int, bits: int) -> torch.Tensor:
+    """fp32 groups (along `axis`) whose first two elements fix min and max, and whose other elements sit on or a few
+    ulps beside the half-integers of (x - zero) / scale: where rounding a product with the reciprocal of the scale
+    can differ from rounding the reference's exact quotient."""
+    groups = (torch.randn(shape) * 3).movedim(axis, -1).unflatten(-1, (-1, group)).contiguous()
+    lo, hi = groups[..., :1], groups[..., 1:2].abs() + groups[..., :1].abs() + groups[..., :1]
+    scale, qmax = (hi - lo) / (2**bits - 1), 2**bits - 1
+    halves = torch.randint(0, qmax, groups[..., 2:].shape) + 0.5
+    nudge = 1 + torch.randint(-3, 4, halves.shape) * 2.0**-23
+    groups[..., 2:] = torch.minimum(torch.maximum((lo + halves * scale) * nudge, lo), hi)
+    groups[..., :1], groups[..., 1:2] = lo, hi
+    return groups.flatten(-2).movedim(-1, axis).contiguous()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_near_rounding_ties_matches_reference(isa, bits):
+    for axis, group, quantize, name in ((2, 32, "quantize_keys", "keys"), (3, 16, "quantize_values", "values")):
+        x = near_tie_input((2, 3, 64, 64), group, axis, bits)
+        # The test only means something if a reciprocal product rounds differently from the division somewhere.
+        flat = x.movedim(axis, -1).unflatten(-1, (-1, group))
+        lo, hi = flat.amin(-1, keepdim=True), flat.amax(-1, keepdim=True)
+        scale = (hi - lo) / (2**bits - 1)
+        assert (((flat - lo) * (1 / scale)).round() != ((flat - lo) / scale).round()).any()
+        ours = getattr(native, quantize)(x, group, bits, torch.float32)
+        theirs = getattr(reference, quantize)(x, group, bits, torch.float32)
+        for part, a, e in zip(("codes", "scales", "zeros"), ours, theirs, strict=True):
+            assert_identical(a, e, f"{quantize} {part} [{isa}] bits={bits} near ties ({name})")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_quantize_values_into_matches_reference(isa, shape):
+    b, h, t, d, _, value_group = shape
+    for bits in BITS:
+        for dtype in DTYPES:
+            for meta_dtype in DTYPES:
+                x = awkward_input((b, h, t, d), dtype, value_group, axis=3)
+                capacity, offset = t + 7, 3
+                ours = (
+                    torch.zeros(b, h, capacity, d * bits // 8, dtype=torch.uint8),
+                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
+                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
+                )
+                theirs = tuple(part.clone() for part in ours)
+                native.quantize_values_into(x, *ours, offset, value_group, bits)
+                reference.quantize_values_into(x, *theirs, offset, value_group, bits)
+                for name, a, e in zip(("codes", "scales", "zeros"), ours, theirs, strict=True):
+                    assert_identical(
+                        a, e, f"quantize_values_into {name} [{isa}] bits={bits} x={dtype} meta={meta_dtype}"
+                    )

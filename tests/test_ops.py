@@ -123,13 +123,7 @@ def test_opcheck_attention_ops(op):
     torch.library.opcheck(getattr(torch.ops.kivi_xpu, op), attention_args(op))
 
 
-def test_every_declared_op_is_covered_by_opcheck():
-    covered = set(QUANTIZATION_OPS) | {"packed_key_scores", "packed_value_combine", "decode_attention"}
-    assert set(ops.OPS) == covered
-
-
-@pytest.mark.parametrize("backend", ("reference", "sycl", "native"))
-def test_decode_attention_backends_agree_with_the_reference(backend):
+def skip_unless_available(backend: str) -> None:
     if backend != "reference":
         from kivi_xpu.backend import select
 
@@ -137,6 +131,54 @@ def test_decode_attention_backends_agree_with_the_reference(backend):
             select(backend)
         except RuntimeError as error:
             pytest.skip(str(error))
+
+
+def value_storage(batch, heads, capacity, head_dim, bits=2, group=32, meta_dtype=torch.float16):
+    """Empty (NaN-filled metadata) packed value storage ``codes, scales, zeros`` of ``capacity`` tokens."""
+    codes = torch.zeros(batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8)
+    scales = torch.full((batch, heads, capacity, head_dim // group), float("nan"), dtype=meta_dtype)
+    return codes, scales, scales.clone()
+
+
+def test_opcheck_quantize_values_into():
+    x = torch.randn(2, 3, 5, 64)
+    torch.library.opcheck(torch.ops.kivi_xpu.quantize_values_into, (x, *value_storage(2, 3, 11, 64), 4, 32, 2))
+
+
+@pytest.mark.parametrize("backend", ("reference", "sycl", "native"))
+@pytest.mark.parametrize("meta_dtype", (torch.float16, torch.float32))
+def test_quantize_values_into_writes_only_its_rows(backend, meta_dtype):
+    """Rows [offset, offset + n) of the storage equal quantize_values of the tokens; every other row is untouched."""
+    skip_unless_available(backend)
+    x = torch.randn(2, 3, 5, 96, dtype=torch.bfloat16)
+    storage = value_storage(2, 3, 13, 96, bits=4, meta_dtype=meta_dtype)
+    ops.for_backend(backend).quantize_values_into(x, *storage, 6, 32, 4)
+    expected = reference.quantize_values(x, 32, 4, meta_dtype)
+    for buffer, part in zip(storage, expected, strict=True):
+        assert torch.equal(buffer[:, :, 6:11], part)
+        outside = torch.cat([buffer[:, :, :6], buffer[:, :, 11:]], dim=2)
+        assert (outside == 0).all() if buffer.dtype == torch.uint8 else outside.isnan().all()
+
+
+def test_quantize_values_into_checks_name_the_argument():
+    x = torch.randn(1, 2, 4, 64)
+    with pytest.raises(ValueError, match="`offset` \\+ tokens"):
+        ops.call("quantize_values_into", "reference", x, *value_storage(1, 2, 6, 64), 3, 32, 2)
+    with pytest.raises(ValueError, match="`offset` must be a non-negative integer"):
+        ops.call("quantize_values_into", "reference", x, *value_storage(1, 2, 6, 64), -1, 32, 2)
+    with pytest.raises(ValueError, match="`codes` must have shape"):
+        ops.call("quantize_values_into", "reference", x, *value_storage(1, 3, 6, 64), 0, 32, 2)
+
+
+def test_every_declared_op_is_covered_by_opcheck():
+    covered = set(QUANTIZATION_OPS) | {"packed_key_scores", "packed_value_combine", "decode_attention"}
+    covered |= {"quantize_values_into"}
+    assert set(ops.OPS) == covered
+
+
+@pytest.mark.parametrize("backend", ("reference", "sycl", "native"))
+def test_decode_attention_backends_agree_with_the_reference(backend):
+    skip_unless_available(backend)
     for mask in (True, False):
         args = attention_args("decode_attention", length=1, mask=mask)
         if mask:

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -260,8 +261,12 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   // One task walks ~chunk * rows tokens; below ~8k token-rows of work a second thread costs more than it saves.
   const int64_t tasks = batch * kv_heads * p.chunks;
   const int64_t grain = std::max<int64_t>(1, 8192 / (p.chunk * std::max<int64_t>(1, p.rows / 4)));
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) kernel(p, task);
+  // Tasks are handed out one at a time from a shared counter instead of split evenly up front: when another process
+  // takes the core of one of torch's threads mid-step, the other threads run its share instead of waiting for it.
+  // Every task writes only its own partial, so the result does not depend on which thread ran it.
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, (tasks + grain - 1) / grain, 1, [&](int64_t, int64_t) {
+    for (int64_t task = next_task++; task < tasks; task = next_task++) kernel(p, task);
   });
 
   at::Tensor out = at::empty({batch, kv_heads, p.rows, p.value_dim}, f32);

@@ -108,6 +108,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& input,
   return {codes, scales, zeros};
 }
 
+// Values quantized straight into token rows [offset, offset + n) of packed value storage: codes [B,H,capacity,
+// D*bits/8], scales/zeros [B,H,capacity,D/G] (their dtype is the metadata dtype). One kernel range per (batch, head),
+// whose n rows are contiguous in the storage: a decode step's departing token needs no temporaries and no copies.
+void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& zeros, int64_t offset, int64_t group_size, int64_t bits) {
+  check_tensor(input, "x");
+  check_tensor(codes, "codes");
+  check_tensor(scales, "scales");
+  check_tensor(zeros, "zeros");
+  check_bits_and_group(group_size, bits);
+  QuantizeJob job{};
+  job.x_dtype = float_dtype(input.scalar_type(), "x");
+  job.meta_dtype = float_dtype(scales.scalar_type(), "scales");
+  const at::Tensor x = input.contiguous();
+  const int64_t b = x.size(0), h = x.size(1), n = x.size(2), d = x.size(3);
+  TORCH_CHECK_VALUE(d % group_size == 0, "`group_size` (", group_size, ") must divide the head_dim x.shape[3] (", d,
+                    ")");
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "`codes` must be uint8, got ", codes.scalar_type());
+  TORCH_CHECK_TYPE(zeros.scalar_type() == scales.scalar_type(), "`scales` and `zeros` must share a dtype, got ",
+                   scales.scalar_type(), " and ", zeros.scalar_type());
+  const int64_t capacity = codes.size(2), row_bytes = d * bits / 8, groups = d / group_size;
+  TORCH_CHECK_VALUE(codes.sizes() == at::IntArrayRef({b, h, capacity, row_bytes}), "`codes` must have shape [", b,
+                    ", ", h, ", capacity, ", row_bytes, "], got ", codes.sizes());
+  TORCH_CHECK_VALUE(scales.sizes() == at::IntArrayRef({b, h, capacity, groups}) && zeros.sizes() == scales.sizes(),
+                    "`scales` and `zeros` must have shape [", b, ", ", h, ", ", capacity, ", ", groups, "], got ",
+                    scales.sizes(), " and ", zeros.sizes());
+  TORCH_CHECK_VALUE(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
+                    "`codes`, `scales` and `zeros` must be contiguous (packed storage is laid out densely)");
+  TORCH_CHECK_VALUE(offset >= 0 && offset + n <= capacity, "`offset` + tokens (", offset, " + ", n,
+                    ") must lie within the storage capacity (", capacity, ")");
+  if (n == 0 || b * h == 0) return;
+  const auto* x_bytes = static_cast<const char*>(x.data_ptr());
+  auto* scale_bytes = static_cast<char*>(scales.data_ptr());
+  auto* zero_bytes = static_cast<char*>(zeros.data_ptr());
+  const int64_t x_row = d * (int64_t)x.element_size(), meta_row = groups * (int64_t)scales.element_size();
+  job.heads = 1, job.tokens = n, job.head_dim = d, job.group = group_size, job.bits = bits;
+  const Kernels k = kernels();
+  run(b * h, n * d, [&](int64_t begin, int64_t end) {
+    for (int64_t head = begin; head < end; ++head) {
+      QuantizeJob rows = job;
+      const int64_t first_row = head * capacity + offset;
+      rows.x = x_bytes + head * n * x_row;
+      rows.codes = codes.data_ptr<uint8_t>() + first_row * row_bytes;
+      rows.scales = scale_bytes + first_row * meta_row;
+      rows.zeros = zero_bytes + first_row * meta_row;
+      k.quantize_values(rows, 0, n);
+    }
+  });
+}
+
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t num_tokens,
                       int64_t group_size, int64_t bits, at::ScalarType out_dtype, bool keys) {
   check_tensor(codes, "codes");
@@ -180,6 +230,11 @@ void register_quantize(pybind11::module& m) {
       },
       "x [B,H,T,D] -> codes uint8 [B,H,T,D*bits/8], scales, zeros [B,H,T,D/G] (per-token values).", py::arg("x"),
       py::arg("group_size"), py::arg("bits"), py::arg("meta_dtype") = at::kHalf);
+  m.def("quantize_values_into", &quantize_values_into,
+        "x [B,H,n,D] quantized per token into rows [offset, offset+n) of value storage codes [B,H,capacity,D*bits/8] "
+        "and scales, zeros [B,H,capacity,D/G] (metadata in their dtype).",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("offset"), py::arg("group_size"),
+        py::arg("bits"));
   m.def(
       "dequantize_keys",
       [](const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t num_tokens,

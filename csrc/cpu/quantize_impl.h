@@ -53,11 +53,11 @@ struct Range {
   }
 };
 
-// Stored scale and zero of a group (NaN if invalid) and what quantization needs: `use` (valid and scale > 0) and a
-// divisor that is the scale where used (1 elsewhere, so no lane divides by zero).
+// Stored scale and zero of a group (NaN if invalid) and what quantization needs: `use` (valid and scale > 0), a
+// divisor that is the scale where used (1 elsewhere, so no lane divides by zero) and its reciprocal.
 template <class V>
 struct Params {
-  typename V::F scale, zero, divisor, qmax;
+  typename V::F scale, zero, divisor, inverse, qmax;
   typename V::M use;
 };
 
@@ -72,15 +72,32 @@ inline Params<V> group_params(const Range<V>& r, float qmax) {
   Params<V> p;
   p.use = V::both(valid, V::gt(scale, zero_f));
   p.divisor = V::select(p.use, scale, V::set1(1.0f));
+  p.inverse = V::div(V::set1(1.0f), p.divisor);
   p.scale = V::select(valid, scale, nan);
   p.zero = V::select(valid, zero, nan);
   p.qmax = V::set1(qmax);
   return p;
 }
 
+// A division per element is the most expensive step of quantization. The product with the reciprocal differs from
+// the exact quotient by at most 2^-15 for quotients up to 255 (two roundings), so it rounds to the same integer
+// unless it lies that close to a half-integer: only vectors with a lane within kTieSlack of one (or a non-finite
+// lane) are divided for real, which keeps the codes bit-identical to the reference's division.
+constexpr float kTieSlack = 1.0f / 4096;
+
 template <class V>
 inline typename V::I quantize_lanes(typename V::F v, const Params<V>& p) {
-  typename V::F q = V::round_even(V::div(V::sub(v, p.zero), p.divisor));
+  using F = typename V::F;
+  const F shifted = V::sub(v, p.zero);
+  F q;
+  if constexpr (V::kWidth == 1) {
+    q = V::round_even(V::div(shifted, p.divisor));
+  } else {
+    const F y = V::mul(shifted, p.inverse);
+    q = V::round_even(y);
+    if (!V::all(V::lt(V::abs(V::sub(y, q)), V::set1(0.5f - kTieSlack))))
+      q = V::round_even(V::div(shifted, p.divisor));
+  }
   q = V::min(V::max(q, V::set1(0.0f)), p.qmax);
   return V::select_i(p.use, V::to_int(q), V::set1_i(0));
 }
@@ -92,118 +109,157 @@ inline typename V::F dequantize_lanes(typename V::I q, typename V::F scale, type
 
 // ---- keys: lanes = channels c0 .. c0 + W - 1 of one (head, group) ------------------------------------------------
 
+// Key codes and metadata are [head, channel, ...] rows of which a task reads (or writes) a few bytes in every
+// channel of its tile: dozens of concurrent streams, more than the hardware prefetchers follow (at 8k tokens this
+// tripled the time per element). When a task enters a new cache line of its rows, the lines kPrefetchAhead bytes
+// further on are prefetched, one per row (a prefetch past the end of a buffer is harmless).
+constexpr int64_t kLine = 64, kPrefetchAhead = 4 * kLine;
+
+template <bool kWrite>
+inline void prefetch_rows(const void* first_row, int64_t row_bytes, int64_t rows, int64_t offset, int64_t step) {
+  if (offset % kLine >= step) return;
+  const char* p = static_cast<const char*>(first_row) + offset + kPrefetchAhead;
+  for (int64_t r = 0; r < rows; ++r) __builtin_prefetch(p + r * row_bytes, kWrite ? 1 : 0, 2);
+}
+
+// A tile is up to kTileVectors vectors of channels of one (head, group); its G rows are read and written in order,
+// a whole row of the tile at a time (which the hardware prefetchers follow), not column by column.
+constexpr int kTileVectors = 8;
+
 template <class V, class X, class M>
-inline void quantize_key_channels(const QuantizeJob& j, int64_t head, int64_t group, int64_t c0) {
+inline void quantize_key_tile(const QuantizeJob& j, int64_t head, int64_t group, int64_t c0, int vectors) {
   constexpr int W = V::kWidth;
   const int64_t d = j.head_dim, g = j.group, bits = j.bits;
   const auto* x = static_cast<const typename X::T*>(j.x) + (head * j.tokens + group * g) * d + c0;
-  Range<V> r;
-  r.start(load_as_float<V, X>(x));
-  for (int64_t t = 1; t < g; ++t) r.add(load_as_float<V, X>(x + t * d));
-  const Params<V> p = group_params<V, M>(r, (float)((1 << bits) - 1));
+  Range<V> r[kTileVectors];
+  for (int v = 0; v < vectors; ++v) r[v].start(load_as_float<V, X>(x + v * W));
+  for (int64_t t = 1; t < g; ++t)
+    for (int v = 0; v < vectors; ++v) r[v].add(load_as_float<V, X>(x + t * d + v * W));
+  Params<V> p[kTileVectors];
+  for (int v = 0; v < vectors; ++v) p[v] = group_params<V, M>(r[v], (float)((1 << bits) - 1));
 
   // Metadata [heads, D, groups]: lanes are `groups` elements apart.
   const int64_t groups = j.tokens / g, meta0 = (head * d + c0) * groups + group;
-  alignas(64) typename M::T scale[16], zero[16];
-  store_from_float<V, M>(scale, p.scale);
-  store_from_float<V, M>(zero, p.zero);
-  for (int l = 0; l < W; ++l) {
-    static_cast<typename M::T*>(j.scales)[meta0 + l * groups] = scale[l];
-    static_cast<typename M::T*>(j.zeros)[meta0 + l * groups] = zero[l];
+  const int64_t rows = (int64_t)vectors * W, meta_row = groups * (int64_t)sizeof(typename M::T);
+  prefetch_rows<true>(static_cast<typename M::T*>(j.scales) + (meta0 - group), meta_row, rows,
+                      group * (int64_t)sizeof(typename M::T), sizeof(typename M::T));
+  prefetch_rows<true>(static_cast<typename M::T*>(j.zeros) + (meta0 - group), meta_row, rows,
+                      group * (int64_t)sizeof(typename M::T), sizeof(typename M::T));
+  for (int v = 0; v < vectors; ++v) {
+    alignas(64) typename M::T scale[16], zero[16];
+    store_from_float<V, M>(scale, p[v].scale);
+    store_from_float<V, M>(zero, p[v].zero);
+    for (int l = 0; l < W; ++l) {
+      static_cast<typename M::T*>(j.scales)[meta0 + (v * W + l) * groups] = scale[l];
+      static_cast<typename M::T*>(j.zeros)[meta0 + (v * W + l) * groups] = zero[l];
+    }
   }
 
   // Codes [heads, D, tokens*bits/8]: each lane packs 32/bits tokens into a 32-bit word, written to its channel row.
   const int64_t row = j.tokens * bits / 8;
   uint8_t* out = j.codes + (head * d + c0) * row + group * g * bits / 8;
+  prefetch_rows<true>(j.codes + (head * d + c0) * row, row, rows, group * g * bits / 8, g * bits / 8);
   const int64_t per_word = 32 / bits;
   for (int64_t t = 0; t < g; t += per_word) {
     const int64_t n = t + per_word <= g ? per_word : g - t;  // a multiple of 8 / bits
-    typename V::I word = V::set1_i(0);
+    typename V::I word[kTileVectors];
+    for (int v = 0; v < vectors; ++v) word[v] = V::set1_i(0);
     for (int64_t k = 0; k < n; ++k)
-      word = V::or_i(word, V::shl(quantize_lanes<V>(load_as_float<V, X>(x + (t + k) * d), p), (int)(k * bits)));
-    alignas(64) int32_t words[16];
-    V::store_i(words, word);
-    if (n == per_word) {  // a constant size: a plain 4-byte store, not a memcpy call
-      for (int l = 0; l < W; ++l) __builtin_memcpy(out + l * row + t * bits / 8, &words[l], 4);
-    } else {
-      for (int l = 0; l < W; ++l) __builtin_memcpy(out + l * row + t * bits / 8, &words[l], (size_t)(n * bits / 8));
+      for (int v = 0; v < vectors; ++v)
+        word[v] = V::or_i(word[v], V::shl(quantize_lanes<V>(load_as_float<V, X>(x + (t + k) * d + v * W), p[v]),
+                                          (int)(k * bits)));
+    for (int v = 0; v < vectors; ++v) {
+      alignas(64) int32_t words[16];
+      V::store_i(words, word[v]);
+      uint8_t* lane_out = out + v * W * row + t * bits / 8;
+      if (n == per_word) {  // a constant size: a plain 4-byte store, not a memcpy call
+        for (int l = 0; l < W; ++l) __builtin_memcpy(lane_out + l * row, &words[l], 4);
+      } else {
+        for (int l = 0; l < W; ++l) __builtin_memcpy(lane_out + l * row, &words[l], (size_t)(n * bits / 8));
+      }
     }
   }
 }
 
 template <class V, class M, class O>
-inline void dequantize_key_channels(const DequantizeJob& j, int64_t head, int64_t group, int64_t c0) {
+inline void dequantize_key_tile(const DequantizeJob& j, int64_t head, int64_t group, int64_t c0, int vectors) {
   constexpr int W = V::kWidth;
   const int64_t d = j.head_dim, g = j.group, bits = j.bits;
-  alignas(64) typename M::T scale_lanes[16], zero_lanes[16];  // gathered raw, converted as vectors
+  typename V::F scale[kTileVectors], zero[kTileVectors];
   const int64_t meta0 = (head * d + c0) * j.meta_len + group;
-  for (int l = 0; l < W; ++l) {
-    scale_lanes[l] = static_cast<const typename M::T*>(j.scales)[meta0 + l * j.meta_len];
-    zero_lanes[l] = static_cast<const typename M::T*>(j.zeros)[meta0 + l * j.meta_len];
+  const int64_t rows = (int64_t)vectors * W, meta_row = j.meta_len * (int64_t)sizeof(typename M::T);
+  prefetch_rows<false>(static_cast<const typename M::T*>(j.scales) + (meta0 - group), meta_row, rows,
+                       group * (int64_t)sizeof(typename M::T), sizeof(typename M::T));
+  prefetch_rows<false>(static_cast<const typename M::T*>(j.zeros) + (meta0 - group), meta_row, rows,
+                       group * (int64_t)sizeof(typename M::T), sizeof(typename M::T));
+  for (int v = 0; v < vectors; ++v) {
+    alignas(64) typename M::T scale_lanes[16], zero_lanes[16];  // gathered raw, converted as vectors
+    for (int l = 0; l < W; ++l) {
+      scale_lanes[l] = static_cast<const typename M::T*>(j.scales)[meta0 + (v * W + l) * j.meta_len];
+      zero_lanes[l] = static_cast<const typename M::T*>(j.zeros)[meta0 + (v * W + l) * j.meta_len];
+    }
+    scale[v] = load_as_float<V, M>(scale_lanes), zero[v] = load_as_float<V, M>(zero_lanes);
   }
-  const typename V::F scale = load_as_float<V, M>(scale_lanes), zero = load_as_float<V, M>(zero_lanes);
   const typename V::I mask = V::set1_i((1 << bits) - 1);
   const uint8_t* in = j.codes + (head * d + c0) * j.code_len + group * g * bits / 8;
+  prefetch_rows<false>(j.codes + (head * d + c0) * j.code_len, j.code_len, rows, group * g * bits / 8, g * bits / 8);
   auto* out = static_cast<typename O::T*>(j.out) + (head * j.num_tokens + group * g) * d + c0;
   const int64_t per_word = 32 / bits;
   for (int64_t t = 0; t < g; t += per_word) {
     const int64_t n = t + per_word <= g ? per_word : g - t;
-    alignas(64) int32_t words[16];
-    if (n == per_word) {
-      for (int l = 0; l < W; ++l) __builtin_memcpy(&words[l], in + l * j.code_len + t * bits / 8, 4);
-    } else {
-      for (int l = 0; l < W; ++l) {
-        words[l] = 0;
-        __builtin_memcpy(&words[l], in + l * j.code_len + t * bits / 8, (size_t)(n * bits / 8));
+    typename V::I word[kTileVectors];
+    for (int v = 0; v < vectors; ++v) {
+      alignas(64) int32_t words[16];
+      const uint8_t* lane_in = in + v * W * j.code_len + t * bits / 8;
+      if (n == per_word) {
+        for (int l = 0; l < W; ++l) __builtin_memcpy(&words[l], lane_in + l * j.code_len, 4);
+      } else {
+        for (int l = 0; l < W; ++l) {
+          words[l] = 0;
+          __builtin_memcpy(&words[l], lane_in + l * j.code_len, (size_t)(n * bits / 8));
+        }
       }
+      word[v] = V::load_i(words);
     }
-    const typename V::I word = V::load_i(words);
-    for (int64_t k = 0; k < n; ++k) {
-      const typename V::I q = V::and_i(V::shr(word, (int)(k * bits)), mask);
-      store_from_float<V, O>(out + (t + k) * d, dequantize_lanes<V>(q, scale, zero));
-    }
+    for (int64_t k = 0; k < n; ++k)
+      for (int v = 0; v < vectors; ++v) {
+        const typename V::I q = V::and_i(V::shr(word[v], (int)(k * bits)), mask);
+        store_from_float<V, O>(out + (t + k) * d + v * W, dequantize_lanes<V>(q, scale[v], zero[v]));
+      }
   }
 }
 
-// A key task reads (or writes) G rows of D contiguous elements, column chunk by column chunk: strided accesses the
-// hardware prefetchers follow poorly. The whole block of the NEXT task is contiguous, so it is prefetched in order.
-inline void prefetch_block(const void* start, int64_t bytes, bool for_write) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t offset = 0; offset < bytes; offset += 64) {
-    if (for_write) {
-      __builtin_prefetch(p + offset, 1);
-    } else {
-      __builtin_prefetch(p + offset, 0);
-    }
+// Calls tile(policy, c0, vectors) over the channels of a row: tiles of whole vectors, then single scalar channels.
+template <class Tile>
+inline void for_channel_tiles(int64_t head_dim, Tile&& tile) {
+  const int64_t whole = head_dim / Vec::kWidth * Vec::kWidth;
+  for (int64_t c = 0; c < whole; c += (int64_t)kTileVectors * Vec::kWidth) {
+    const int64_t vectors = (whole - c) / Vec::kWidth;
+    tile(Vec{}, c, (int)(vectors < kTileVectors ? vectors : kTileVectors));
   }
+  for (int64_t c = whole; c < head_dim; ++c) tile(Scalar{}, c, 1);
 }
 
 template <class X, class M>
 inline void quantize_keys_range(const QuantizeJob& j, int64_t begin, int64_t end) {
-  const int64_t groups = j.tokens / j.group, block = j.group * j.head_dim;
-  for (int64_t task = begin; task < end; ++task) {
-    if (task + 1 < end) prefetch_block(static_cast<const typename X::T*>(j.x) + (task + 1) * block,
-                                       block * (int64_t)sizeof(typename X::T), false);
-    int64_t c = 0;
-    for (; c + Vec::kWidth <= j.head_dim; c += Vec::kWidth) quantize_key_channels<Vec, X, M>(j, task / groups, task % groups, c);
-    for (; c < j.head_dim; ++c) quantize_key_channels<Scalar, X, M>(j, task / groups, task % groups, c);
-  }
+  const int64_t groups = j.tokens / j.group;
+  for (int64_t task = begin; task < end; ++task)
+    for_channel_tiles(j.head_dim, [&](auto policy, int64_t c0, int vectors) {
+      quantize_key_tile<decltype(policy), X, M>(j, task / groups, task % groups, c0, vectors);
+    });
 }
 
 template <class M, class O>
 inline void dequantize_keys_range(const DequantizeJob& j, int64_t begin, int64_t end) {
-  const int64_t groups = j.num_tokens / j.group, block = j.group * j.head_dim;
-  for (int64_t task = begin; task < end; ++task) {
-    if (task + 1 < end) prefetch_block(static_cast<typename O::T*>(j.out) + (task + 1) * block,
-                                       block * (int64_t)sizeof(typename O::T), true);
-    int64_t c = 0;
-    for (; c + Vec::kWidth <= j.head_dim; c += Vec::kWidth) dequantize_key_channels<Vec, M, O>(j, task / groups, task % groups, c);
-    for (; c < j.head_dim; ++c) dequantize_key_channels<Scalar, M, O>(j, task / groups, task % groups, c);
-  }
+  const int64_t groups = j.num_tokens / j.group;
+  for (int64_t task = begin; task < end; ++task)
+    for_channel_tiles(j.head_dim, [&](auto policy, int64_t c0, int vectors) {
+      dequantize_key_tile<decltype(policy), M, O>(j, task / groups, task % groups, c0, vectors);
+    });
 }
 
 // ---- values: groups are contiguous pieces of the rows, numbered flat across rows ------------------------------------
-// A block of up to Vec::kWidth consecutive groups is handled together: each group's min / max is read with its
+// Quantize handles a block of up to Vec::kWidth consecutive groups together: each group's min / max is read with its
 // channels on the lanes (policy E: Vec, or Scalar when the group is not a whole number of vectors), then the
 // parameters of the whole block are computed at once with the groups on the lanes (independent work instead of one
 // long dependency chain per group), and their metadata, contiguous in memory, is stored as one vector.
@@ -235,16 +291,18 @@ inline void quantize_value_block(const QuantizeJob& j, int64_t first, int64_t co
   __builtin_memcpy(static_cast<typename M::T*>(j.scales) + first, meta, (size_t)count * sizeof(meta[0]));
   store_from_float<Vec, M>(meta, p.zero);
   __builtin_memcpy(static_cast<typename M::T*>(j.zeros) + first, meta, (size_t)count * sizeof(meta[0]));
-  alignas(64) float zero[W], divisor[W], use[W];
+  alignas(64) float zero[W], divisor[W], inverse[W], use[W];
   Vec::store(zero, p.zero);
   Vec::store(divisor, p.divisor);
+  Vec::store(inverse, p.inverse);
   Vec::store(use, Vec::select(p.use, Vec::set1(1.0f), Vec::set1(0.0f)));
 
   uint8_t* codes = j.codes + first * g * bits / 8;
   alignas(64) uint8_t q[kPiece];
   for (int64_t k = 0; k < count; ++k) {
     Params<E> pe;
-    pe.zero = E::set1(zero[k]), pe.divisor = E::set1(divisor[k]), pe.qmax = E::set1((float)((1 << bits) - 1));
+    pe.zero = E::set1(zero[k]), pe.divisor = E::set1(divisor[k]), pe.inverse = E::set1(inverse[k]);
+    pe.qmax = E::set1((float)((1 << bits) - 1));
     pe.use = E::gt(E::set1(use[k]), E::set1(0.0f));
     for (int64_t start = 0; start < g; start += kPiece) {
       const int64_t n = g - start < kPiece ? g - start : kPiece;
@@ -255,29 +313,36 @@ inline void quantize_value_block(const QuantizeJob& j, int64_t first, int64_t co
   }
 }
 
+// Dequantizes the groups of one stored row. Metadata is converted one group at a time (a vector load of a few
+// just-copied elements stalls on store forwarding, and a row holds only a few groups); where a group is whole vectors
+// its codes are unpacked straight into lanes.
 template <class E, class M, class O>
-inline void dequantize_value_block(const DequantizeJob& j, int64_t head, int64_t t, int64_t first, int64_t count) {
-  constexpr int W = Vec::kWidth;
+inline void dequantize_value_row(const DequantizeJob& j, int64_t head, int64_t t) {
   const int64_t g = j.group, groups = j.head_dim / g;
   const int bits = (int)j.bits;
   // Metadata and codes are read from the (over-allocated) storage rows, outputs written densely.
-  const int64_t meta = (head * j.meta_len + t) * groups + first;
-  alignas(64) typename M::T raw[W] = {};
-  alignas(64) float scale[W], zero[W];
-  __builtin_memcpy(raw, static_cast<const typename M::T*>(j.scales) + meta, (size_t)count * sizeof(raw[0]));
-  Vec::store(scale, load_as_float<Vec, M>(raw));
-  __builtin_memcpy(raw, static_cast<const typename M::T*>(j.zeros) + meta, (size_t)count * sizeof(raw[0]));
-  Vec::store(zero, load_as_float<Vec, M>(raw));
-  const uint8_t* codes = j.codes + (head * j.code_len + t) * (j.head_dim * bits / 8) + first * g * bits / 8;
-  auto* out = static_cast<typename O::T*>(j.out) + (head * j.num_tokens + t) * j.head_dim + first * g;
-  alignas(64) uint8_t q[kPiece];
-  for (int64_t k = 0; k < count; ++k) {
-    const typename E::F s = E::set1(scale[k]), z = E::set1(zero[k]);
-    for (int64_t start = 0; start < g; start += kPiece) {
-      const int64_t n = g - start < kPiece ? g - start : kPiece;
-      unpack_codes(codes + (k * g + start) * bits / 8, n, bits, q);
-      for (int64_t i = 0; i < n; i += E::kWidth)
-        store_from_float<E, O>(out + k * g + start + i, dequantize_lanes<E>(E::load_u8(q + i), s, z));
+  const int64_t meta = (head * j.meta_len + t) * groups;
+  const auto* scales = static_cast<const typename M::T*>(j.scales) + meta;
+  const auto* zeros = static_cast<const typename M::T*>(j.zeros) + meta;
+  const uint8_t* codes = j.codes + (head * j.code_len + t) * (j.head_dim * bits / 8);
+  auto* out = static_cast<typename O::T*>(j.out) + (head * j.num_tokens + t) * j.head_dim;
+  for (int64_t k = 0; k < groups; ++k) {
+    const typename E::F s = E::set1(load_as_float<Scalar, M>(scales + k));
+    const typename E::F z = E::set1(load_as_float<Scalar, M>(zeros + k));
+    const uint8_t* group_codes = codes + k * g * bits / 8;
+    auto* group_out = out + k * g;
+    if constexpr (E::kWidth > 1) {
+      for (int64_t i = 0; i < g; i += E::kWidth) {
+        const typename E::I q = E::load_codes(group_codes + i * bits / 8, bits);
+        store_from_float<E, O>(group_out + i, dequantize_lanes<E>(q, s, z));
+      }
+    } else {
+      alignas(64) uint8_t q[kPiece];
+      for (int64_t start = 0; start < g; start += kPiece) {
+        const int64_t n = g - start < kPiece ? g - start : kPiece;
+        unpack_codes(group_codes + start * bits / 8, n, bits, q);
+        for (int64_t i = 0; i < n; ++i) store_from_float<E, O>(group_out + start + i, dequantize_lanes<E>(q[i], s, z));
+      }
     }
   }
 }
@@ -293,11 +358,10 @@ inline void quantize_value_rows(const QuantizeJob& j, int64_t begin, int64_t end
 
 template <class E, class M, class O>
 inline void dequantize_value_rows(const DequantizeJob& j, int64_t begin, int64_t end) {
-  const int64_t groups = j.head_dim / j.group;
+  int64_t head = begin / j.num_tokens, t = begin % j.num_tokens;  // one division per range, not per row
   for (int64_t task = begin; task < end; ++task) {
-    for (int64_t first = 0; first < groups; first += Vec::kWidth)
-      dequantize_value_block<E, M, O>(j, task / j.num_tokens, task % j.num_tokens, first,
-                                      groups - first < Vec::kWidth ? groups - first : Vec::kWidth);
+    dequantize_value_row<E, M, O>(j, head, t);
+    if (++t == j.num_tokens) t = 0, ++head;
   }
 }
 

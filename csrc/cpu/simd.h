@@ -73,7 +73,11 @@ struct Scalar {
   using M = bool;
 
   static F load(const float* p) { return *p; }
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+  static F load(const uint16_t* p, F16) { return _cvtsh_ss(*p); }  // F16C: one instruction
+#else
   static F load(const uint16_t* p, F16) { return half_to_float(*p); }
+#endif
   static F load(const uint16_t* p, BF16) { return bf16_to_float(*p); }
   static void store(float* p, F v) { *p = v; }
   static void store(uint16_t* p, F v, F16) { *p = float_to_half(v); }
@@ -89,7 +93,10 @@ struct Scalar {
   static F round_even(F v) { return __builtin_rintf(v); }  // default rounding mode: nearest even
   static M eq(F a, F b) { return a == b; }                  // ordered: false if either is NaN
   static M gt(F a, F b) { return a > b; }
+  static M lt(F a, F b) { return a < b; }
   static M both(M a, M b) { return a && b; }
+  static bool all(M m) { return m; }
+  static F abs(F v) { return __builtin_fabsf(v); }
   static F select(M m, F a, F b) { return m ? a : b; }
   static float reduce_min(F v) { return v; }  // across lanes (order unspecified)
   static float reduce_max(F v) { return v; }
@@ -149,7 +156,10 @@ struct Vec {
   static F round_even(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   static M both(M a, M b) { return (M)(a & b); }
+  static bool all(M m) { return m == 0xFFFF; }
+  static F abs(F v) { return _mm512_abs_ps(v); }
   static F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   static float reduce_min(F v) { return _mm512_reduce_min_ps(v); }
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
@@ -166,6 +176,22 @@ struct Vec {
   static I load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
   static void store_i(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
   static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  // kWidth codes packed little-end first (pack_codes' layout) at p, kWidth * bits / 8 bytes -> lanes.
+  static I load_codes(const uint8_t* p, int bits) {
+    if (bits == 8) return load_u8(p);
+    if (bits == 4) {  // 8 bytes: lanes 0-7 from the low 32-bit word, 8-15 from the high one
+      int64_t qword;
+      __builtin_memcpy(&qword, p, 8);
+      const __m512i word_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const __m512i words = _mm512_permutexvar_epi32(word_of_lane, _mm512_castsi128_si512(_mm_cvtsi64_si128(qword)));
+      const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+      return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15));
+    }
+    int32_t word;  // 2 bits: 4 bytes, one 32-bit word for all lanes
+    __builtin_memcpy(&word, p, 4);
+    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(word), shifts), _mm512_set1_epi32(3));
+  }
   static void store_u8(uint8_t* p, I v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v)); }
 };
 #elif defined(KIVI_SIMD_AVX2)
@@ -208,7 +234,10 @@ struct Vec {
   static F round_even(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
   static M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  static M lt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
   static M both(M a, M b) { return _mm256_and_ps(a, b); }
+  static bool all(M m) { return _mm256_movemask_ps(m) == 0xFF; }
+  static F abs(F v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
   static F select(M m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
   static float reduce_min(F v) {
     __m128 r = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -237,6 +266,15 @@ struct Vec {
   static I load_i(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
   static void store_i(int32_t* p, I v) { _mm256_storeu_si256((__m256i*)p, v); }
   static I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  // kWidth codes packed little-end first (pack_codes' layout) at p, kWidth * bits / 8 bytes -> lanes.
+  static I load_codes(const uint8_t* p, int bits) {
+    if (bits == 8) return load_u8(p);
+    int32_t word = 0;  // 2 bits: 2 bytes, 4 bits: 4 bytes
+    __builtin_memcpy(&word, p, (size_t)(bits * 2));
+    const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                     : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32((1 << bits) - 1));
+  }
   static void store_u8(uint8_t* p, I v) {
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     _mm_storel_epi64((__m128i*)p, _mm_packus_epi16(words, words));

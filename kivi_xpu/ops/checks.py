@@ -137,6 +137,37 @@ def check_dequantize_args(
             )
 
 
+def check_quantize_into_args(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    offset: int,
+    group_size: int,
+    bits: int,
+) -> None:
+    """Checks for ``quantize_values_into``: ``x [B, H, n, D]`` goes to token rows ``[offset, offset + n)`` of packed
+    value storage ``codes [B, H, capacity, D/P]``, ``scales``/``zeros [B, H, capacity, D/G]`` (their dtype is the
+    metadata dtype)."""
+    check_quantize_args(x, group_size, bits, scales.dtype if isinstance(scales, torch.Tensor) else None, "channels")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"`offset` must be a non-negative integer, got {offset!r}")
+    check_dequantize_args(codes, scales, zeros, 0, group_size, bits, x.dtype, "channels")
+    b, h, n, d = x.shape
+    expected = (b, h, codes.shape[2], d // codes_per_byte(bits))
+    if tuple(codes.shape) != expected:
+        raise ValueError(
+            f"`codes` must have shape {expected} (batch, heads, capacity, D/P) for `x` of shape "
+            f"{tuple(x.shape)}, got {tuple(codes.shape)}"
+        )
+    if scales.shape[2] != codes.shape[2]:
+        raise ValueError(f"`scales` capacity ({scales.shape[2]}) must equal `codes` capacity ({codes.shape[2]})")
+    if x.device != codes.device:
+        raise ValueError(f"`x` is on {x.device} but `codes` is on {codes.device}: all must share a device")
+    if offset + n > codes.shape[2]:
+        raise ValueError(f"`offset` + tokens ({offset} + {n}) exceeds the storage capacity ({codes.shape[2]})")
+
+
 def check_attention_args(
     name: str,
     query: torch.Tensor,

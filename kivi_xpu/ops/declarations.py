@@ -6,6 +6,9 @@ byte; see :mod:`.reference` for the exact semantics):
 * keys, per channel, channel-major: codes ``uint8 [B, H, D, T/P]``, scales/zeros ``[B, H, D, T/G]``;
 * values, per token: codes ``uint8 [B, H, T, D/P]``, scales/zeros ``[B, H, T, D/G]``.
 
+``quantize_values_into`` is ``quantize_values`` writing into rows of existing value storage (a decode step's token
+leaving the window, without temporaries).
+
 Packed buffers may be longer along their token axis than the count of valid tokens (over-allocated storage).
 """
 
@@ -19,12 +22,16 @@ from .checks import (
     check_decode_args,
     check_dequantize_args,
     check_quantize_args,
+    check_quantize_into_args,
     codes_per_byte,
     split_decode_args,
 )
 from .library import define
 
 _QUANTIZE = "(Tensor x, int group_size, int bits, ScalarType meta_dtype) -> (Tensor, Tensor, Tensor)"
+_QUANTIZE_INTO = (
+    "(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) zeros, int offset, int group_size, int bits) -> ()"
+)
 _DEQUANTIZE = (
     "(Tensor codes, Tensor scales, Tensor zeros, int num_tokens, int group_size, int bits, ScalarType out_dtype)"
     " -> Tensor"
@@ -94,6 +101,10 @@ for _axis, _kind in (("tokens", "keys"), ("channels", "values")):
         _dequantized_output(_axis),
         getattr(reference, f"dequantize_{_kind}"),
     )
+# In place: writes into its storage arguments, returns nothing.
+define(
+    "quantize_values_into", _QUANTIZE_INTO, check_quantize_into_args, lambda *args: None, reference.quantize_values_into
+)
 for _name, _dense, _axis, _outputs in (
     ("packed_key_scores", "query", "tokens", _scores_output),
     ("packed_value_combine", "probs", "channels", _combine_output),

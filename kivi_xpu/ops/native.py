@@ -10,7 +10,14 @@ import functools
 from ..runtime import load_native_extension
 from .library import register_kernel
 
-NATIVE_OPS = ("quantize_keys", "quantize_values", "dequantize_keys", "dequantize_values", "decode_attention")
+NATIVE_OPS = (
+    "quantize_keys",
+    "quantize_values",
+    "quantize_values_into",
+    "dequantize_keys",
+    "dequantize_values",
+    "decode_attention",
+)
 
 
 def _native(op: str):

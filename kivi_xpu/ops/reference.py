@@ -114,6 +114,29 @@ def quantize_values(x: torch.Tensor, group_size: int, bits: int, meta_dtype: tor
     return codes, scale.squeeze(4).contiguous(), zero.squeeze(4).contiguous()
 
 
+@register_kernel("quantize_values_into", "reference")
+def quantize_values_into(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    offset: int,
+    group_size: int,
+    bits: int,
+) -> None:
+    """:func:`quantize_values` of ``x [B, H, n, D]`` written into token rows ``[offset, offset + n)`` of packed value
+    storage ``codes [B, H, capacity, D * bits / 8]``, ``scales``/``zeros [B, H, capacity, D / G]`` (metadata in
+    their dtype): how a decode step stores the token leaving the window, without temporaries in the fast kernels."""
+    store_value_rows(quantize_values(x, group_size, bits, scales.dtype), (codes, scales, zeros), offset)
+
+
+def store_value_rows(parts, storage, offset: int) -> None:
+    """Copies quantized values ``parts = (codes, scales, zeros)`` of ``n`` tokens into token rows ``[offset, offset
+    + n)`` of value ``storage`` (the same three, with a larger capacity)."""
+    for buffer, part in zip(storage, parts, strict=True):
+        buffer.narrow(2, offset, part.shape[2]).copy_(part)
+
+
 @register_kernel("dequantize_keys", "reference")
 def dequantize_keys(
     codes: torch.Tensor,

@@ -13,7 +13,7 @@ import torch
 from ..runtime import SyclRuntime, sycl_runtime_for
 from .checks import codes_per_byte, split_decode_args
 from .library import OPS, register_kernel
-from .reference import group_queries, masked_scores, softmax_rows
+from .reference import group_queries, masked_scores, softmax_rows, store_value_rows
 
 # packed_value_combine splits the token loop into chunks whose partial sums are added afterwards (in order), so that a
 # decode step (few kv heads, one query row) still spreads over all cores / EUs. Each chunk is a work-group with a fixed
@@ -69,6 +69,13 @@ def _dequantize(op: str):
 for _kind in ("keys", "values"):
     register_kernel(f"quantize_{_kind}", "sycl")(_quantize(f"quantize_{_kind}"))
     register_kernel(f"dequantize_{_kind}", "sycl")(_dequantize(f"dequantize_{_kind}"))
+
+
+@register_kernel("quantize_values_into", "sycl")
+def quantize_values_into(x, codes, scales, zeros, offset, group_size, bits):
+    """The SYCL value quantizer, then copies into the storage rows (no in-place SYCL kernel yet)."""
+    parts = _quantize("quantize_values")(x, group_size, bits, scales.dtype)
+    store_value_rows(parts, (codes, scales, zeros), offset)
 
 
 @register_kernel("packed_key_scores", "sycl")
