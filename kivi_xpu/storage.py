@@ -118,12 +118,21 @@ class TokenBuffer:
     def append(self, rows: torch.Tensor) -> None:
         """Appends ``rows`` (``n`` rows along the token axis)."""
         n = rows.shape[self.dim]
+        self.reserve(n)
+        self.rows(self.end, self.end + n).copy_(rows)
+        self.end += n
+
+    def reserve(self, n: int) -> None:
+        """Makes rows ``[end, end + n)`` writable in place (for a writer that fills them itself, then calls
+        :meth:`commit`)."""
         if self.data.is_inference() and not torch.is_inference_mode_enabled():
             # Filled under torch.inference_mode(), whose tensors refuse in-place writes outside it: go on with a
             # normal copy (once), as DynamicCache does implicitly by concatenating.
             self.data = self.data.clone()
         self._make_room(n)
-        self.rows(self.end, self.end + n).copy_(rows)
+
+    def commit(self, n: int) -> None:
+        """Counts the ``n`` rows written after :meth:`reserve` as live."""
         self.end += n
 
     def drop_front(self, n: int) -> None:
@@ -193,13 +202,28 @@ class PackedHistory:
 
     def append(self, x: torch.Tensor) -> None:
         """Quantizes and appends ``x [B, H, n, D]`` (for keys, ``n`` is a multiple of the group size)."""
-        quantize = kernel(f"quantize_{self.kind}", self.backend)
-        parts = quantize(x.to(self.device), self.group_size, self.bits, self.settings.meta_dtype)
-        if self.settings.meta_dtype == torch.float16 and x.dtype != torch.float16:  # only then can it overflow
-            warn_on_metadata_overflow(x, parts[1], self.kind)
-        for buf, part in zip(self.buffers(), parts, strict=True):
-            buf.append(part)
-        self.num_tokens += x.shape[2]
+        x, n = x.to(self.device), x.shape[2]
+        if self.kind == "values":
+            # Straight into the storage rows: one op call and no temporaries for a decode step's departing token.
+            for buf in self.buffers():
+                buf.reserve(n)
+            codes, scales, zeros = (buf.data for buf in self.buffers())
+            quantize = kernel("quantize_values_into", self.backend)
+            quantize(x, codes, scales, zeros, self.codes.end, self.group_size, self.bits)
+            for buf in self.buffers():
+                buf.commit(n)
+            # Checked for blocks only (prefill, appends of several tokens): a per-token check would cost a
+            # reduction per layer and step, and keys, from the same activations, are checked every R tokens.
+            written_scales = self.scales.rows(self.scales.end - n, self.scales.end) if n > 1 else None
+        else:
+            quantize = kernel("quantize_keys", self.backend)
+            parts = quantize(x, self.group_size, self.bits, self.settings.meta_dtype)
+            for buf, part in zip(self.buffers(), parts, strict=True):
+                buf.append(part)
+            written_scales = parts[1]
+        if written_scales is not None and self.settings.meta_dtype == torch.float16 and x.dtype != torch.float16:
+            warn_on_metadata_overflow(x, written_scales, self.kind)  # only then can it overflow
+        self.num_tokens += n
 
     def dequantize(self, out_dtype: torch.dtype, start: int = 0, count: int | None = None) -> torch.Tensor:
         """Stored tokens ``[start, count)`` (default: all) as ``[B, H, count - start, D]``; ``start`` is
