@@ -60,7 +60,8 @@ class KiviCache(Cache):
             ``key_group_size`` / ``value_group_size`` say otherwise; must divide head_dim.
         residual_length: ``R``, tokens kept in full precision; a multiple of the key group size, at most ``2**24``.
             Memory follows the tokens held (a 27-token cache allocates about 27 tokens' worth whatever ``R``).
-        meta_dtype: dtype of the stored scales and zero points (default ``torch.float16``).
+        meta_dtype: dtype of the stored scales and zero points: ``torch.float16``, ``torch.bfloat16``,
+            ``torch.float32``, or ``None`` (default): ``bfloat16`` for a bfloat16 model, ``float16`` otherwise.
         backend: ``"auto"`` (default: ``$KIVI_XPU_BACKEND`` or SYCL kernels when a SYCL device exists, else the
             pure-PyTorch reference with one warning), ``"sycl"`` or ``"reference"``.
         device: SYCL device filter string (e.g. ``"opencl:cpu"``, ``"level_zero:gpu"``), default
@@ -91,7 +92,7 @@ class KiviCache(Cache):
         bits: int = 2,
         group_size: int = 32,
         residual_length: int = 128,
-        meta_dtype: torch.dtype = torch.float16,
+        meta_dtype: torch.dtype | None = None,
         backend: str | None = None,
         device: str | None = None,
         attention: str = "auto",

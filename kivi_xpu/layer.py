@@ -30,7 +30,8 @@ class KiviLayer(CacheLayerMixin):
     fused KIVI attention it returns only the exact tails and hands a :class:`~kivi_xpu.attention.DecodeInputs` to
     the attention call, which reads the sinks, the packed history in place and the tails.
 
-    ``settings`` (a :class:`~kivi_xpu.KiviSettings`) is this layer's configuration (per-layer overrides applied);
+    ``settings`` (a :class:`~kivi_xpu.KiviSettings`) is this layer's configuration (per-layer overrides applied;
+    a ``meta_dtype`` of ``None`` is resolved for the model's dtype at the first update);
     ``backend`` the :class:`~kivi_xpu.backend.Selection` whose kernels (by name) read and write the codes.
 
     Rollback: while ``record_past`` is True (``activate_past_recording()``, as transformers' assisted decoding
@@ -60,6 +61,7 @@ class KiviLayer(CacheLayerMixin):
             raise TypeError(f"`backend` must be a backend name, a kivi_xpu.backend.select(...) result or None, got "
                             f"{type(backend).__name__}")  # fmt: skip
         self.settings = settings if settings is not None else KiviSettings()
+        self._given_settings = self.settings  # `settings` is this, `meta_dtype` resolved, from the first update on
         self.backend = backend if isinstance(backend, Selection) else select(backend)
         # "auto": fused exactly when `model_config._attn_implementation == "kivi"` (read at every update, so it
         # follows `model.set_attn_implementation`); "dense": always return dense keys/values.
@@ -122,6 +124,7 @@ class KiviLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        self.settings = self._given_settings.for_model_dtype(self.dtype)
         self.settings.check_head_dim(key_states.shape[-1], "keys")
         self.settings.check_head_dim(value_states.shape[-1], "values")
         storage, name = self.backend.storage_device(self.device), self.backend.name

@@ -115,6 +115,7 @@ def _dequantized(key: torch.Tensor, value: torch.Tensor, settings: KiviSettings)
     """Detached copies of ``key`` and ``value`` with the quantizable tokens (see :func:`fake_quantized_states`)
     replaced by their dequantized versions."""
     sinks, n = settings.sink_tokens, key.shape[2]
+    settings = settings.for_model_dtype(key.dtype)
     key_tokens = max(0, n - sinks) // settings.key_group_size * settings.key_group_size
     key_target = key.detach().clone()
     if key_tokens:

@@ -31,7 +31,7 @@ def warn_on_metadata_overflow(x: torch.Tensor, scales: torch.Tensor, kind: str) 
     (their groups then hold NaN, by the quantizer's rule: a loud result, but the cause deserves a message). Cheap:
     ``scales`` is small, and ``x`` is only looked at when some scale is NaN."""
     global _overflow_warned
-    if _overflow_warned or not scales.isnan().any():
+    if _overflow_warned or scales.device.type == "meta" or not scales.isnan().any():
         return
     largest = x.abs().masked_fill(~x.isfinite(), 0).max()
     if largest > torch.finfo(torch.float16).max:

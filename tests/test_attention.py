@@ -264,14 +264,14 @@ def test_keys_overflowing_fp16_metadata_give_nan_logits_in_both_paths_and_one_wa
     ids = torch.randint(1, 256, (1, 44))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fused = decode_logits(model, "kivi", backend_name, ids)
-        dense = decode_logits(model, "sdpa", backend_name, ids)
+        fused = decode_logits(model, "kivi", backend_name, ids, meta_dtype=torch.float16)
+        dense = decode_logits(model, "sdpa", backend_name, ids, meta_dtype=torch.float16)
     assert fused.isnan().all() and dense.isnan().all()  # never plausible garbage from one path only
     assert overflow_warnings(record) == 1  # once per process, naming the cause and the fix
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        for attn in ("kivi", "sdpa"):  # bfloat16 metadata holds them
-            assert decode_logits(model, attn, backend_name, ids, meta_dtype=torch.bfloat16).isfinite().all()
+        for attn in ("kivi", "sdpa"):  # bfloat16 metadata, the default for a bfloat16 model, holds them
+            assert decode_logits(model, attn, backend_name, ids).isfinite().all()
     assert overflow_warnings(record) == 0
 
 

@@ -23,7 +23,7 @@ def make_layer(backend_name, bits=2, group_size=16, residual_length=32):
 def expected_dense(keys, values, held, settings):
     """The paper's rule, computed independently: what attention should read when ``held`` tokens were
     already stored and ``keys/values [B, H, n, D]`` hold every token so far (old and new)."""
-    s = settings
+    s = settings.for_model_dtype(keys.dtype)
     qk, qv = s.quantized_key_count(held), s.quantized_value_count(held)
     k, v = keys.clone(), values.clone()
     if qk:
@@ -204,6 +204,28 @@ def test_memory_follows_the_tokens_held_not_the_residual_length(backend_name):
     assert cache.memory_report().allocated_bytes == report.allocated_bytes
     window = cache.layers[0].keys_stream.window.view()
     torch.testing.assert_close(window, torch.cat([k[[1, 0]], k[[1, 0], :, :1]], dim=2))
+
+
+@pytest.mark.parametrize(
+    "model_dtype, given, stored",
+    [
+        (torch.bfloat16, None, torch.bfloat16),  # float16 scales would overflow for keys beyond 65504
+        (torch.float32, None, torch.float16),
+        (torch.float16, None, torch.float16),
+        (torch.bfloat16, torch.float16, torch.float16),  # given: kept
+        (torch.float32, torch.float32, torch.float32),
+    ],
+)
+def test_metadata_dtype_follows_the_model_unless_given(model_dtype, given, stored):
+    layer = KiviLayer(KiviSettings(2, 16, 32, given), select("reference"))
+    states = torch.randn(1, 2, 40, 32, dtype=model_dtype)
+    layer.update(states, states)
+    assert layer.settings.meta_dtype == stored
+    assert layer.keys_stream.packed.scales.data.dtype == layer.values_stream.packed.zeros.data.dtype == stored
+    layer.reset()  # resolved again for the next model dtype
+    layer.update(states.float(), states.float())
+    assert layer.settings.meta_dtype == (torch.float16 if given is None else given)
+    assert KiviCache().settings.meta_dtype is None and KiviSettings().bits_per_element() == 3.0
 
 
 def test_an_absurd_residual_length_is_refused_at_construction():

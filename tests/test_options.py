@@ -48,6 +48,7 @@ def split(n: int, sinks: int, residual: int) -> tuple[int, int]:
 def expected_dense(keys, values, held, s: KiviSettings):
     """What attention reads when ``held`` tokens were stored and ``keys/values [B, H, n, D]`` hold every token so
     far: exact sinks, the quantized spans round-tripped through the reference quantizer, the rest exact."""
+    s = s.for_model_dtype(keys.dtype)
     qk, qv = split(held, s.sink_tokens, s.residual_length)
     sink = min(held, s.sink_tokens)
     k, v = keys.clone(), values.clone()

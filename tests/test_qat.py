@@ -182,6 +182,7 @@ def test_decode_read_masks_follow_the_streaming_counts():
 def decode_step_by_step(query, key, value, settings, scaling):
     """The literal decode: for each query position t, the keys/values the cache holds at that step (t tokens before
     the update, plus the new one), the quantized part read as ``dequantize(quantize(x))`` with the gradient of ``x``."""
+    settings = settings.for_model_dtype(key.dtype)  # the metadata dtype a cache of this model uses
     sinks, kv_heads = settings.sink_tokens, key.shape[1]
     rep = query.shape[1] // kv_heads
     outputs = []
