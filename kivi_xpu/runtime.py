@@ -4,8 +4,9 @@ Nothing happens at import. The first call that needs the SYCL runtime (:func:`sy
 prepares the environment once, before the runtime loads:
 
 * ``OCL_ICD_FILENAMES`` -> the installed ``libintelocl.so`` (the ICD file shipped by pip points nowhere), unless set;
-* ``SYCL_CACHE_PERSISTENT=1`` and ``SYCL_CACHE_DIR`` (``$XDG_CACHE_HOME/kivi_xpu/sycl``, default
-  ``~/.cache/kivi_xpu/sycl``) unless set, so kernels compile once per machine instead of once per process.
+* ``SYCL_CACHE_PERSISTENT=1`` and ``SYCL_CACHE_DIR`` (a directory under :func:`kivi_xpu.kernel_cache.cache_root`)
+  unless either is set, so kernels compile once per machine instead of once per process; the cache is checked
+  against its checksums first, so a corrupted entry is rebuilt, never executed (:mod:`kivi_xpu.kernel_cache`).
 
 A program that loads the SYCL runtime itself (``import dpctl``) before kivi-xpu does should call
 :func:`prepare_environment` first. ``$KIVI_XPU_DEVICE`` (a dpctl filter string such as ``opencl:cpu:0``) names the
@@ -19,11 +20,14 @@ import importlib
 import os
 import site
 import sys
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from . import kernel_cache
 
 DEVICE_ENV = "KIVI_XPU_DEVICE"
 
@@ -43,20 +47,15 @@ def _find_opencl_cpu_runtime() -> str | None:
     return None
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kivi_xpu" / "sycl"
-
-
 @functools.cache
-def prepare_environment() -> None:
-    """Sets the variables the SYCL runtime reads when it first loads (once; values the user set are kept)."""
+def prepare_environment() -> Path | None:
+    """Sets the variables the SYCL runtime reads when it first loads (once; values the user set are kept) and checks
+    the kernel cache (see :mod:`kivi_xpu.kernel_cache`); returns the cache directory kivi-xpu manages, or None."""
     if "OCL_ICD_FILENAMES" not in os.environ:
         runtime = _find_opencl_cpu_runtime()
         if runtime is not None:
             os.environ["OCL_ICD_FILENAMES"] = runtime
-    os.environ.setdefault("SYCL_CACHE_PERSISTENT", "1")
-    os.environ.setdefault("SYCL_CACHE_DIR", str(default_cache_dir()))
+    return kernel_cache.prepare()
 
 
 def sycl_devices() -> list[dict[str, str]]:
@@ -169,7 +168,14 @@ def load_native_extension() -> ModuleType:
 @functools.cache
 def _runtime_for(filter_string: str) -> SyclRuntime:
     module = load_sycl_extension()
-    return SyclRuntime(module, filter_string, DeviceFacts.from_dict(dict(module.init(filter_string))))
+    facts = DeviceFacts.from_dict(dict(module.init(filter_string)))
+    cache_directory = prepare_environment()
+    if cache_directory is not None:
+        try:
+            kernel_cache.record(cache_directory)  # vouch for what the runtime just wrote
+        except OSError as error:
+            warnings.warn(f"kivi_xpu: recording the SYCL kernel cache failed ({error})", RuntimeWarning, stacklevel=2)
+    return SyclRuntime(module, filter_string, facts)
 
 
 def sycl_runtime(device: str | None = None) -> SyclRuntime:
