@@ -28,8 +28,11 @@ from types import ModuleType
 import torch
 
 from . import kernel_cache
+from .validation import device_filter, environment_variable, file_variable
 
 DEVICE_ENV = "KIVI_XPU_DEVICE"
+KERNEL_SOURCE_ENV = "KIVI_XPU_KERNEL_SOURCE"
+CPU_ISA_ENV = "KIVI_XPU_CPU_ISA"
 
 
 def _library_dirs() -> list[Path]:
@@ -77,6 +80,16 @@ def xpu_available() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
+def requested_device(device: str | None = None) -> tuple[str | None, str]:
+    """The SYCL device filter asked for and who asked: ``(device, "device")``, else ``($KIVI_XPU_DEVICE,
+    "KIVI_XPU_DEVICE")``, else ``(None, ...)`` for automatic; the form is checked (:mod:`kivi_xpu.validation`), not
+    whether such a device exists."""
+    if device is not None:
+        return device_filter(device, "device"), "device"
+    value = environment_variable(DEVICE_ENV)
+    return (None if value is None else device_filter(value, f"${DEVICE_ENV}")), DEVICE_ENV
+
+
 def select_device(device: str | None = None) -> str:
     """Canonical filter string of the SYCL device to use: ``device``, else ``$KIVI_XPU_DEVICE``, else the first
     GPU when torch has XPU support, else the first CPU device. Raises ValueError naming the argument if the filter
@@ -86,8 +99,8 @@ def select_device(device: str | None = None) -> str:
         import dpctl
     except ImportError as error:
         raise RuntimeError(f"dpctl is not installed ({error}): `pip install dpctl intel-opencl-rt`") from None
-    requested, source = (device, "device") if device is not None else (os.environ.get(DEVICE_ENV), DEVICE_ENV)
-    if requested:
+    requested, source = requested_device(device)
+    if requested is not None:
         try:
             return dpctl.SyclDevice(requested).filter_string
         except Exception as error:  # dpctl raises SyclDeviceCreationError / TypeError for bad filters
@@ -155,19 +168,28 @@ def load_sycl_extension() -> ModuleType:
 
 
 def load_native_extension() -> ModuleType:
-    """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason if it was not built."""
+    """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason if it was not built, ValueError
+    if ``$KIVI_XPU_CPU_ISA`` names an instruction set this CPU lacks."""
     try:
-        return importlib.import_module("kivi_xpu._cpu")
+        module = importlib.import_module("kivi_xpu._cpu")
     except ImportError as error:
         raise RuntimeError(
             f"the native CPU extension kivi_xpu._cpu is not available ({error}); it is built by "
             "`pip install --no-build-isolation -e .`"
         ) from None
+    isa = environment_variable(CPU_ISA_ENV)
+    if isa is not None and isa not in module.available_isas():
+        raise ValueError(
+            f"`${CPU_ISA_ENV}` must be one of the instruction sets of this CPU {tuple(module.available_isas())} "
+            f"(known: avx512, avx2, baseline), got {isa!r}"
+        )
+    return module
 
 
 @functools.cache
 def _runtime_for(filter_string: str) -> SyclRuntime:
     module = load_sycl_extension()
+    file_variable(KERNEL_SOURCE_ENV)  # a bad path is a clear error here, not a C++ stream failure
     facts = DeviceFacts.from_dict(dict(module.init(filter_string)))
     cache_directory = prepare_environment()
     if cache_directory is not None:

@@ -40,8 +40,7 @@ def integer(value, name: str, minimum: int | None = None) -> int:
     except TypeError:
         raise TypeError(f"`{name}` must be an integer, got {type(value).__name__} {value!r}") from None
     if minimum is not None and number < minimum:
-        what = "a positive" if minimum == 1 else f"an integer >= {minimum}" if minimum else "a non-negative"
-        what += " integer" if minimum in (0, 1) else ""
+        what = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
         raise ValueError(f"`{name}` must be {what}, got {number}")
     return number
 
