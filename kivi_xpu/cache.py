@@ -22,6 +22,7 @@ from .algorithm import KiviSettings
 from .backend import select
 from .layer import ATTENTION_MODES, KiviLayer
 from .memory import KiviMemoryReport
+from .validation import name_choice
 
 
 def _head_dim(config) -> int:
@@ -115,8 +116,7 @@ class KiviCache(Cache):
             value_group_size=value_group_size,
             sink_tokens=sink_tokens,
         )
-        if attention not in ATTENTION_MODES:
-            raise ValueError(f"`attention` must be one of {ATTENTION_MODES}, got {attention!r}")
+        name_choice(attention, "attention", ATTENTION_MODES)
         if layer_overrides is not None and not callable(layer_overrides):
             if isinstance(layer_overrides, str | bytes | Mapping) or not isinstance(layer_overrides, Sequence):
                 raise TypeError(

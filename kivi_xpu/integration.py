@@ -21,7 +21,7 @@ import inspect
 
 import torch
 import transformers
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
@@ -37,14 +37,27 @@ _META_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "floa
 
 def check_transformers_version(version: str | None = None) -> None:
     """Raises ``RuntimeError`` when ``version`` (default: the installed transformers) is outside the range whose
-    generation internals :func:`enable` knows."""
+    generation internals :func:`enable` knows, or is not a PEP 440 version.
+
+    Release numbers are compared, so the pre-releases and dev builds of the next major (``6.0.0.dev0``, ``6.0.0rc1``:
+    transformers from git main, whose internals may already have changed) are refused although PEP 440 orders them
+    below ``6``; those of a supported release (``5.23.0rc1``) are accepted."""
     version = transformers.__version__ if version is None else version
     low, high = SUPPORTED_TRANSFORMERS
-    if not Version(low) <= Version(version) < Version(high):
+    supported = f"transformers >={low},<{high}"
+    try:
+        release = Version(version).release
+    except (InvalidVersion, TypeError):
         raise RuntimeError(
-            f"kivi-xpu supports transformers >={low},<{high}; transformers {version} is installed. "
-            f'Install a supported version (pip install "transformers>={low},<{high}") or a kivi-xpu release '
-            "made for your transformers."
+            f"kivi-xpu supports {supported}; the installed transformers reports the version {version!r}, which is "
+            "not a PEP 440 version, so kivi-xpu cannot tell whether it is supported. Install a released version "
+            f'(pip install "transformers>={low},<{high}").'
+        ) from None
+    if not Version(low).release <= release < Version(high).release:
+        raise RuntimeError(
+            f"kivi-xpu supports {supported} (release numbers; pre-releases of {high} are outside); transformers "
+            f'{version} is installed. Install a supported version (pip install "transformers>={low},<{high}") or a '
+            "kivi-xpu release made for your transformers."
         )
 
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -14,6 +12,7 @@ from .backend import Selection, select
 from .memory import KiviMemoryReport
 from .ops.checks import check_float_tensor
 from .stream import KindStream
+from .validation import integer, name_choice
 
 ATTENTION_MODES = ("auto", "dense")
 
@@ -53,8 +52,7 @@ class KiviLayer(CacheLayerMixin):
     ):
         # (not CacheLayerMixin.__init__, which assigns the read-only `keys` / `values`)
         self.is_initialized = False
-        if attention not in ATTENTION_MODES:
-            raise ValueError(f"`attention` must be one of {ATTENTION_MODES}, got {attention!r}")
+        name_choice(attention, "attention", ATTENTION_MODES)
         if settings is not None and not isinstance(settings, KiviSettings):
             raise TypeError(f"`settings` must be a KiviSettings or None, got {type(settings).__name__}")
         if backend is not None and not isinstance(backend, Selection | str):
@@ -212,14 +210,7 @@ class KiviLayer(CacheLayerMixin):
         their codes (keeping their quantization error). Every call, ``crop(0)`` included, releases the recorded
         copies.
         """
-        try:
-            if isinstance(tokens_to_remove, bool):
-                raise TypeError
-            tokens_to_remove = operator.index(tokens_to_remove)  # also numpy / 0-d tensor integers
-        except TypeError:
-            raise TypeError(
-                f"`crop` takes an int (a negative number of tokens to remove), got {tokens_to_remove!r}"
-            ) from None
+        tokens_to_remove = integer(tokens_to_remove, "crop(tokens_to_remove)")  # also numpy / 0-d tensor integers
         if tokens_to_remove > 0:
             raise ValueError(
                 f"`crop` takes a negative number of tokens to remove (transformers >= 5), got {tokens_to_remove}"

@@ -42,6 +42,7 @@ from .layer import KiviLayer
 from .ops import reference as ref
 from .ops.checks import check_float_tensor
 from .ops.reference import group_queries, masked_scores
+from .validation import integer
 
 QAT_ATTENTION_NAME = "kivi_qat"
 # Attribute set on every module with a `layer_idx` while kivi_qat is active: (the layer's KiviSettings, or None for a
@@ -65,17 +66,15 @@ def decode_read_masks(
     """
     if not isinstance(settings, KiviSettings):
         raise TypeError(f"`settings` must be a KiviSettings, got {type(settings).__name__}")
-    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-        raise ValueError(f"`length` must be a non-negative integer, got {length!r}")
-    _check_prefill_length(prefill_length)
+    length = integer(length, "length", minimum=0)
+    prefill_length = _check_prefill_length(prefill_length)
     device = torch.device(device) if device is not None else torch.device("cpu")
     key_mask, value_mask = _read_masks(settings, length, prefill_length, device)
     return key_mask.clone(), value_mask.clone()  # the cached masks stay private: qat_attention reads them
 
 
-def _check_prefill_length(prefill_length) -> None:
-    if isinstance(prefill_length, bool) or not isinstance(prefill_length, int) or prefill_length < 0:
-        raise ValueError(f"`prefill_length` must be a non-negative integer, got {prefill_length!r}")
+def _check_prefill_length(prefill_length) -> int:
+    return integer(prefill_length, "prefill_length", minimum=0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -181,7 +180,7 @@ def qat_attention(
         ``(output [B, Hq, n, D], probabilities [B, Hq, n, n])`` in the query's dtype. Fully masked rows (padding
         queries) give zero probabilities, as torch's SDPA does.
     """
-    _check_prefill_length(prefill_length)
+    prefill_length = _check_prefill_length(prefill_length)
     _check_qat_states(query, key, value)
     b, hq, length, _ = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
@@ -278,8 +277,7 @@ class KiviQAT:
     :class:`~kivi_xpu.KiviSettings` (``None`` for a layer the cache keeps exact)."""
 
     def __init__(self, model: torch.nn.Module, cache: KiviCache | None = None, *, prefill_length: int = 0, **options):
-        _check_prefill_length(prefill_length)
-        self.prefill_length = prefill_length
+        self.prefill_length = _check_prefill_length(prefill_length)
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}")

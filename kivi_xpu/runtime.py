@@ -4,8 +4,9 @@ Nothing happens at import. The first call that needs the SYCL runtime (:func:`sy
 prepares the environment once, before the runtime loads:
 
 * ``OCL_ICD_FILENAMES`` -> the installed ``libintelocl.so`` (the ICD file shipped by pip points nowhere), unless set;
-* ``SYCL_CACHE_PERSISTENT=1`` and ``SYCL_CACHE_DIR`` (``$XDG_CACHE_HOME/kivi_xpu/sycl``, default
-  ``~/.cache/kivi_xpu/sycl``) unless set, so kernels compile once per machine instead of once per process.
+* ``SYCL_CACHE_PERSISTENT=1`` and ``SYCL_CACHE_DIR`` (a directory under :func:`kivi_xpu.kernel_cache.cache_root`)
+  unless either is set, so kernels compile once per machine instead of once per process; the cache is checked
+  against its checksums first, so a corrupted entry is rebuilt, never executed (:mod:`kivi_xpu.kernel_cache`).
 
 A program that loads the SYCL runtime itself (``import dpctl``) before kivi-xpu does should call
 :func:`prepare_environment` first. ``$KIVI_XPU_DEVICE`` (a dpctl filter string such as ``opencl:cpu:0``) names the
@@ -19,13 +20,19 @@ import importlib
 import os
 import site
 import sys
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from . import kernel_cache
+from .validation import device_filter, environment_variable, file_variable
+
 DEVICE_ENV = "KIVI_XPU_DEVICE"
+KERNEL_SOURCE_ENV = "KIVI_XPU_KERNEL_SOURCE"
+CPU_ISA_ENV = "KIVI_XPU_CPU_ISA"
 
 
 def _library_dirs() -> list[Path]:
@@ -43,20 +50,15 @@ def _find_opencl_cpu_runtime() -> str | None:
     return None
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kivi_xpu" / "sycl"
-
-
 @functools.cache
-def prepare_environment() -> None:
-    """Sets the variables the SYCL runtime reads when it first loads (once; values the user set are kept)."""
+def prepare_environment() -> Path | None:
+    """Sets the variables the SYCL runtime reads when it first loads (once; values the user set are kept) and checks
+    the kernel cache (see :mod:`kivi_xpu.kernel_cache`); returns the cache directory kivi-xpu manages, or None."""
     if "OCL_ICD_FILENAMES" not in os.environ:
         runtime = _find_opencl_cpu_runtime()
         if runtime is not None:
             os.environ["OCL_ICD_FILENAMES"] = runtime
-    os.environ.setdefault("SYCL_CACHE_PERSISTENT", "1")
-    os.environ.setdefault("SYCL_CACHE_DIR", str(default_cache_dir()))
+    return kernel_cache.prepare()
 
 
 def sycl_devices() -> list[dict[str, str]]:
@@ -78,6 +80,16 @@ def xpu_available() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
+def requested_device(device: str | None = None) -> tuple[str | None, str]:
+    """The SYCL device filter asked for and who asked: ``(device, "device")``, else ``($KIVI_XPU_DEVICE,
+    "KIVI_XPU_DEVICE")``, else ``(None, ...)`` for automatic; the form is checked (:mod:`kivi_xpu.validation`), not
+    whether such a device exists."""
+    if device is not None:
+        return device_filter(device, "device"), "device"
+    value = environment_variable(DEVICE_ENV)
+    return (None if value is None else device_filter(value, f"${DEVICE_ENV}")), DEVICE_ENV
+
+
 def select_device(device: str | None = None) -> str:
     """Canonical filter string of the SYCL device to use: ``device``, else ``$KIVI_XPU_DEVICE``, else the first
     GPU when torch has XPU support, else the first CPU device. Raises ValueError naming the argument if the filter
@@ -87,8 +99,8 @@ def select_device(device: str | None = None) -> str:
         import dpctl
     except ImportError as error:
         raise RuntimeError(f"dpctl is not installed ({error}): `pip install dpctl intel-opencl-rt`") from None
-    requested, source = (device, "device") if device is not None else (os.environ.get(DEVICE_ENV), DEVICE_ENV)
-    if requested:
+    requested, source = requested_device(device)
+    if requested is not None:
         try:
             return dpctl.SyclDevice(requested).filter_string
         except Exception as error:  # dpctl raises SyclDeviceCreationError / TypeError for bad filters
@@ -156,20 +168,36 @@ def load_sycl_extension() -> ModuleType:
 
 
 def load_native_extension() -> ModuleType:
-    """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason if it was not built."""
+    """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason if it was not built, ValueError
+    if ``$KIVI_XPU_CPU_ISA`` names an instruction set this CPU lacks."""
     try:
-        return importlib.import_module("kivi_xpu._cpu")
+        module = importlib.import_module("kivi_xpu._cpu")
     except ImportError as error:
         raise RuntimeError(
             f"the native CPU extension kivi_xpu._cpu is not available ({error}); it is built by "
             "`pip install --no-build-isolation -e .`"
         ) from None
+    isa = environment_variable(CPU_ISA_ENV)
+    if isa is not None and isa not in module.available_isas():
+        raise ValueError(
+            f"`${CPU_ISA_ENV}` must be one of the instruction sets of this CPU {tuple(module.available_isas())} "
+            f"(known: avx512, avx2, baseline), got {isa!r}"
+        )
+    return module
 
 
 @functools.cache
 def _runtime_for(filter_string: str) -> SyclRuntime:
     module = load_sycl_extension()
-    return SyclRuntime(module, filter_string, DeviceFacts.from_dict(dict(module.init(filter_string))))
+    file_variable(KERNEL_SOURCE_ENV)  # a bad path is a clear error here, not a C++ stream failure
+    facts = DeviceFacts.from_dict(dict(module.init(filter_string)))
+    cache_directory = prepare_environment()
+    if cache_directory is not None:
+        try:
+            kernel_cache.record(cache_directory)  # vouch for what the runtime just wrote
+        except OSError as error:
+            warnings.warn(f"kivi_xpu: recording the SYCL kernel cache failed ({error})", RuntimeWarning, stacklevel=2)
+    return SyclRuntime(module, filter_string, facts)
 
 
 def sycl_runtime(device: str | None = None) -> SyclRuntime:

@@ -204,11 +204,21 @@ def test_enable_is_idempotent():
     assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS.count("kivi") == 1
 
 
-@pytest.mark.parametrize("version", ["4.57.1", "5.22.0", "6.0.0"])
+@pytest.mark.parametrize("version", ["4.57.1", "5.22.0", "5.22.99.post1", "6.0.0", "6.0.0.dev0", "6.0.0rc1", "6.1"])
 def test_unsupported_transformers_versions_are_refused(version):
     with pytest.raises(RuntimeError, match=r"supports transformers >=5\.23,<6"):
         integration.check_transformers_version(version)
-    integration.check_transformers_version("5.23.0")
+
+
+@pytest.mark.parametrize("version", ["5.23.0", "5.23.0rc1", "5.23.1.post2", "5.99.0.dev0"])
+def test_supported_transformers_versions_and_their_pre_releases_are_accepted(version):
+    integration.check_transformers_version(version)
+
+
+@pytest.mark.parametrize("version", ["not-a-version", "", "5.23-custom build"])
+def test_an_unparsable_transformers_version_is_a_clear_error(version):
+    with pytest.raises(RuntimeError, match=r"transformers >=5\.23,<6.*not a PEP 440 version"):
+        integration.check_transformers_version(version)
 
 
 # --- architectures --------------------------------------------------------------------------------------------

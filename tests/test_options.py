@@ -142,7 +142,6 @@ def test_sink_rule_counts():
         ),
         ({"sink_tokens": 40, "residual_length": 32, "group_size": 16}, "sink_tokens"),
         ({"sink_tokens": -1}, "sink_tokens"),
-        ({"sink_tokens": 1.5}, "sink_tokens"),
         ({"key_bits": 3}, "key_bits"),
         ({"value_bits": 1}, "value_bits"),
         ({"key_group_size": 6}, "key_group_size"),  # not whole bytes at 2 bits

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..validation import integer
+
 SUPPORTED_BITS = (2, 4, 8)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 META_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -24,20 +26,23 @@ def codes_per_byte(bits: int) -> int:
     return 8 // bits
 
 
-def check_bits(bits, name: str = "bits") -> None:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+def check_bits(bits, name: str = "bits") -> int:
+    """``bits`` as an int (any integer type, see :mod:`kivi_xpu.validation`) if it is one of SUPPORTED_BITS."""
+    bits = integer(bits, name)
+    if bits not in SUPPORTED_BITS:
         raise ValueError(f"`{name}` must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return bits
 
 
-def check_group_size(group_size, bits: int, name: str = "group_size") -> None:
-    """A group must be a positive whole number of packed bytes (so groups never share a byte)."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"`{name}` must be a positive integer, got {group_size!r}")
+def check_group_size(group_size, bits: int, name: str = "group_size") -> int:
+    """``group_size`` as an int if it is a positive whole number of packed bytes (so groups never share a byte)."""
+    group_size = integer(group_size, name, minimum=1)
     per = codes_per_byte(bits)
     if group_size % per != 0:
         raise ValueError(
             f"`{name}` must be a multiple of {per} for {bits}-bit codes (whole bytes per group), got {group_size}"
         )
+    return group_size
 
 
 def check_float_tensor(t, name: str, rank: int = 4, dtypes=FLOAT_DTYPES) -> None:
@@ -51,10 +56,12 @@ def check_float_tensor(t, name: str, rank: int = 4, dtypes=FLOAT_DTYPES) -> None
 
 def check_meta_dtype(meta_dtype, name: str = "meta_dtype") -> None:
     if isinstance(meta_dtype, str):
-        raise ValueError(
+        raise TypeError(
             f"`{name}` must be a torch.dtype, one of ({', '.join(map(str, META_DTYPES))}), got the string "
             f"{meta_dtype!r} (names are accepted only in generate's cache_config)"
         )
+    if not isinstance(meta_dtype, torch.dtype):
+        raise TypeError(f"`{name}` must be a torch.dtype, one of ({_names(META_DTYPES)}), got {meta_dtype!r}")
     if meta_dtype not in META_DTYPES:
         raise ValueError(f"`{name}` must be one of ({_names(META_DTYPES)}), got {meta_dtype!r}")
 
