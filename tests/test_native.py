@@ -278,3 +278,33 @@ def test_quantize_values_into_matches_reference(isa, shape):
                     assert_identical(
                         a, e, f"quantize_values_into {name} [{isa}] bits={bits} x={dtype} meta={meta_dtype}"
                     )
+
+
+# Packed codes placed so that they end exactly where a PROT_NONE page begins: a kernel reading one byte past them
+# dies with SIGSEGV (in a child process, so the test reports it instead of crashing).
+GUARDED_DEQUANTIZE = """
+import ctypes, mmap, torch
+from kivi_xpu import _cpu
+page = mmap.PAGESIZE
+memory = mmap.mmap(-1, 2 * page)
+start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(start + page), ctypes.c_size_t(page), 0) == 0
+for bits in (2, 4, 8):
+    for tokens in (1, 3, 32):
+        size = tokens * 64 * bits // 8
+        codes = torch.frombuffer(memory, dtype=torch.uint8, count=size, offset=page - size)
+        codes.fill_(0x5A)
+        meta = torch.ones(1, 1, tokens, 2, dtype=torch.float16)
+        out = _cpu.dequantize_values(codes.view(1, 1, tokens, -1), meta, meta, tokens, 32, bits, torch.float32)
+        assert out.isfinite().all()
+        if tokens == 32:  # the same bytes as the codes of 32 keys of 64 channels
+            key_meta = torch.ones(1, 1, 64, 1, dtype=torch.float16)
+            _cpu.dequantize_keys(codes.view(1, 1, 64, -1), key_meta, key_meta, 32, 32, bits, torch.float32)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa_name", native.available_isas())
+def test_dequantize_reads_no_byte_past_the_packed_codes(isa_name):
+    child = run_child(GUARDED_DEQUANTIZE, isa_name)
+    assert child.returncode == 0 and child.stdout.strip() == "ok", (child.returncode, child.stderr[-2000:])

@@ -269,8 +269,8 @@ struct Vec {
   // kWidth codes packed little-end first (pack_codes' layout) at p, kWidth * bits / 8 bytes -> lanes.
   static I load_codes(const uint8_t* p, int bits) {
     if (bits == 8) return load_u8(p);
-    int32_t word = 0;  // 2 bits: 2 bytes, 4 bits: 4 bytes
-    __builtin_memcpy(&word, p, (size_t)(bits * 2));
+    int32_t word = 0;  // kWidth * bits / 8 bytes: 2 bits: 2 bytes, 4 bits: 4 bytes
+    __builtin_memcpy(&word, p, (size_t)bits);
     const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
                                      : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32((1 << bits) - 1));
