@@ -124,17 +124,7 @@ inline float vsum(vf v) {
 }
 template <int BITS>
 inline vf vcodes(const uint8_t* p) {
-  if (BITS == 8) {
-    uint64_t w;
-    __builtin_memcpy(&w, p, 8);
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)w)));
-  }
-  uint32_t w = 0;
-  __builtin_memcpy(&w, p, BITS == 2 ? 2 : 4);
-  const __m256i shift = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
-  const __m256i codes =
-      _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shift), _mm256_set1_epi32((1 << BITS) - 1));
-  return _mm256_cvtepi32_ps(codes);
+  return Vec::to_float(Vec::load_codes(p, BITS));
 }
 // 2 * VW codes from 2 * VW * BITS / 8 bytes: one load and broadcast feeds both vectors.
 template <int BITS>
