@@ -7,7 +7,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .algorithm import KiviSettings
-from .attention import ATTENTION_NAME, DecodeInputs, dense_states, hand_over
+from .attention import ATTENTION_NAME, DecodeInputs, dense_kind, dense_states, hand_over
 from .backend import Selection, select
 from .memory import KiviMemoryReport
 from .ops.checks import check_float_tensor
@@ -85,12 +85,14 @@ class KiviLayer(CacheLayerMixin):
         first update), as transformers' layers expose them: exact sinks and window, the packed history
         dequantized. Computed at each access (a dequantization of the whole history, as the dense path does per
         step) and never kept; writing into it does not change the cache."""
-        return None if self.keys_stream is None else self.keys_stream.dense()
+        return None if self.keys_stream is None else dense_kind(self.keys_stream.held(), "keys", self.backend.name)
 
     @property
     def values(self) -> torch.Tensor | None:
         """The values held, dense ``[B, H_kv, n, D]``; computed at each access like :attr:`keys`."""
-        return None if self.values_stream is None else self.values_stream.dense()
+        if self.values_stream is None:
+            return None
+        return dense_kind(self.values_stream.held(), "values", self.backend.name)
 
     @property
     def cumulative_length(self) -> int:

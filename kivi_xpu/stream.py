@@ -94,14 +94,10 @@ class KindStream:
             self.window.drop_front(leaving)
         return self.operands(sinks, count, tail)
 
-    def dense(self) -> torch.Tensor:
-        """All ``length`` tokens as ``[B, H, length, D]`` in the stream's dtype on its device: the exact sinks and
-        window around the dequantized packed history (a new tensor; nothing of it is kept)."""
-        parts = [self.sinks.view()]
-        if self.packed.num_tokens:
-            parts.append(self.packed.dequantize(self.dtype).to(self.device))
-        parts.append(self.window.view())
-        return torch.cat(parts, dim=2)
+    def held(self) -> KindOperands:
+        """All ``length`` tokens as attention reads them: the sinks, the whole packed history and the window as the
+        tail (``attention.dense_kind`` of it gives them dense)."""
+        return self.operands(self.sinks.view(), self.packed.num_tokens, self.window.view())
 
     def _pack(self, block: torch.Tensor, record: bool) -> None:
         self.packed.append(block)
