@@ -2,16 +2,19 @@
 
 One prefill with DynamicCache per context; its keys/values fill every cache through ``cache.update`` (the KIVI cache
 quantizes them as a prefill would), then ``--steps`` single-token forward passes are timed per cache (median, first
-2 untimed) and the ratios of the full-precision caches' ms/step to KIVI's printed (above 1: KIVI faster). Not a
-test: numbers depend on the machine; run it on a quiet one. ``KIVI_XPU_CPU_ISA=avx2`` measures the AVX2 path.
-``--contend N`` times every cache twice, quiet and then with N CPU-bound competitor processes running (those of
-``kivi-xpu bench --contend``), and prints each cache's slowdown and KIVI's slowdown over Dynamic's.
+2 untimed), the caches' steps interleaved (step s of each cache in turn, the order rotating) so that the machine's
+slow phases (a shared VM's neighbours) hit every cache alike and the ratios of the full-precision caches' ms/step to
+KIVI's printed (above 1: KIVI faster). Not a test: numbers depend on the machine; run it on a quiet one.
+``KIVI_XPU_CPU_ISA=avx2`` measures the AVX2 path. ``--contend N`` times every cache twice, quiet and then with N
+CPU-bound competitor processes running (those of ``kivi-xpu bench --contend``), and prints each cache's slowdown and
+KIVI's slowdown over Dynamic's.
 
     python benchmarks/bench_decode_steps.py --ctx 1024 4096 8192 --batch 1
     python benchmarks/bench_decode_steps.py --ctx 4096 --batch 4 --contend 2
 """
 
 import argparse
+import os
 import statistics
 import subprocess
 import time
@@ -45,30 +48,41 @@ def fill(cache, kv, ctx):
         cache.update(k, v, i, {"cache_position": torch.arange(ctx)})
 
 
-def run(kind, kv, ctx):
+def make_cache(kind, kv, ctx):
     if kind == "dynamic":
         cache = DynamicCache(config=cfg)
-        model.set_attn_implementation("sdpa")
     elif kind == "static":
         cache = StaticCache(config=cfg, max_cache_len=ctx + args.steps + 4)
-        model.set_attn_implementation("sdpa")
     else:
         cache = KiviCache(config=cfg, backend=args.backend)
-        model.set_attn_implementation("kivi")
     fill(cache, kv, ctx)
-    tok = torch.randint(0, 1000, (args.batch, 1))
-    times = []
+    return cache
+
+
+def step(kind, cache, tok, pos):
+    """One timed decode step of `cache`; returns (seconds, next token)."""
+    model.set_attn_implementation("kivi" if kind == "kivi" else "sdpa")
+    t0 = time.perf_counter()
+    out = model(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos.expand(args.batch, 1))
+    return time.perf_counter() - t0, out.logits[:, -1:].argmax(-1)
+
+
+def run(kinds, kv, ctx):
+    """Median ms/step of each cache, the caches' steps interleaved (step s of every cache, in an order that rotates
+    with s) so that a slow phase of the machine hits them all alike."""
+    caches = {kind: make_cache(kind, kv, ctx) for kind in kinds}
+    tokens = {
+        kind: torch.randint(0, 1000, (args.batch, 1), generator=torch.Generator().manual_seed(1)) for kind in kinds
+    }
+    times = {kind: [] for kind in kinds}
     with torch.inference_mode():
         for s in range(args.steps):
             pos = torch.tensor([ctx + s])
-            t0 = time.perf_counter()
-            positions = pos.expand(args.batch, 1)
-            out = model(
-                input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=positions, use_cache=True
-            )
-            times.append(time.perf_counter() - t0)
-            tok = out.logits[:, -1:].argmax(-1)
-    return statistics.median(times[2:]) * 1e3, cache
+            for i in range(len(kinds)):
+                kind = kinds[(s + i) % len(kinds)]
+                seconds, tokens[kind] = step(kind, caches[kind], tokens[kind], pos)
+                times[kind].append(seconds)
+    return {kind: statistics.median(t[2:]) * 1e3 for kind, t in times.items()}
 
 
 for ctx in args.ctx:
@@ -79,18 +93,14 @@ for ctx in args.ctx:
         model(input_ids=ids, past_key_values=dc, use_cache=True)
         kv = [(layer.keys[:, :, :ctx].clone(), layer.values[:, :, :ctx].clone()) for layer in dc.layers]
         del dc
-    res, loaded = {}, {}
-    for kind in args.caches:
-        ms, cache = run(kind, kv, ctx)
-        res[kind] = ms
-        if args.contend:
-            del cache
-            with competitors(args.contend):
-                loaded[kind], cache = run(kind, kv, ctx)
-        if kind == "kivi" and args.profile:
-            with torch.profiler.profile() as prof:
-                run(kind, kv, ctx)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    res = run(args.caches, kv, ctx)
+    if args.contend:
+        with competitors(args.contend):
+            loaded = run(args.caches, kv, ctx)
+    if args.profile and "kivi" in args.caches:
+        with torch.profiler.profile() as prof:
+            run(["kivi"], kv, ctx)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("ROWS", 25))))
     line = f"ctx {ctx} b{args.batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items())
     if "kivi" in res:
         for base in ("dynamic", "static"):
