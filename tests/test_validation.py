@@ -1,4 +1,4 @@
-"""One rule for bad input (kivi_xpu.validation, README "Errors"): integers of any integer type but not bool/float,
+"""One rule for bad input (kivi_xpu.validation, docs/errors.md): integers of any integer type but not bool/float,
 names checked against the allowed values, empty environment variables are unset, bad values are errors naming the
 argument or variable in every backend mode."""
 
