@@ -134,15 +134,13 @@ class DeviceFacts:
     fp16: bool
     fp64: bool
     build_options: tuple[str, ...]
-    compile_seconds: float
-    work_group_sizes: dict
+    variants: int  # kernel variants the table lists; each compiles when first launched
 
     @classmethod
     def from_dict(cls, facts: dict) -> DeviceFacts:
         values = {f.name: facts[f.name] for f in fields(cls)}
         values["sub_group_sizes"] = tuple(values["sub_group_sizes"])
         values["build_options"] = tuple(values["build_options"])
-        values["work_group_sizes"] = dict(values["work_group_sizes"])
         return cls(**values)
 
 
@@ -186,22 +184,41 @@ def load_native_extension() -> ModuleType:
     return module
 
 
+def _record_compiled(filter_string: str, names: tuple[str, ...], seconds: float) -> None:
+    """Called by ``kivi_xpu._C`` after every kernel build: vouches for the files the SYCL runtime just wrote."""
+    cache_directory = prepare_environment()
+    if cache_directory is None:
+        return
+    try:
+        kernel_cache.record(cache_directory, [f"{filter_string} {name}" for name in names])
+    except OSError as error:
+        warnings.warn(f"kivi_xpu: recording the SYCL kernel cache failed ({error})", RuntimeWarning, stacklevel=2)
+
+
 @functools.cache
 def _runtime_for(filter_string: str) -> SyclRuntime:
     module = load_sycl_extension()
     file_variable(KERNEL_SOURCE_ENV)  # a bad path is a clear error here, not a C++ stream failure
+    module.set_compile_hook(_record_compiled)
     facts = DeviceFacts.from_dict(dict(module.init(filter_string)))
-    cache_directory = prepare_environment()
-    if cache_directory is not None:
-        try:
-            kernel_cache.record(cache_directory)  # vouch for what the runtime just wrote
-        except OSError as error:
-            warnings.warn(f"kivi_xpu: recording the SYCL kernel cache failed ({error})", RuntimeWarning, stacklevel=2)
     return SyclRuntime(module, filter_string, facts)
 
 
+def compiled_kernels(device: str) -> dict[str, float]:
+    """``{template-id: build seconds}`` of the kernel variants this process compiled (or loaded from the persistent
+    cache) for SYCL device ``device`` so far; {} when its runtime was never initialised."""
+    if _runtime_for.cache_info().currsize == 0 or "kivi_xpu._C" not in sys.modules:
+        return {}
+    module = sys.modules["kivi_xpu._C"]
+    try:
+        return dict(module.compiled(device))
+    except ValueError:  # not initialised
+        return {}
+
+
 def sycl_runtime(device: str | None = None) -> SyclRuntime:
-    """The extension initialised for ``device`` (see :func:`select_device`); kernels compile on first use."""
+    """The extension initialised for ``device`` (see :func:`select_device`); each kernel variant compiles when a launch
+    first needs it (one progress line on stderr while a build takes longer than a persistent-cache hit)."""
     load_sycl_extension()  # report a missing extension before looking for devices
     return _runtime_for(select_device(device))
 
