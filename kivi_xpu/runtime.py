@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import site
 import sys
@@ -153,28 +154,67 @@ class SyclRuntime:
     facts: DeviceFacts
 
 
-def load_sycl_extension() -> ModuleType:
-    """Imports ``kivi_xpu._C``; RuntimeError with the reason if it was not built or cannot load."""
-    prepare_environment()
+def reinstall_command() -> str:
+    """The one command that rebuilds the extensions against the torch installed now: the source directory of an
+    in-place or editable install, else the package from the index (compiled from its source distribution)."""
+    source = Path(__file__).resolve().parents[1]
+    if (source / "setup.py").is_file() and (source / "csrc").is_dir():
+        return f"pip install --no-deps --force-reinstall {'-e ' if (source / '.git').exists() else ''}{source}"
+    return "pip install --no-deps --force-reinstall --no-binary kivi-xpu kivi-xpu"
+
+
+def build_mismatch(built: dict | None, torch_version: str, cxx11_abi: bool) -> str | None:
+    """Why extensions built with ``built`` (kivi_xpu/_build_info.py as a dict, None when absent) cannot load into
+    this torch, or None. Releases are compared without their local label (``2.13.0+cpu`` and ``2.13.0+xpu`` share
+    the C++ API), and the C++ ABI flag."""
+    if built is None:
+        return "kivi_xpu/_build_info.py is missing (the package was not built by its setup.py)"
+    public = torch_version.split("+", 1)[0]
+    if built["TORCH_VERSION"].split("+", 1)[0] != public:
+        return f"they were compiled against torch {built['TORCH_VERSION']}, but torch {torch_version} is installed"
+    if built["CXX11_ABI"] != cxx11_abi:
+        return f"they were compiled with _GLIBCXX_USE_CXX11_ABI={int(built['CXX11_ABI'])}, torch uses {int(cxx11_abi)}"
+    return None
+
+
+def build_info() -> dict | None:
+    """kivi_xpu/_build_info.py as a dict (TORCH_VERSION, CXX11_ABI, SYCL), None when the package has none."""
     try:
-        return importlib.import_module("kivi_xpu._C")
+        module = importlib.import_module("kivi_xpu._build_info")
+    except ImportError:
+        return None
+    return {name: getattr(module, name) for name in ("TORCH_VERSION", "CXX11_ABI", "SYCL")}
+
+
+def _import_extension(name: str, what: str) -> ModuleType:
+    """Imports ``kivi_xpu.<name>`` after checking it was built for this torch; RuntimeError saying what is wrong and
+    the one command that fixes it."""
+    fix = reinstall_command()
+    problem = build_mismatch(build_info(), torch.__version__, bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    if problem is not None and importlib.util.find_spec(f"kivi_xpu.{name}") is not None:
+        raise RuntimeError(f"the {what} kivi_xpu.{name} cannot be loaded: {problem}. Rebuild it with `{fix}`")
+    try:
+        return importlib.import_module(f"kivi_xpu.{name}")
     except ImportError as error:
-        raise RuntimeError(
-            f"the SYCL extension kivi_xpu._C is not available ({error}); it is built by "
-            "`pip install --no-build-isolation -e .` when the intel-sycl-rt runtime is installed"
-        ) from None
+        if "libsycl" in str(error):
+            fix = 'pip install "intel-sycl-rt>=2025.3"'
+        elif name == "_C" and (build_info() or {}).get("SYCL") is False:
+            error = f"{error}; the package was built with KIVI_XPU_NO_SYCL=1"
+        raise RuntimeError(f"the {what} kivi_xpu.{name} is not available ({error}); fix: `{fix}`") from None
+
+
+def load_sycl_extension() -> ModuleType:
+    """Imports ``kivi_xpu._C``; RuntimeError with the reason and the fixing command if it was not built (or built
+    for another torch) or cannot load."""
+    prepare_environment()
+    return _import_extension("_C", "SYCL extension")
 
 
 def load_native_extension() -> ModuleType:
-    """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason if it was not built, ValueError
-    if ``$KIVI_XPU_CPU_ISA`` names an instruction set this CPU lacks."""
-    try:
-        module = importlib.import_module("kivi_xpu._cpu")
-    except ImportError as error:
-        raise RuntimeError(
-            f"the native CPU extension kivi_xpu._cpu is not available ({error}); it is built by "
-            "`pip install --no-build-isolation -e .`"
-        ) from None
+    """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason and the fixing command if it was
+    not built (or built for another torch), ValueError if ``$KIVI_XPU_CPU_ISA`` names an instruction set this CPU
+    lacks."""
+    module = _import_extension("_cpu", "native CPU extension")
     isa = environment_variable(CPU_ISA_ENV)
     if isa is not None and isa not in module.available_isas():
         raise ValueError(
