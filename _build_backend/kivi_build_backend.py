@@ -15,8 +15,7 @@ import importlib.metadata
 import os
 import sysconfig
 
-from setuptools import build_meta as _setuptools
-from setuptools.build_meta import *  # noqa: F403  (every hook setuptools defines; two are extended below)
+from setuptools.build_meta import *  # noqa: F403  (every hook setuptools defines; two are replaced below)
 
 TORCH_REQUIREMENT_ENV = "KIVI_XPU_TORCH_REQUIREMENT"
 DEFAULT_TORCH = "torch>=2.5"
@@ -47,9 +46,11 @@ def _extra_requirements() -> list[str]:
     return [torch_requirement(), SYCL_RUNTIME]
 
 
+# setuptools' own hooks run setup.py to find setup_requires (there are none), and setup.py needs torch, which this
+# very answer brings: so the hooks answer without running it (pyproject's `requires` already holds setuptools/wheel).
 def get_requires_for_build_wheel(config_settings=None):
-    return _setuptools.get_requires_for_build_wheel(config_settings) + _extra_requirements()
+    return _extra_requirements()
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return _setuptools.get_requires_for_build_editable(config_settings) + _extra_requirements()
+    return _extra_requirements()

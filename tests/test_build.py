@@ -24,9 +24,7 @@ def test_build_requires_exactly_the_installed_torch(monkeypatch):
     version = importlib.metadata.version("torch")
     assert backend.installed_torch_version(SITE) == version
     assert backend.torch_requirement() == f"torch=={version}"
-    monkeypatch.setattr(backend._setuptools, "get_requires_for_build_wheel", lambda settings=None: ["wheel"])
-    monkeypatch.setattr(backend._setuptools, "get_requires_for_build_editable", lambda settings=None: ["wheel"])
-    expected = ["wheel", f"torch=={version}", backend.SYCL_RUNTIME]
+    expected = [f"torch=={version}", backend.SYCL_RUNTIME]
     assert backend.get_requires_for_build_wheel() == expected
     assert backend.get_requires_for_build_editable() == expected
 
