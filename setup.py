@@ -11,6 +11,7 @@ also recorded in kivi_xpu/_build_info.py and checked when the extensions load (k
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import site
 import sys
@@ -39,12 +40,25 @@ DEPENDENCIES = [
 ]
 
 
+def sycl_runtime_wheel_roots() -> list[Path]:
+    """The prefix of the importable intel-sycl-rt distribution, from its file list: in pip's isolated build
+    environment it is on sys.path but under none of the site directories."""
+    try:
+        distribution = importlib.metadata.distribution("intel-sycl-rt")
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    for file in distribution.files or []:
+        if file.as_posix().endswith("include/sycl/sycl.hpp"):
+            return [Path(distribution.locate_file(file)).resolve().parents[2]]
+    return []
+
+
 def candidate_roots() -> list[Path]:
     """Prefixes that may hold include/sycl/sycl.hpp and lib/libsycl.so, most specific first."""
     override = os.environ.get("KIVI_XPU_SYCL_ROOT")
     if override:
         return [Path(override)]  # an explicit choice is never silently replaced by another runtime
-    roots = [Path(sys.prefix), Path(sys.base_prefix), Path(sysconfig.get_paths()["data"])]
+    roots = sycl_runtime_wheel_roots() + [Path(sys.prefix), Path(sys.base_prefix), Path(sysconfig.get_paths()["data"])]
     for packages in site.getsitepackages() + [site.getusersitepackages()]:
         # pip wheels install data files relative to the prefix, i.e. three levels above site-packages.
         roots.append(Path(packages).parents[2])
