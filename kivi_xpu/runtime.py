@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
+import json
 import os
 import site
 import sys
@@ -155,11 +157,20 @@ class SyclRuntime:
 
 
 def reinstall_command() -> str:
-    """The one command that rebuilds the extensions against the torch installed now: the source directory of an
-    in-place or editable install, else the package from the index (compiled from its source distribution)."""
+    """The one command that rebuilds the extensions against the torch installed now: from the source directory of an
+    in-place build, else from the directory pip installed the package from (its ``direct_url.json``), else from
+    the package's source distribution."""
     source = Path(__file__).resolve().parents[1]
     if (source / "setup.py").is_file() and (source / "csrc").is_dir():
-        return f"pip install --no-deps --force-reinstall {'-e ' if (source / '.git').exists() else ''}{source}"
+        return f"pip install --no-deps --force-reinstall -e {source}"
+    try:
+        origin = json.loads(importlib.metadata.distribution("kivi-xpu").read_text("direct_url.json") or "{}")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        origin = {}
+    url = origin.get("url", "")
+    if url.startswith("file://") and "dir_info" in origin:
+        editable = "-e " if origin["dir_info"].get("editable") else ""
+        return f"pip install --no-deps --force-reinstall {editable}{url[len('file://') :]}"
     return "pip install --no-deps --force-reinstall --no-binary kivi-xpu kivi-xpu"
 
 
@@ -171,9 +182,9 @@ def build_mismatch(built: dict | None, torch_version: str, cxx11_abi: bool) -> s
         return "kivi_xpu/_build_info.py is missing (the package was not built by its setup.py)"
     public = torch_version.split("+", 1)[0]
     if built["TORCH_VERSION"].split("+", 1)[0] != public:
-        return f"they were compiled against torch {built['TORCH_VERSION']}, but torch {torch_version} is installed"
+        return f"it was built against torch {built['TORCH_VERSION']}, but torch {torch_version} is installed"
     if built["CXX11_ABI"] != cxx11_abi:
-        return f"they were compiled with _GLIBCXX_USE_CXX11_ABI={int(built['CXX11_ABI'])}, torch uses {int(cxx11_abi)}"
+        return f"it was built with _GLIBCXX_USE_CXX11_ABI={int(built['CXX11_ABI'])}, torch uses {int(cxx11_abi)}"
     return None
 
 

@@ -51,7 +51,7 @@ def test_build_mismatch_names_both_versions():
     built = {"TORCH_VERSION": "2.12.0+cpu", "CXX11_ABI": True, "SYCL": True}
     assert runtime.build_mismatch(built, "2.12.0+xpu", True) is None  # same release, another build of it
     assert runtime.build_mismatch(built, "2.13.0+cpu", True) == (
-        "they were compiled against torch 2.12.0+cpu, but torch 2.13.0+cpu is installed"
+        "it was built against torch 2.12.0+cpu, but torch 2.13.0+cpu is installed"
     )
     assert "_GLIBCXX_USE_CXX11_ABI=1" in runtime.build_mismatch(built, "2.12.0", False)
     assert "_build_info.py is missing" in runtime.build_mismatch(None, "2.12.0", True)
@@ -64,7 +64,7 @@ def test_extension_built_for_another_torch_is_refused_with_the_fix(monkeypatch):
     with pytest.raises(RuntimeError) as raised:
         runtime.load_native_extension()
     message = str(raised.value)
-    assert f"compiled against torch 1.0.0, but torch {torch.__version__} is installed" in message
+    assert f"built against torch 1.0.0, but torch {torch.__version__} is installed" in message
     assert f"Rebuild it with `{runtime.reinstall_command()}`" in message
     assert runtime.reinstall_command().startswith("pip install --no-deps --force-reinstall")
 
