@@ -8,7 +8,7 @@
 //       "level_zero:gpu:0"), creates an in-order queue and returns facts: filter, name, backend, device_type,
 //       driver_version, max_work_group_size, max_compute_units, sub_group_sizes, usm_system_allocations, fp16, fp64,
 //       build_options, variants (how many the table lists). No kernel compiles here: each variant compiles when a
-//       launch first needs it (one line on stderr while a build runs > 0.5 s), once per device and process.
+//       launch first needs it (one line on stderr while a build runs > 1 s), once per device and process.
 //   variant_names() -> list[str]; compile(filter, name) -> float (build seconds; compiles it now unless it is);
 //   compiled(filter) -> {name: build seconds} of this process;
 //   set_compile_hook(hook) -> None: hook(filter, names, seconds) runs after every build (kernel cache bookkeeping).

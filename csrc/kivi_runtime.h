@@ -158,7 +158,7 @@ inline std::vector<std::string> build_options() {
   return options;
 }
 
-// One line on stderr while a build runs longer than a persistent-cache hit would (0.5 s): what compiles, for which
+// One line on stderr while a build runs longer than a persistent-cache hit would (1 s): what compiles, for which
 // device and where it is cached; completed with the seconds it took.
 class ProgressLine {
  public:
@@ -180,7 +180,7 @@ class ProgressLine {
   using Clock = std::chrono::steady_clock;
   void watch() {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (wake_.wait_for(lock, std::chrono::milliseconds(500), [this] { return done_; })) return;
+    if (wake_.wait_for(lock, std::chrono::milliseconds(1000), [this] { return done_; })) return;
     std::fprintf(stderr, "%s ...", text_.c_str());
     std::fflush(stderr);
     shown_ = true;
