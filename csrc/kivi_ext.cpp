@@ -5,9 +5,13 @@
 // API (all tensors contiguous; outputs preallocated by the caller; every launch waits for completion):
 //   init(filter: str) -> dict
 //       Selects the SYCL device matching a canonical filter "backend:device_type:index" (e.g. "opencl:cpu:0",
-//       "level_zero:gpu:0"), creates an in-order queue, compiles the kernels once per device and process, and
-//       returns facts: filter, name, backend, device_type, driver_version, max_work_group_size, max_compute_units,
-//       sub_group_sizes, usm_system_allocations, fp16, fp64, build_options, compile_seconds, work_group_sizes.
+//       "level_zero:gpu:0"), creates an in-order queue and returns facts: filter, name, backend, device_type,
+//       driver_version, max_work_group_size, max_compute_units, sub_group_sizes, usm_system_allocations, fp16, fp64,
+//       build_options, variants (how many the table lists). No kernel compiles here: each variant compiles when a
+//       launch first needs it (one line on stderr while a build runs > 1 s), once per device and process.
+//   variant_names() -> list[str]; compile(filter, name) -> float (build seconds; compiles it now unless it is);
+//   compiled(filter) -> {name: build seconds} of this process;
+//   set_compile_hook(hook) -> None: hook(filter, names, seconds) runs after every build (kernel cache bookkeeping).
 //   quantize_keys(device: str, x, codes, scales, zeros, group_size: int, bits: int) -> None
 //       x [B,H,T,D] float32/float16/bfloat16 -> codes uint8 [B,H,D,T*bits/8], scales/zeros [B,H,D,T/G]
 //       (keys are channel-major: byte j of channel d holds tokens P*j .. P*j+P-1, P = 8/bits)
@@ -80,7 +84,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace kivi;
   m.doc() = "SYCL KIVI quantize/dequantize kernels (device code compiled at run time); see csrc/kivi_ext.cpp";
   m.def("init", &init, py::arg("filter"),
-        "Select the SYCL device `filter` (backend:device_type:index), compile the kernels once, return device facts");
+        "Select the SYCL device `filter` (backend:device_type:index), return device facts (kernels compile on first use)");
+  m.def("variant_names", &variant_names, "Template-ids of every kernel variant of csrc/kivi_variants.h");
+  m.def("compile", &compile, py::arg("filter"), py::arg("name"), "Compile one variant now unless it is; seconds");
+  m.def("compiled", &compiled, py::arg("filter"), "{template-id: build seconds} of the variants compiled so far");
+  m.def("set_compile_hook", &set_compile_hook, py::arg("hook"), "hook(filter, names, seconds) after every build");
   m.def("quantize_keys", &quantize<Layout::kKeys>, py::arg("device"), py::arg("x"), py::arg("codes"),
         py::arg("scales"), py::arg("zeros"), py::arg("group_size"), py::arg("bits"));
   m.def("quantize_values", &quantize<Layout::kValues>, py::arg("device"), py::arg("x"), py::arg("codes"),

@@ -1,5 +1,5 @@
 // The one table of kernel variants. csrc/kivi_kernels.cpp defines each kernel ONCE, as a template; the runtime
-// instantiates every variant listed here by its template-id (e.g. "kivi_packed_key_scores<F16, 2, 3>", passed to
+// instantiates a variant listed here, when a launch first needs it, by its template-id (e.g. "kivi_packed_key_scores<F16, 2, 3>", passed to
 // the kernel compiler as registered_names) and looks the compiled kernels up by the same positions, so this table
 // alone decides which variants exist, what they are called and where each one is stored.
 #pragma once
@@ -50,22 +50,26 @@ enum KernelId {
   kNumKernels
 };
 
-// One kernel template of kivi_kernels.cpp: its name, the axes of its template arguments and its largest local size.
+// One kernel template of kivi_kernels.cpp: its name, the axes of its template arguments, its largest local size and
+// its build group. Variants compile when a launch first needs them, and the variant at the same positions of every
+// template of the group is built along (one build: the compiler's fixed start-up cost, ~2 s on a CPU core, is paid
+// once for kernels that run together); templates of one group have the same axes.
 struct KernelTemplate {
   const char* name;
   std::vector<const Axis*> axes;
   size_t max_local;
+  const char* group;
 };
 
 // Indexed by KernelId. quantize: <data dtype, metadata dtype>; dequantize: <metadata dtype, output dtype>; attention:
 // <metadata dtype, bits, rows per item> (the dense operands are float32).
 inline const std::vector<KernelTemplate> kKernelTemplates = {
-    {"kivi_quantize_keys", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal},
-    {"kivi_quantize_values", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal},
-    {"kivi_dequantize_keys", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal},
-    {"kivi_dequantize_values", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal},
-    {"kivi_packed_key_scores", {&kDtypeAxis, &kBitsAxis, &kRowsAxis}, kAttentionLocal},
-    {"kivi_packed_value_combine", {&kDtypeAxis, &kBitsAxis, &kRowsAxis}, kAttentionLocal},
+    {"kivi_quantize_keys", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal, "quantize"},
+    {"kivi_quantize_values", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal, "quantize"},
+    {"kivi_dequantize_keys", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal, "dequantize"},
+    {"kivi_dequantize_values", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal, "dequantize"},
+    {"kivi_packed_key_scores", {&kDtypeAxis, &kBitsAxis, &kRowsAxis}, kAttentionLocal, "attention"},
+    {"kivi_packed_value_combine", {&kDtypeAxis, &kBitsAxis, &kRowsAxis}, kAttentionLocal, "attention"},
 };
 
 // Number of variants of a template: the product of its axis lengths.

@@ -1,6 +1,6 @@
 """Command line: ``python -m kivi_xpu {info,bench,eval-ppl}`` (also the ``kivi-xpu`` console script).
 
-* ``info``: versions, SYCL devices, the chosen backend and whether the kernels compile;
+* ``info``: versions, SYCL devices, the chosen backend, whether the kernels compile, the kernel cache's variants;
 * ``bench``: prefill time, decode speed, KV memory, peak memory and token match of several caches
   (:mod:`kivi_xpu.tools.bench`, also ``python -m kivi_xpu.tools.bench``);
 * ``eval-ppl``: perplexity on a text with the cache in the loop, decode or streaming mode
@@ -14,6 +14,7 @@ import json
 import sys
 
 from . import __version__, backend
+from .backend import PROBE_VARIANT
 from .ops.library import OPS
 from .tools import bench as bench_tool
 from .tools import eval_ppl as evaluate_tool
@@ -32,11 +33,16 @@ def _print_info(facts: dict) -> None:
     if facts["backend"] == "sycl":
         d = facts["device_facts"]
         print(f"  device {facts['device']}: {d['name']}, driver {d['driver_version']}")
-        print(f"  kernels compiled: yes, in {facts['compile_seconds']:.2f} s (build options {d['build_options']})")
+        print(
+            f"  kernels compiled: yes ({PROBE_VARIANT} in {facts['compile_seconds']:.2f} s; build options "
+            f"{d['build_options']}); each of the {d['variants']} variants compiles when first used"
+        )
         print(f"  host memory access (usm_system_allocations): {d['usm_system_allocations']}")
     else:
         print("  kernels compiled: no")
     print(f"kernel cache: {facts['SYCL_CACHE_DIR']} (persistent={facts['SYCL_CACHE_PERSISTENT']})")
+    cached = facts["cached_variants"]
+    print(f"  {len(cached)} kernel variant(s) cached" + "".join(f"\n    {name}" for name in cached))
     print(f"OCL_ICD_FILENAMES: {facts['OCL_ICD_FILENAMES']}")
     if facts["backend"] == "error":
         return

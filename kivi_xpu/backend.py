@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import runtime
+from . import kernel_cache, runtime
 from .runtime import DEVICE_ENV as DEVICE_ENV  # re-exported: the backend and device variables side by side
 from .runtime import KERNEL_SOURCE_ENV
 from .validation import environment_variable, file_variable, name_choice
@@ -130,9 +130,14 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+# The variant every fp32 model uses first: `info` builds it (or loads it from the cache) to prove the compiler works.
+PROBE_VARIANT = "kivi_quantize_keys<F32, F32>"
+
+
 def info(backend: str | None = None, device: str | None = None) -> dict:
-    """Facts for an ``info`` command; compiles the SYCL kernels (or reads them from the cache) when the SYCL backend
-    is chosen. Never raises for a missing extension or device: the reason is reported instead."""
+    """Facts for an ``info`` command; when the SYCL backend is chosen, builds :data:`PROBE_VARIANT` (or loads it
+    from the kernel cache) and lists the variants the cache holds. Never raises for a missing extension or device:
+    the reason is reported instead."""
     facts: dict[str, Any] = {
         "torch": torch.__version__,
         "dpctl": _version("dpctl"),
@@ -150,6 +155,8 @@ def info(backend: str | None = None, device: str | None = None) -> dict:
         SYCL_CACHE_DIR=os.environ.get("SYCL_CACHE_DIR"),
         SYCL_CACHE_PERSISTENT=os.environ.get("SYCL_CACHE_PERSISTENT"),
     )
+    directory = runtime.prepare_environment()
+    facts["cached_variants"] = [] if directory is None else kernel_cache.cached_variants(directory)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the reason is reported in the dict
@@ -158,9 +165,13 @@ def info(backend: str | None = None, device: str | None = None) -> dict:
         facts.update(backend="error", reason=str(error), kernels_compiled=False)
         return facts
     facts.update(backend=selection.name, reason=selection.reason, device=selection.sycl_device)
-    facts["kernels_compiled"] = selection.name == "sycl"
+    facts["kernels_compiled"] = False
     if selection.name == "sycl":
         rt = runtime.sycl_runtime(selection.sycl_device)
         facts["device_facts"] = asdict(rt.facts)
-        facts["compile_seconds"] = rt.facts.compile_seconds
+        facts["compile_seconds"] = rt.module.compile(rt.device, PROBE_VARIANT)
+        facts["kernels_compiled"] = True
+        facts["compiled_variants"] = runtime.compiled_kernels(rt.device)
+        if directory is not None:
+            facts["cached_variants"] = kernel_cache.cached_variants(directory)
     return facts

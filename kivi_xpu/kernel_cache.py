@@ -8,8 +8,10 @@ runtime on a directory of its own and lets it read only files kivi-xpu has check
 * the directory is ``<cache_root()>/sycl/<key>``, the key a hash of the SYCL and OpenCL runtime versions, so files
   written by another runtime are never read (inside it, the SYCL runtime keys entries by device, kernel source and
   build options);
-* ``manifest.json`` holds the sha256 of every file the runtime wrote; :func:`record` adds them once the kernels
-  compiled;
+* ``manifest.json`` holds the sha256 of every file the runtime wrote; :func:`record` adds them after each kernel
+  build (kernels compile one variant at a time, when first needed); ``variants.json`` lists the variants built into
+  the cache (``"<device filter> <template-id>"``, what ``kivi-xpu info`` reports), forgotten whenever an entry is
+  removed;
 * :func:`prepare`, before the runtime loads, checks every file against the manifest. An entry (a leaf directory) with
   a changed file is removed and rebuilt, with one warning; an entry the manifest does not list (written by a process
   that stopped before recording) is removed silently; an entry being written (``*.lock``) is left alone, the runtime
@@ -36,6 +38,7 @@ from pathlib import Path
 from .validation import environment_variable
 
 MANIFEST = "manifest.json"
+VARIANTS = "variants.json"
 LOCK = ".kivi_xpu.lock"
 # Files the runtime rewrites on every cache hit (eviction bookkeeping) or while writing: never executed, not checked.
 _UNCHECKED_SUFFIXES = ("_access_time.txt", ".lock")
@@ -117,10 +120,23 @@ def _read_manifest(directory: Path) -> dict[str, str] | None:
     return manifest if ok else None
 
 
+def _write_json(directory: Path, name: str, value) -> None:
+    partial = directory / f"{name}.{os.getpid()}.partial"
+    partial.write_text(json.dumps(value, indent=0, sort_keys=True))
+    partial.replace(directory / name)  # atomic: a reader sees the old file or the new one
+
+
 def _write_manifest(directory: Path, manifest: dict[str, str]) -> None:
-    partial = directory / f"{MANIFEST}.{os.getpid()}.partial"
-    partial.write_text(json.dumps(manifest, indent=0, sort_keys=True))
-    partial.replace(directory / MANIFEST)  # atomic: a reader sees the old manifest or the new one
+    _write_json(directory, MANIFEST, manifest)
+
+
+def cached_variants(directory: Path) -> list[str]:
+    """The kernel variants recorded as built into ``directory`` (``"<device filter> <template-id>"``), sorted."""
+    try:
+        names = json.loads((directory / VARIANTS).read_text())
+    except (OSError, ValueError):
+        return []
+    return sorted(n for n in names if isinstance(n, str)) if isinstance(names, list) else []
 
 
 @contextlib.contextmanager
@@ -168,13 +184,17 @@ def verify(directory: Path) -> list[str]:
         if untrusted or manifest is None:
             kept = {} if manifest is None else manifest
             _write_manifest(directory, {k: v for k, v in kept.items() if _entry(k) not in untrusted})
+            _write_json(directory, VARIANTS, [])  # which variant an entry held is not known: list them again
     return corrupted
 
 
-def record(directory: Path) -> None:
+def record(directory: Path, variants: list[str] = ()) -> None:
     """Adds the files the runtime wrote since :func:`verify` to the manifest (entries still being written are left
-    for a later process) and drops the ones the runtime removed."""
+    for a later process) and drops the ones the runtime removed; adds ``variants`` (just built) to ``variants.json``."""
     with _locked(directory):
+        listed = cached_variants(directory)
+        if set(variants) - set(listed):
+            _write_json(directory, VARIANTS, sorted(set(listed) | set(variants)))
         manifest = _read_manifest(directory) or {}
         present = _checked_files(directory)
         updated = {k: v for k, v in manifest.items() if k in present}

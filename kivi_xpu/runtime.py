@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
+import importlib.util
+import json
 import os
 import site
 import sys
@@ -134,15 +137,13 @@ class DeviceFacts:
     fp16: bool
     fp64: bool
     build_options: tuple[str, ...]
-    compile_seconds: float
-    work_group_sizes: dict
+    variants: int  # kernel variants the table lists; each compiles when first launched
 
     @classmethod
     def from_dict(cls, facts: dict) -> DeviceFacts:
         values = {f.name: facts[f.name] for f in fields(cls)}
         values["sub_group_sizes"] = tuple(values["sub_group_sizes"])
         values["build_options"] = tuple(values["build_options"])
-        values["work_group_sizes"] = dict(values["work_group_sizes"])
         return cls(**values)
 
 
@@ -155,28 +156,76 @@ class SyclRuntime:
     facts: DeviceFacts
 
 
-def load_sycl_extension() -> ModuleType:
-    """Imports ``kivi_xpu._C``; RuntimeError with the reason if it was not built or cannot load."""
-    prepare_environment()
+def reinstall_command() -> str:
+    """The one command that rebuilds the extensions against the torch installed now: from the source directory of an
+    in-place build, else from the directory pip installed the package from (its ``direct_url.json``), else from
+    the package's source distribution."""
+    source = Path(__file__).resolve().parents[1]
+    if (source / "setup.py").is_file() and (source / "csrc").is_dir():
+        return f"pip install --no-deps --force-reinstall -e {source}"
     try:
-        return importlib.import_module("kivi_xpu._C")
+        origin = json.loads(importlib.metadata.distribution("kivi-xpu").read_text("direct_url.json") or "{}")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        origin = {}
+    url = origin.get("url", "")
+    if url.startswith("file://") and "dir_info" in origin:
+        editable = "-e " if origin["dir_info"].get("editable") else ""
+        return f"pip install --no-deps --force-reinstall {editable}{url[len('file://') :]}"
+    return "pip install --no-deps --force-reinstall --no-binary kivi-xpu kivi-xpu"
+
+
+def build_mismatch(built: dict | None, torch_version: str, cxx11_abi: bool) -> str | None:
+    """Why extensions built with ``built`` (kivi_xpu/_build_info.py as a dict, None when absent) cannot load into
+    this torch, or None. Releases are compared without their local label (``2.13.0+cpu`` and ``2.13.0+xpu`` share
+    the C++ API), and the C++ ABI flag."""
+    if built is None:
+        return "kivi_xpu/_build_info.py is missing (the package was not built by its setup.py)"
+    public = torch_version.split("+", 1)[0]
+    if built["TORCH_VERSION"].split("+", 1)[0] != public:
+        return f"it was built against torch {built['TORCH_VERSION']}, but torch {torch_version} is installed"
+    if built["CXX11_ABI"] != cxx11_abi:
+        return f"it was built with _GLIBCXX_USE_CXX11_ABI={int(built['CXX11_ABI'])}, torch uses {int(cxx11_abi)}"
+    return None
+
+
+def build_info() -> dict | None:
+    """kivi_xpu/_build_info.py as a dict (TORCH_VERSION, CXX11_ABI, SYCL), None when the package has none."""
+    try:
+        module = importlib.import_module("kivi_xpu._build_info")
+    except ImportError:
+        return None
+    return {name: getattr(module, name) for name in ("TORCH_VERSION", "CXX11_ABI", "SYCL")}
+
+
+def _import_extension(name: str, what: str) -> ModuleType:
+    """Imports ``kivi_xpu.<name>`` after checking it was built for this torch; RuntimeError saying what is wrong and
+    the one command that fixes it."""
+    fix = reinstall_command()
+    problem = build_mismatch(build_info(), torch.__version__, bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    if problem is not None and importlib.util.find_spec(f"kivi_xpu.{name}") is not None:
+        raise RuntimeError(f"the {what} kivi_xpu.{name} cannot be loaded: {problem}. Rebuild it with `{fix}`")
+    try:
+        return importlib.import_module(f"kivi_xpu.{name}")
     except ImportError as error:
-        raise RuntimeError(
-            f"the SYCL extension kivi_xpu._C is not available ({error}); it is built by "
-            "`pip install --no-build-isolation -e .` when the intel-sycl-rt runtime is installed"
-        ) from None
+        if "libsycl" in str(error):
+            fix = 'pip install "intel-sycl-rt>=2025.3"'
+        elif name == "_C" and (build_info() or {}).get("SYCL") is False:
+            error = f"{error}; the package was built with KIVI_XPU_NO_SYCL=1"
+        raise RuntimeError(f"the {what} kivi_xpu.{name} is not available ({error}); fix: `{fix}`") from None
+
+
+def load_sycl_extension() -> ModuleType:
+    """Imports ``kivi_xpu._C``; RuntimeError with the reason and the fixing command if it was not built (or built
+    for another torch) or cannot load."""
+    prepare_environment()
+    return _import_extension("_C", "SYCL extension")
 
 
 def load_native_extension() -> ModuleType:
-    """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason if it was not built, ValueError
-    if ``$KIVI_XPU_CPU_ISA`` names an instruction set this CPU lacks."""
-    try:
-        module = importlib.import_module("kivi_xpu._cpu")
-    except ImportError as error:
-        raise RuntimeError(
-            f"the native CPU extension kivi_xpu._cpu is not available ({error}); it is built by "
-            "`pip install --no-build-isolation -e .`"
-        ) from None
+    """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason and the fixing command if it was
+    not built (or built for another torch), ValueError if ``$KIVI_XPU_CPU_ISA`` names an instruction set this CPU
+    lacks."""
+    module = _import_extension("_cpu", "native CPU extension")
     isa = environment_variable(CPU_ISA_ENV)
     if isa is not None and isa not in module.available_isas():
         raise ValueError(
@@ -186,22 +235,41 @@ def load_native_extension() -> ModuleType:
     return module
 
 
+def _record_compiled(filter_string: str, names: tuple[str, ...], seconds: float) -> None:
+    """Called by ``kivi_xpu._C`` after every kernel build: vouches for the files the SYCL runtime just wrote."""
+    cache_directory = prepare_environment()
+    if cache_directory is None:
+        return
+    try:
+        kernel_cache.record(cache_directory, [f"{filter_string} {name}" for name in names])
+    except OSError as error:
+        warnings.warn(f"kivi_xpu: recording the SYCL kernel cache failed ({error})", RuntimeWarning, stacklevel=2)
+
+
 @functools.cache
 def _runtime_for(filter_string: str) -> SyclRuntime:
     module = load_sycl_extension()
     file_variable(KERNEL_SOURCE_ENV)  # a bad path is a clear error here, not a C++ stream failure
+    module.set_compile_hook(_record_compiled)
     facts = DeviceFacts.from_dict(dict(module.init(filter_string)))
-    cache_directory = prepare_environment()
-    if cache_directory is not None:
-        try:
-            kernel_cache.record(cache_directory)  # vouch for what the runtime just wrote
-        except OSError as error:
-            warnings.warn(f"kivi_xpu: recording the SYCL kernel cache failed ({error})", RuntimeWarning, stacklevel=2)
     return SyclRuntime(module, filter_string, facts)
 
 
+def compiled_kernels(device: str) -> dict[str, float]:
+    """``{template-id: build seconds}`` of the kernel variants this process compiled (or loaded from the persistent
+    cache) for SYCL device ``device`` so far; {} when its runtime was never initialised."""
+    if _runtime_for.cache_info().currsize == 0 or "kivi_xpu._C" not in sys.modules:
+        return {}
+    module = sys.modules["kivi_xpu._C"]
+    try:
+        return dict(module.compiled(device))
+    except ValueError:  # not initialised
+        return {}
+
+
 def sycl_runtime(device: str | None = None) -> SyclRuntime:
-    """The extension initialised for ``device`` (see :func:`select_device`); kernels compile on first use."""
+    """The extension initialised for ``device`` (see :func:`select_device`); each kernel variant compiles when a launch
+    first needs it (one progress line on stderr while a build takes longer than a persistent-cache hit)."""
     load_sycl_extension()  # report a missing extension before looking for devices
     return _runtime_for(select_device(device))
 

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import require_sycl
+from conftest import require_backend, require_sycl
 
 from kivi_xpu import kernel_cache
 
@@ -201,3 +201,63 @@ def test_a_cache_chosen_by_the_user_is_left_alone(tmp_path, monkeypatch):
         directory = kernel_cache.prepare(environ)
     assert directory.parent == tmp_path / "sycl"
     assert environ == {"SYCL_CACHE_PERSISTENT": "1", "SYCL_CACHE_DIR": str(directory)}
+
+
+def test_cached_variants_are_listed_and_forgotten_when_an_entry_goes(tmp_path):
+    changed = write_entry(tmp_path, "dev/a/s/o")
+    kernel_cache.record(tmp_path, ["opencl:cpu:0 kivi_quantize_keys<F32, F16>"])
+    kernel_cache.record(tmp_path, ["opencl:cpu:0 kivi_dequantize_keys<F16, F32>"])
+    assert kernel_cache.cached_variants(tmp_path) == [
+        "opencl:cpu:0 kivi_dequantize_keys<F16, F32>",
+        "opencl:cpu:0 kivi_quantize_keys<F32, F16>",
+    ]
+    changed.write_bytes(b"binarY")
+    assert kernel_cache.verify(tmp_path) == ["dev/a/s/o/0.bin"]
+    assert kernel_cache.cached_variants(tmp_path) == []
+
+
+# A tiny fused generate on the process's backend; prints whether the SYCL runtime was loaded.
+GENERATE_SCRIPT = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import kivi_xpu
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+model = LlamaForCausalLM(config).eval()
+kivi_xpu.use_fused_attention(model)
+cache = kivi_xpu.KiviCache(config=config, residual_length=32)
+model.generate(torch.randint(0, 256, (1, 40)), past_key_values=cache, max_new_tokens=30, min_new_tokens=30)
+print("backend", cache.backend.name, "sycl loaded:", "kivi_xpu._C" in sys.modules or "dpctl" in sys.modules)
+"""
+
+
+def test_kernels_compile_when_first_needed_once_per_machine(tmp_path):
+    require_sycl()
+    env = child_environment(KIVI_XPU_CACHE=str(tmp_path), KIVI_XPU_BACKEND="sycl")
+    device = "runtime.host_sycl_runtime().device"
+    code = SCRIPT + f"from kivi_xpu import runtime\nprint(sorted(runtime.compiled_kernels({device})))"
+    first = run(code, env)
+    assert first.returncode == 0 and "results: correct" in first.stdout, first.stderr
+    # Only the group of the variant launched, one progress line for its build.
+    assert "['kivi_quantize_keys<F32, F16>', 'kivi_quantize_values<F32, F16>']" in first.stdout
+    assert first.stderr.count("kivi_xpu: compiling SYCL kernel") == 1, first.stderr
+    assert "kivi_quantize_keys<F32, F16> (+1) for " in first.stderr
+    directory = next((tmp_path / "sycl").iterdir())
+    assert [name.split(" ", 1)[1] for name in kernel_cache.cached_variants(directory)] == [
+        "kivi_quantize_keys<F32, F16>",
+        "kivi_quantize_values<F32, F16>",
+    ]
+    manifest = (directory / kernel_cache.MANIFEST).read_text()
+    second = run(code, env)
+    assert second.returncode == 0 and "results: correct" in second.stdout, second.stderr
+    assert (directory / kernel_cache.MANIFEST).read_text() == manifest, "a later process must only read the cache"
+
+
+def test_the_native_backend_never_loads_the_sycl_runtime(tmp_path):
+    require_backend("native")
+    env = child_environment(KIVI_XPU_CACHE=str(tmp_path), KIVI_XPU_BACKEND="native")
+    done = run(GENERATE_SCRIPT, env)
+    assert done.returncode == 0, done.stderr
+    assert "backend native sycl loaded: False" in done.stdout
+    assert not (tmp_path / "sycl").exists()

@@ -425,6 +425,7 @@ def test_backend_selection(kernels, monkeypatch):
     monkeypatch.delenv(backend.DEVICE_ENV)
     facts = backend.info("sycl")
     assert facts["kernels_compiled"] and facts["device"] == kernels.device and facts["compile_seconds"] >= 0
+    assert backend.PROBE_VARIANT in facts["compiled_variants"]
 
 
 def test_clean_interpreter_exit(kernels):
