@@ -22,7 +22,7 @@ PYTHON ?= python3
 TORCH_DEFAULT := torch==2.13.0
 TORCH ?= $(shell cat $(VENV)/torch-requirement 2>/dev/null || echo $(TORCH_DEFAULT))
 # Inputs of the compiled extensions (csrc/_generated is written by setup.py, so it is not an input).
-SOURCES := pyproject.toml setup.py $(shell find csrc -path csrc/_generated -prune -o -type f \( -name '*.cpp' -o -name '*.h' \) -print)
+SOURCES := pyproject.toml setup.py _build_backend/kivi_build_backend.py $(shell find csrc -path csrc/_generated -prune -o -type f \( -name '*.cpp' -o -name '*.h' \) -print)
 
 .PHONY: help demo test env clean FORCE
 .DEFAULT_GOAL := help
