@@ -59,6 +59,8 @@ CASES = [
     Case(dtype=torch.float16, sinks=4, key_bits=4, value_bits=2, mask="float"),
     Case(dtype=torch.bfloat16, meta=torch.bfloat16, sinks=1, ratio=8, kv_heads=1, length=3),
     Case(batch=1, kv_heads=3, key_count=2048, value_count=2100, key_tail=180, key_group=64, value_group=64),
+    # 4-token key groups: a chunk holds 64 groups, so its key metadata comes in several blocks, the last one ragged
+    Case(key_group=4, value_group=16, key_count=300, value_count=301, key_tail=3, meta=torch.bfloat16),
     Case(batch=3, kv_heads=2, ratio=3, length=1, key_count=1024, value_count=1000, key_tail=40, mask="bool"),
 ]
 

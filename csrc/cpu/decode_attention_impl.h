@@ -316,35 +316,56 @@ inline void key_group(const float (*qs)[kMaxDim], const float* bias, const uint8
   }
 }
 
+// Key metadata of groups [g, g + count) for channels [0, D): channel d's row starts at `offset + d * row` (its groups
+// contiguous) -> out[i * kMaxDim + d] in fp32 (group-major, so each group's scales are a contiguous vector). One pass over each channel's row serves every group of the block
+// (the rows lie `row` elements apart, so reading them group by group touched D lines per group); the dtype switch is
+// resolved once, outside the loops.
+constexpr int64_t kMetaGroups = 8;
+template <Dtype DT>
+inline void load_key_meta_rows(const void* base, int64_t offset, int64_t row, int64_t D, int64_t count, float* out) {
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t i = 0; i < count; ++i) out[i * kMaxDim + d] = load_scalar(base, DT, offset + d * row + i);
+}
+inline void load_key_meta(const void* base, Dtype dtype, int64_t offset, int64_t row, int64_t D, int64_t count,
+                          float* out) {
+  switch (dtype) {
+    case kF32: load_key_meta_rows<kF32>(base, offset, row, D, count, out); break;
+    case kF16: load_key_meta_rows<kF16>(base, offset, row, D, count, out); break;
+    default: load_key_meta_rows<kBF16>(base, offset, row, D, count, out); break;
+  }
+}
+
 template <int BITS>
 void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const float* q, float* scores,
                    int64_t pos0) {
   const Packed& K = P.keys;
   const int64_t D = P.head_dim, G = K.group;
   const uint8_t* codes = K.codes + bh * K.code_head;
-  float scale[kMaxDim], zero[kMaxDim], qs[4][kMaxDim], bias[4];
+  float scales[kMaxDim * kMetaGroups], zeros[kMaxDim * kMetaGroups], qs[4][kMaxDim], bias[4];
   float* out[4];
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t meta = bh * K.meta_head + g;
-    for (int64_t d = 0; d < D; ++d) {
-      scale[d] = load_scalar(K.scales, K.meta, meta + d * K.meta_row);
-      zero[d] = load_scalar(K.zeros, K.meta, meta + d * K.meta_row);
-    }
-    const uint8_t* group_codes = codes + g * (G * BITS / 8);
-    const int64_t pos = pos0 + (g - g0) * G;
-    for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
-      const int nr = (int)min64(4, P.rows - r0);
-      for (int i = 0; i < nr; ++i) {
-        const float* qr = q + (r0 + i) * D;
-        for (int64_t d = 0; d < D; ++d) qs[i][d] = qr[d] * scale[d];
-        bias[i] = dot(qr, zero, D);
-        out[i] = scores + (r0 + i) * P.n + pos;
-      }
-      switch (nr) {
-        case 1: key_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;
-        case 2: key_group<BITS, 2>(qs, bias, group_codes, K.code_row, D, G, out); break;
-        case 3: key_group<BITS, 3>(qs, bias, group_codes, K.code_row, D, G, out); break;
-        default: key_group<BITS, 4>(qs, bias, group_codes, K.code_row, D, G, out); break;
+  for (int64_t gb = g0; gb < g1; gb += kMetaGroups) {
+    const int64_t block = min64(kMetaGroups, g1 - gb);
+    load_key_meta(K.scales, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, scales);
+    load_key_meta(K.zeros, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, zeros);
+    for (int64_t i = 0; i < block; ++i) {
+      const int64_t g = gb + i;
+      const uint8_t* group_codes = codes + g * (G * BITS / 8);
+      const int64_t pos = pos0 + (g - g0) * G;
+      for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
+        const int nr = (int)min64(4, P.rows - r0);
+        const float* scale = scales + i * kMaxDim;
+        for (int j = 0; j < nr; ++j) {
+          const float* qr = q + (r0 + j) * D;
+          for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[d] * scale[d];
+          bias[j] = dot(qr, zeros + i * kMaxDim, D);
+          out[j] = scores + (r0 + j) * P.n + pos;
+        }
+        switch (nr) {
+          case 1: key_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;
+          case 2: key_group<BITS, 2>(qs, bias, group_codes, K.code_row, D, G, out); break;
+          case 3: key_group<BITS, 3>(qs, bias, group_codes, K.code_row, D, G, out); break;
+          default: key_group<BITS, 4>(qs, bias, group_codes, K.code_row, D, G, out); break;
+        }
       }
     }
   }
