@@ -135,12 +135,22 @@ inline std::string kernel_source() {
 
 using Executable = sycl::kernel_bundle<sycl::bundle_state::executable>;
 
-// Where the SYCL runtime keeps compiled kernels across processes, for the progress line.
-inline std::string persistent_cache_note() {
+// Whether the SYCL runtime keeps compiled kernels across processes (kivi_xpu.runtime sets SYCL_CACHE_PERSISTENT=1
+// and SYCL_CACHE_DIR unless the user set either), and in which directory ("" = the runtime's default, or none).
+inline bool persistent_cache() {
   const char* persistent = std::getenv("SYCL_CACHE_PERSISTENT");
+  return persistent != nullptr && std::string(persistent) == "1";
+}
+inline std::string persistent_cache_dir() {
   const char* dir = std::getenv("SYCL_CACHE_DIR");
-  if (persistent == nullptr || std::string(persistent) != "1") return "not cached across processes";
-  return std::string("cached in ") + (dir != nullptr ? dir : "the SYCL default cache directory");
+  return persistent_cache() && dir != nullptr ? dir : "";
+}
+
+// For the progress line: where this build is cached.
+inline std::string persistent_cache_note() {
+  if (!persistent_cache()) return "not cached across processes";
+  const std::string dir = persistent_cache_dir();
+  return "cached in " + (dir.empty() ? std::string("the SYCL default cache directory") : dir);
 }
 
 // The compiler options of every build: kBuildOptions plus a precompiled header of the source's #include preamble
@@ -148,13 +158,8 @@ inline std::string persistent_cache_note() {
 // (SYCL-RTC's --persistent-auto-pch; kivi_xpu.kernel_cache checksums it like the kernels), else per process.
 inline std::vector<std::string> build_options() {
   std::vector<std::string> options = kBuildOptions;
-  const char* persistent = std::getenv("SYCL_CACHE_PERSISTENT");
-  const char* dir = std::getenv("SYCL_CACHE_DIR");
-  if (persistent != nullptr && std::string(persistent) == "1" && dir != nullptr && *dir != '\0') {
-    options.push_back(std::string("--persistent-auto-pch=") + dir + "/auto_pch");
-  } else {
-    options.push_back("--auto-pch");
-  }
+  const std::string dir = persistent_cache_dir();
+  options.push_back(dir.empty() ? "--auto-pch" : "--persistent-auto-pch=" + dir + "/auto_pch");
   return options;
 }
 
@@ -375,7 +380,8 @@ inline py::dict compiled(const std::string& filter) {
   py::dict result;
   for (size_t id = 0; id < kKernelTemplates.size(); ++id) {
     for (size_t v = 0; v < variant_count(kKernelTemplates[id]); ++v) {
-      if (const Kernel* k = rt.slots[rt.first_slot[id] + v].load(std::memory_order_acquire)) result[k->name.c_str()] = k->seconds;
+      const Kernel* k = rt.slots[rt.first_slot[id] + v].load(std::memory_order_acquire);
+      if (k != nullptr) result[k->name.c_str()] = k->seconds;
     }
   }
   return result;

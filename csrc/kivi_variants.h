@@ -1,7 +1,8 @@
 // The one table of kernel variants. csrc/kivi_kernels.cpp defines each kernel ONCE, as a template; the runtime
-// instantiates a variant listed here, when a launch first needs it, by its template-id (e.g. "kivi_packed_key_scores<F16, 2, 3>", passed to
-// the kernel compiler as registered_names) and looks the compiled kernels up by the same positions, so this table
-// alone decides which variants exist, what they are called and where each one is stored.
+// instantiates a variant listed here, when a launch first needs it, by its template-id (e.g.
+// "kivi_packed_key_scores<F16, 2, 3>", passed to the kernel compiler as registered_names) and looks the compiled
+// kernels up by the same positions, so this table alone decides which variants exist, what they are called and where
+// each one is stored.
 #pragma once
 
 #include <torch/extension.h>

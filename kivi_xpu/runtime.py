@@ -199,14 +199,17 @@ def build_info() -> dict | None:
 
 def _import_extension(name: str, what: str) -> ModuleType:
     """Imports ``kivi_xpu.<name>`` after checking it was built for this torch; RuntimeError saying what is wrong and
-    the one command that fixes it."""
-    fix = reinstall_command()
+    the one command that fixes it. Cheap once loaded (called per op for XPU tensors): the fixing command, which
+    may read package metadata, is only worked out for an error."""
     problem = build_mismatch(build_info(), torch.__version__, bool(torch._C._GLIBCXX_USE_CXX11_ABI))
     if problem is not None and importlib.util.find_spec(f"kivi_xpu.{name}") is not None:
-        raise RuntimeError(f"the {what} kivi_xpu.{name} cannot be loaded: {problem}. Rebuild it with `{fix}`")
+        raise RuntimeError(
+            f"the {what} kivi_xpu.{name} cannot be loaded: {problem}. Rebuild it with `{reinstall_command()}`"
+        )
     try:
         return importlib.import_module(f"kivi_xpu.{name}")
     except ImportError as error:
+        fix = reinstall_command()
         if "libsycl" in str(error):
             fix = 'pip install "intel-sycl-rt>=2025.3"'
         elif name == "_C" and (build_info() or {}).get("SYCL") is False:

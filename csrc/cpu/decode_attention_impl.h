@@ -316,10 +316,10 @@ inline void key_group(const float (*qs)[kMaxDim], const float* bias, const uint8
   }
 }
 
-// Key metadata of groups [g, g + count) for channels [0, D): channel d's row starts at `offset + d * row` (its groups
-// contiguous) -> out[i * kMaxDim + d] in fp32 (group-major, so each group's scales are a contiguous vector). One pass over each channel's row serves every group of the block
-// (the rows lie `row` elements apart, so reading them group by group touched D lines per group); the dtype switch is
-// resolved once, outside the loops.
+// Key metadata of `count` consecutive groups for channels [0, D): channel d's row starts at `offset + d * row` (its
+// groups contiguous) -> out[i * kMaxDim + d] in fp32 (group-major: each group's values are one contiguous vector). One
+// pass over each channel's row serves every group of the block (the rows lie `row` elements apart, so reading them
+// group by group touched D cache lines per group); the dtype switch is resolved once, outside the loops.
 constexpr int64_t kMetaGroups = 8;
 template <Dtype DT>
 inline void load_key_meta_rows(const void* base, int64_t offset, int64_t row, int64_t D, int64_t count, float* out) {
@@ -351,13 +351,13 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
       const int64_t g = gb + i;
       const uint8_t* group_codes = codes + g * (G * BITS / 8);
       const int64_t pos = pos0 + (g - g0) * G;
+      const float *scale = scales + i * kMaxDim, *zero = zeros + i * kMaxDim;
       for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
         const int nr = (int)min64(4, P.rows - r0);
-        const float* scale = scales + i * kMaxDim;
         for (int j = 0; j < nr; ++j) {
           const float* qr = q + (r0 + j) * D;
           for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[d] * scale[d];
-          bias[j] = dot(qr, zeros + i * kMaxDim, D);
+          bias[j] = dot(qr, zero, D);
           out[j] = scores + (r0 + j) * P.n + pos;
         }
         switch (nr) {
