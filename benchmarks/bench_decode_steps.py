@@ -7,10 +7,12 @@ slow phases (a shared VM's neighbours) hit every cache alike and the ratios of t
 KIVI's printed (above 1: KIVI faster). Not a test: numbers depend on the machine; run it on a quiet one.
 ``KIVI_XPU_CPU_ISA=avx2`` measures the AVX2 path. ``--contend N`` times every cache twice, quiet and then with N
 CPU-bound competitor processes running (those of ``kivi-xpu bench --contend``), and prints each cache's slowdown and
-KIVI's slowdown over Dynamic's.
+KIVI's slowdown over Dynamic's. ``kivi`` is the default KiviCache; ``kivi-paper`` the paper preset (no sinks, no
+rotation), to measure what the default's options cost.
 
     python benchmarks/bench_decode_steps.py --ctx 1024 4096 8192 --batch 1
     python benchmarks/bench_decode_steps.py --ctx 4096 --batch 4 --contend 2
+    python benchmarks/bench_decode_steps.py --ctx 1024 8192 --caches dynamic kivi kivi-paper
 """
 
 import argparse
@@ -54,14 +56,15 @@ def make_cache(kind, kv, ctx):
     elif kind == "static":
         cache = StaticCache(config=cfg, max_cache_len=ctx + args.steps + 4)
     else:
-        cache = KiviCache(config=cfg, backend=args.backend)
+        preset = kind.removeprefix("kivi-") if kind.startswith("kivi-") else "default"
+        cache = KiviCache(config=cfg, backend=args.backend, preset=preset)
     fill(cache, kv, ctx)
     return cache
 
 
 def step(kind, cache, tok, pos):
     """One timed decode step of `cache`; returns (seconds, next token)."""
-    model.set_attn_implementation("kivi" if kind == "kivi" else "sdpa")
+    model.set_attn_implementation("kivi" if kind.startswith("kivi") else "sdpa")
     t0 = time.perf_counter()
     out = model(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos.expand(args.batch, 1))
     return time.perf_counter() - t0, out.logits[:, -1:].argmax(-1)
@@ -103,8 +106,9 @@ for ctx in args.ctx:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("ROWS", 25))))
     line = f"ctx {ctx} b{args.batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items())
     if "kivi" in res:
-        for base in ("dynamic", "static"):
-            line += f"  | {base}/KIVI {res.get(base, float('nan')) / res['kivi']:.2f}x"
+        for base in ("dynamic", "static", "kivi-paper"):
+            if base in res:
+                line += f"  | {base}/KIVI {res[base] / res['kivi']:.2f}x"
     print(line, flush=True)
     if args.contend:
         slowdown = {k: loaded[k] / res[k] for k in loaded}

@@ -12,7 +12,13 @@ token (a group is ``value_group_size`` consecutive channels of one token). As th
 
 Beyond the paper, ``sink_tokens = S`` keeps the first ``S`` tokens of the sequence in full precision forever
 ("attention sinks"); the rules above then apply to the tokens after them: keys ``[S, S + R*floor((n-S)/R))``
-and values ``[S, S + max(0, n - S - R))`` are quantized. With ``S = 0`` (the default) this is the paper's rule.
+and values ``[S, S + max(0, n - S - R))`` are quantized. With ``S = 0`` this is the paper's rule. ``rotation``
+stores the packed history in a rotated basis (:mod:`kivi_xpu.rotation`), which changes what is quantized but not
+which tokens are.
+
+Presets (:data:`PRESETS`): ``"default"``, 4 sinks and Walsh-Hadamard rotated keys and values, which costs no stored
+byte over the paper and a fraction of its perplexity loss (``docs/measurements.md``), and ``"paper"``, the
+authors' algorithm exactly (no sinks, no rotation). Both quantize 2-bit codes in groups of 32 with a window of 128.
 
 Prefill, single-token decode and multi-token appends (multi-turn chat, chunked prefill, assisted decoding)
 all follow from these two counts, which is how :class:`kivi_xpu.stream.KindStream` applies them.
@@ -26,7 +32,8 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 
 from .ops.checks import META_DTYPES, check_bits, check_group_size, check_meta_dtype, codes_per_byte
-from .validation import integer
+from .rotation import ROTATIONS
+from .validation import integer, name_choice
 
 # Fields whose default (None) means "the shared setting": key/value bits follow `bits`, groups follow `group_size`.
 PER_KIND_FIELDS = {
@@ -34,7 +41,16 @@ PER_KIND_FIELDS = {
     "value_bits": "bits",
     "key_group_size": "group_size",
     "value_group_size": "group_size",
+    "key_rotation": "rotation",
+    "value_rotation": "rotation",
 }
+# Fields whose default (None) means "the preset's value".
+PRESETS = {
+    "default": {"sink_tokens": 4, "rotation": "hadamard"},
+    "paper": {"sink_tokens": 0, "rotation": "none"},
+}
+PRESET_FIELDS = ("sink_tokens", "rotation")
+_FOLLOWING_FIELDS = (*PER_KIND_FIELDS, *PRESET_FIELDS)  # fields that may follow another setting when not given
 
 
 # The longest full-precision window accepted: 16M tokens, above the longest context of any model today (~10M), so
@@ -60,9 +76,16 @@ class KiviSettings:
             blocks of ``R`` tokens made of whole groups) and is a multiple of ``8 // key_bits``.
         value_group_size: channels per value group (default: ``group_size``); a multiple of ``8 // value_bits``.
         sink_tokens: ``S``, the first ``S`` tokens of the sequence are kept in full precision forever;
-            ``0 <= S < R``.
+            ``0 <= S < R``; default: the preset's (4, the paper 0).
+        rotation: how the packed history is rotated before it is quantized (:mod:`kivi_xpu.rotation`), one of
+            ``ROTATIONS`` (``"none"``, ``"hadamard"``); the default for ``key_rotation`` and ``value_rotation``;
+            default: the preset's (``"hadamard"``, the paper ``"none"``).
+        key_rotation / value_rotation: the rotation of the keys / values (default: ``rotation``).
+        preset: ``"default"`` or ``"paper"`` (:data:`PRESETS`): the values of ``sink_tokens`` and ``rotation``
+            when they are not given.
 
-    After construction ``key_bits``, ``value_bits``, ``key_group_size`` and ``value_group_size`` are ints.
+    After construction ``key_bits``, ``value_bits``, ``key_group_size`` and ``value_group_size`` are ints and
+    ``sink_tokens``, ``rotation``, ``key_rotation`` and ``value_rotation`` are resolved.
     Both group sizes must also divide the model's head_dim (:meth:`check_head_dim`). Derive variants with
     :meth:`replace` rather than ``dataclasses.replace``, which would pin the derived per-kind fields to their
     current values (``replace(bits=4)`` must also change ``key_bits`` when it was not given).
@@ -77,17 +100,28 @@ class KiviSettings:
     value_bits: int | None = None
     key_group_size: int | None = None
     value_group_size: int | None = None
-    sink_tokens: int = 0
-    # The per-kind fields as given (None = follow the shared one), so that `replace(bits=4)` moves the
-    # derived ones along.
+    sink_tokens: int | None = None
+    rotation: str | None = None
+    key_rotation: str | None = None
+    value_rotation: str | None = None
+    preset: str = dataclasses.field(default="default", compare=False)  # only fills the fields above
+    # The following fields as given (None = follow the shared field or the preset), so that `replace(bits=4)` or
+    # `replace(preset="paper")` moves the derived ones along.
     _given: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
         # Integers of any type (numpy, 0-d tensors) are stored as int: see kivi_xpu.validation.
-        given = {name: getattr(self, name) for name in PER_KIND_FIELDS}
-        object.__setattr__(self, "_given", tuple(v if v is None else integer(v, k) for k, v in given.items()))
+        given = {name: getattr(self, name) for name in _FOLLOWING_FIELDS}
+        object.__setattr__(
+            self, "_given", tuple(v if v is None or "rotation" in k else integer(v, k) for k, v in given.items())
+        )
+        name_choice(self.preset, "preset", tuple(PRESETS))
+        for name, value in PRESETS[self.preset].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         object.__setattr__(self, "bits", check_bits(self.bits))
         object.__setattr__(self, "group_size", integer(self.group_size, "group_size", minimum=1))
+        name_choice(self.rotation, "rotation", ROTATIONS)
         for name, shared in PER_KIND_FIELDS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(self, shared))
@@ -95,6 +129,8 @@ class KiviSettings:
         object.__setattr__(self, "value_bits", check_bits(self.value_bits, self._name("value_bits")))
         for field, bits in (("key_group_size", self.key_bits), ("value_group_size", self.value_bits)):
             object.__setattr__(self, field, check_group_size(getattr(self, field), bits, self._name(field)))
+        for field in ("key_rotation", "value_rotation"):
+            name_choice(getattr(self, field), self._name(field), ROTATIONS)
         object.__setattr__(self, "residual_length", integer(self.residual_length, "residual_length", minimum=1))
         object.__setattr__(self, "sink_tokens", integer(self.sink_tokens, "sink_tokens", minimum=0))
         r = self.residual_length
@@ -120,18 +156,19 @@ class KiviSettings:
 
     def _name(self, field: str) -> str:
         """The argument a user set for ``field``: itself, or the shared field it was derived from."""
-        given = dict(zip(PER_KIND_FIELDS, self._given, strict=True))
+        given = dict(zip(_FOLLOWING_FIELDS, self._given, strict=True))
         return field if given[field] is not None else PER_KIND_FIELDS[field]
 
     def replace(self, **changes) -> KiviSettings:
         """A copy with ``changes`` applied (any constructor argument). Per-kind fields that were not given
-        explicitly keep following ``bits`` / ``group_size``; unknown names raise ``ValueError``."""
+        explicitly keep following ``bits`` / ``group_size`` / ``rotation``, and ``sink_tokens`` / ``rotation`` the
+        preset, when not given; unknown names raise ``ValueError``."""
         names = [f.name for f in dataclasses.fields(self) if f.init and f.name != "_"]
         unknown = sorted(set(changes) - set(names))
         if unknown:
             raise ValueError(f"unknown KiviSettings field(s) {unknown}; allowed: {names}")
         args = {name: getattr(self, name) for name in names}
-        args.update(zip(PER_KIND_FIELDS, self._given, strict=True))
+        args.update(zip(_FOLLOWING_FIELDS, self._given, strict=True))
         args.update(changes)
         return KiviSettings(**args)
 
@@ -184,4 +221,4 @@ class KiviSettings:
         return (self.key_bits_per_element() + self.value_bits_per_element()) / 2
 
 
-__all__ = ["KiviSettings", "META_DTYPES", "PER_KIND_FIELDS"]
+__all__ = ["KiviSettings", "META_DTYPES", "PER_KIND_FIELDS", "PRESETS", "ROTATIONS"]

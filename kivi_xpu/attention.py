@@ -36,8 +36,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .ops import kernel
-from .ops.checks import KindOperands
+from .ops.checks import KindOperands, decode_args
 from .ops.reference import dense_attention
+from .rotation import unrotate
 
 ATTENTION_NAME = "kivi"
 
@@ -53,15 +54,16 @@ class DecodeInputs:
 
 
 def dense_kind(inputs: KindOperands, kind: str, backend: str) -> torch.Tensor:
-    """Dense ``[B, Hkv, S + count + T, D]`` of one kind: exact sinks + dequantized history (a temporary) + exact
-    tail, in the tail's dtype on the tail's device. ``kind`` is "keys" or "values"."""
+    """Dense ``[B, Hkv, S + count + T, D]`` of one kind: exact sinks + dequantized history (a temporary, rotated back
+    when stored rotated) + exact tail, in the tail's dtype on the tail's device. ``kind`` is "keys" or "values"."""
     parts = [inputs.sinks] if inputs.sinks.shape[2] else []
     if inputs.count:
         dequantize = kernel(f"dequantize_{kind}", backend)
+        work_dtype = inputs.tail.dtype if inputs.rotation is None else torch.float32
         history = dequantize(
-            inputs.codes, inputs.scales, inputs.zeros, inputs.count, inputs.group, inputs.bits, inputs.tail.dtype
+            inputs.codes, inputs.scales, inputs.zeros, inputs.count, inputs.group, inputs.bits, work_dtype
         )
-        parts.append(history.to(inputs.tail.device))
+        parts.append(unrotate(history.to(inputs.tail.device), inputs.rotation, inputs.tail.dtype))
     parts.append(inputs.tail)
     # Always a new tensor: the tail may be a view of the layer's window, which the next append overwrites.
     return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0].clone()
@@ -149,7 +151,8 @@ def decode_attention(
     """Attention of ``query [B, Hq, L, D]`` over a hand-over through the backend's ``decode_attention`` op.
     Returns ``[B, Hq, L, Dv]`` in query's dtype."""
     op = kernel("decode_attention", inputs.backend)
-    return op(query, *inputs.keys, *inputs.values, attention_mask, scaling, 0.0 if softcap is None else float(softcap))
+    softcap = 0.0 if softcap is None else float(softcap)
+    return op(query, *decode_args(inputs.keys, inputs.values, attention_mask, scaling, softcap))
 
 
 def kivi_attention_forward(

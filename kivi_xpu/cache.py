@@ -48,8 +48,10 @@ class KiviCache(Cache):
 
     Use it like any transformers cache::
 
-        cache = KiviCache(config=model.config, bits=2, group_size=32, residual_length=128)
+        cache = KiviCache(config=model.config)  # 2-bit, G=32, R=128, 4 sinks, Hadamard-rotated history
         model.generate(**inputs, past_key_values=cache)
+
+    ``KiviCache(config=model.config, preset="paper")`` is the KIVI authors' algorithm exactly.
 
     Args:
         config: the model config (``model.config``). Layer types come from it: full-attention layers get a
@@ -74,10 +76,18 @@ class KiviCache(Cache):
         key_group_size / value_group_size: group sizes per kind (default ``group_size``); each divides head_dim,
             the key group also divides ``residual_length``.
         sink_tokens: ``S``, the first ``S`` tokens of the sequence stay in full precision forever ("attention
-            sinks"); ``0 <= S < residual_length``; default 0 (the paper).
+            sinks"); ``0 <= S < residual_length``; default: the preset's (4; the paper 0).
+        rotation: ``"hadamard"`` stores the packed history Walsh-Hadamard rotated (keys and values, unless
+            ``key_rotation`` / ``value_rotation`` say otherwise), which spreads outlier channels before they are
+            quantized at no cost in stored bytes (:mod:`kivi_xpu.rotation`); ``"none"`` does not; default: the
+            preset's (``"hadamard"``; the paper ``"none"``).
+        key_rotation / value_rotation: the rotation per kind (default ``rotation``).
+        preset: ``"default"`` (4 sinks, Hadamard rotation) or ``"paper"`` (no sinks, no rotation: the KIVI
+            authors' algorithm): where ``sink_tokens`` and ``rotation`` come from when not given.
         layer_overrides: per-layer changes to the settings above, as :class:`~kivi_xpu.KiviSettings` field names
             (``bits``, ``group_size``, ``residual_length``, ``meta_dtype``, ``key_bits``, ``value_bits``,
-            ``key_group_size``, ``value_group_size``, ``sink_tokens``): ``None`` (default: every layer alike), a
+            ``key_group_size``, ``value_group_size``, ``sink_tokens``, ``rotation``, ``key_rotation``,
+            ``value_rotation``): ``None`` (default: every layer alike), a
             sequence with one entry per decoder layer of ``config`` (each ``None`` or a dict such as
             ``{"key_bits": 4}``), or a callable ``layer_idx -> dict | None``. Without a config only a callable is
             accepted (the number of layers is unknown, so a list could not be checked); it is then called when a
@@ -102,7 +112,11 @@ class KiviCache(Cache):
         value_bits: int | None = None,
         key_group_size: int | None = None,
         value_group_size: int | None = None,
-        sink_tokens: int = 0,
+        sink_tokens: int | None = None,
+        rotation: str | None = None,
+        key_rotation: str | None = None,
+        value_rotation: str | None = None,
+        preset: str = "default",
         layer_overrides=None,
     ):
         self.settings = KiviSettings(
@@ -115,6 +129,10 @@ class KiviCache(Cache):
             key_group_size=key_group_size,
             value_group_size=value_group_size,
             sink_tokens=sink_tokens,
+            rotation=rotation,
+            key_rotation=key_rotation,
+            value_rotation=value_rotation,
+            preset=preset,
         )
         name_choice(attention, "attention", ATTENTION_MODES)
         if layer_overrides is not None and not callable(layer_overrides):

@@ -12,7 +12,8 @@ that a token-by-token decode from an empty cache applies at ``t``'s decode step:
   the first token, a prefill of length 1, reads itself exactly);
 * the dequantized key/value is the cache's: :func:`kivi_xpu.ops.reference.quantize_keys` per channel over groups of
   ``key_group_size`` tokens aligned at ``S`` (the cache's ``R``-blocks are made of whole such groups) and
-  :func:`~kivi_xpu.ops.reference.quantize_values` per token, with the layer's bits and ``meta_dtype``. A token's
+  :func:`~kivi_xpu.ops.reference.quantize_values` per token, with the layer's bits and ``meta_dtype``, in the
+  layer's rotated basis when it has a rotation (quantize ``x @ Q``, read back ``dequantized @ Qᵀ``). A token's
   dequantized version does not depend on when it was quantized, so it is computed once per forward.
 
 Sliding-window layers (which a ``KiviCache`` keeps exact) attend exactly. Gradients are straight-through: the
@@ -42,6 +43,7 @@ from .layer import KiviLayer
 from .ops import reference as ref
 from .ops.checks import check_float_tensor
 from .ops.reference import group_queries, masked_scores
+from .rotation import rotate, rotation_matrix, unrotate
 from .validation import integer
 
 QAT_ATTENTION_NAME = "kivi_qat"
@@ -118,18 +120,20 @@ def _dequantized(key: torch.Tensor, value: torch.Tensor, settings: KiviSettings)
     key_tokens = max(0, n - sinks) // settings.key_group_size * settings.key_group_size
     key_target = key.detach().clone()
     if key_tokens:
-        exact = key_target[:, :, sinks : sinks + key_tokens].contiguous()
+        rotation = rotation_matrix(settings.key_rotation, key.shape[3], key.device)
+        exact = rotate(key_target[:, :, sinks : sinks + key_tokens], rotation).contiguous()
         g, bits = settings.key_group_size, settings.key_bits
         codes, scales, zeros = ref.quantize_keys(exact, g, bits, settings.meta_dtype)
-        key_target[:, :, sinks : sinks + key_tokens] = ref.dequantize_keys(
-            codes, scales, zeros, key_tokens, g, bits, key.dtype
-        )
+        dequantized = ref.dequantize_keys(codes, scales, zeros, key_tokens, g, bits, exact.dtype)
+        key_target[:, :, sinks : sinks + key_tokens] = unrotate(dequantized, rotation, key.dtype)
     value_target = value.detach().clone()
     if n > sinks:
-        exact = value_target[:, :, sinks:].contiguous()
+        rotation = rotation_matrix(settings.value_rotation, value.shape[3], value.device)
+        exact = rotate(value_target[:, :, sinks:], rotation).contiguous()
         g, bits = settings.value_group_size, settings.value_bits
         codes, scales, zeros = ref.quantize_values(exact, g, bits, settings.meta_dtype)
-        value_target[:, :, sinks:] = ref.dequantize_values(codes, scales, zeros, n - sinks, g, bits, value.dtype)
+        dequantized = ref.dequantize_values(codes, scales, zeros, n - sinks, g, bits, exact.dtype)
+        value_target[:, :, sinks:] = unrotate(dequantized, rotation, value.dtype)
     return key_target, value_target
 
 

@@ -14,6 +14,7 @@ import torch
 from .algorithm import KiviSettings
 from .ops import kernel
 from .ops.checks import codes_per_byte
+from .rotation import rotate, rotation_matrix, unrotate
 
 # Unbounded buffers (the packed history) grow by 25%: amortised O(1) copies per token, at most ~20% slack.
 GROWTH_FACTOR = 1.25
@@ -166,13 +167,20 @@ class PackedHistory:
     with ``P = 8 // bits`` codes per byte and ``G`` the group size of that kind (``settings.key_bits`` /
     ``key_group_size`` for keys, ``value_bits`` / ``value_group_size`` for values; see :mod:`kivi_xpu.ops.reference`).
     The codes are written and read by the ``quantize_<kind>`` / ``dequantize_<kind>`` ops of ``backend`` (a name).
+    With a rotation (``settings.key_rotation`` / ``value_rotation``), the codes are those of ``x @ Q``
+    (:mod:`kivi_xpu.rotation`), and :meth:`dequantize` returns them rotated back.
     """
 
     def __init__(self, kind: str, settings: KiviSettings, batch: int, heads: int, head_dim: int, device, backend: str):
         if kind == "keys":
-            self.bits, self.group_size = settings.key_bits, settings.key_group_size
+            self.bits, self.group_size, self.rotation_name = (
+                settings.key_bits,
+                settings.key_group_size,
+                settings.key_rotation,
+            )
         elif kind == "values":
             self.bits, self.group_size = settings.value_bits, settings.value_group_size
+            self.rotation_name = settings.value_rotation
         else:
             raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
         self.kind, self.settings, self.backend = kind, settings, backend
@@ -191,18 +199,22 @@ class PackedHistory:
         self.codes = TokenBuffer(batch, heads, code_width, torch.uint8, device, code_rows, token_dim)
         self.scales = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)
         self.zeros = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)
-        self.num_tokens = 0
+        self.head_dim, self.num_tokens = head_dim, 0
 
     @property
     def device(self) -> torch.device:
         return self.codes.device
+
+    def rotation(self, device) -> torch.Tensor | None:
+        """The rotation ``Q [D, D]`` float32 on ``device`` (``None`` without one)."""
+        return rotation_matrix(self.rotation_name, self.head_dim, device)
 
     def buffers(self) -> tuple[TokenBuffer, ...]:
         return self.codes, self.scales, self.zeros
 
     def append(self, x: torch.Tensor) -> None:
         """Quantizes and appends ``x [B, H, n, D]`` (for keys, ``n`` is a multiple of the group size)."""
-        x, n = x.to(self.device), x.shape[2]
+        x, n = rotate(x, self.rotation(x.device)).to(self.device), x.shape[2]
         if self.kind == "values":
             # Straight into the storage rows: one op call and no temporaries for a decode step's departing token.
             for buf in self.buffers():
@@ -236,7 +248,10 @@ class PackedHistory:
             scales = self.scales.rows(meta_start, self.scales.capacity).contiguous()
             zeros = self.zeros.rows(meta_start, self.zeros.capacity).contiguous()
         dequantize = kernel(f"dequantize_{self.kind}", self.backend)
-        return dequantize(codes, scales, zeros, count - start, self.group_size, self.bits, out_dtype)
+        rotation = self.rotation(self.device)
+        work_dtype = out_dtype if rotation is None else torch.float32
+        x = dequantize(codes, scales, zeros, count - start, self.group_size, self.bits, work_dtype)
+        return unrotate(x, rotation, out_dtype)
 
     def truncate(self, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens (group-aligned for keys)."""

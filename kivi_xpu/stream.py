@@ -68,7 +68,8 @@ class KindStream:
         ``count``) and the exact ``tail``."""
         codes, scales, zeros = (b.data for b in self.packed.buffers())
         packed = self.packed
-        return KindOperands(sinks, codes, scales, zeros, count, packed.group_size, packed.bits, tail)
+        rotation = packed.rotation(self.device)
+        return KindOperands(sinks, codes, scales, zeros, count, packed.group_size, packed.bits, tail, rotation)
 
     def append_and_read(self, new: torch.Tensor, record: bool) -> KindOperands:
         """Appends ``new [B, H, m, D]`` (as :meth:`append`) and returns what attention reads for it: the sinks, the

@@ -165,6 +165,23 @@ def test_cache_config_takes_every_kivi_cache_option(llama):
     assert (second.value_bits, second.meta_dtype) == (4, torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("cache_config", "expected"),
+    [
+        (None, (4, "hadamard")),
+        ({"preset": "paper"}, (0, "none")),
+        ({"preset": "paper", "rotation": "hadamard"}, (0, "hadamard")),
+    ],
+)
+def test_cache_config_preset(llama, cache_config, expected):
+    kwargs = dict(
+        max_new_tokens=3, cache_implementation="kivi", cache_config=cache_config, return_dict_in_generate=True
+    )
+    out = llama.generate(**prompts(batch=1), **kwargs)
+    settings = out.past_key_values.layers[0].settings
+    assert (settings.sink_tokens, settings.key_rotation) == expected
+
+
 def test_a_model_without_full_attention_layers_is_warned_about():
     config = transformers.MistralConfig(**COMMON, sliding_window=64)
     with pytest.warns(UserWarning, match="no layer of this MistralConfig uses full attention"):

@@ -17,6 +17,7 @@ from native_module import native
 
 from kivi_xpu.ops.reference import decode_attention as decode_attention_reference
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
+from kivi_xpu.rotation import rotation_matrix
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     mask: str = "none"  # none | bool | float
     softcap: float | None = None
+    rotated: str = ""  # "k", "v" or "kv": the packed keys / values are stored Hadamard-rotated
 
     @property
     def n(self) -> int:
@@ -62,6 +64,23 @@ CASES = [
     # 4-token key groups: a chunk holds 64 groups, so its key metadata comes in several blocks, the last one ragged
     Case(key_group=4, value_group=16, key_count=300, value_count=301, key_tail=3, meta=torch.bfloat16),
     Case(batch=3, kv_heads=2, ratio=3, length=1, key_count=1024, value_count=1000, key_tail=40, mask="bool"),
+    # rotated history (the default cache): the packed sums apart from the exact ones, un-rotated after the merge
+    Case(rotated="kv", sinks=4, mask="bool", length=3),
+    Case(rotated="k", key_count=288, value_count=300, key_tail=40, ratio=8, kv_heads=1),
+    Case(rotated="v", batch=1, key_count=2048, value_count=2100, key_tail=180, key_group=64, value_group=64),
+    Case(
+        rotated="kv",
+        head_dim=72,
+        value_dim=96,
+        key_group=24,
+        value_group=48,
+        key_bits=4,
+        key_count=72,
+        value_count=70,
+        dtype=torch.bfloat16,
+    ),
+    Case(rotated="kv", head_dim=48, value_dim=40, key_group=8, value_group=8, key_count=0, value_count=0, key_tail=9),
+    Case(rotated="kv", dtype=torch.float16, sinks=1, softcap=3.0, mask="float", value_count=3, key_count=0, key_tail=5),
 ]
 
 
@@ -112,6 +131,8 @@ def build(case: Case, seed: int = 0):
         mask=mask,
         scaling=case.head_dim**-0.5,
         softcap=case.softcap,
+        key_rotation=rotation_matrix("hadamard", case.head_dim) if "k" in case.rotated else None,
+        value_rotation=rotation_matrix("hadamard", case.value_dim) if "v" in case.rotated else None,
     )
 
 
@@ -127,7 +148,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert worst <= tolerance, f"max error {worst:.3g} > {tolerance:.3g}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"n{c.n}-s{c.sinks}-r{c.ratio}-L{c.length}-{c.mask}")
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: f"n{c.n}-s{c.sinks}-r{c.ratio}-L{c.length}-{c.mask}" + (f"-rot{c.rotated}" * bool(c.rotated)),
+)
 def test_matches_reference(isa, case):
     args = build(case)
     out = native.decode_attention(**args)

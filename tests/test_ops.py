@@ -10,6 +10,7 @@ import torch
 
 from kivi_xpu import ops
 from kivi_xpu.ops import reference
+from kivi_xpu.rotation import rotation_matrix
 
 QUANTIZATION_OPS = ("quantize_keys", "quantize_values", "dequantize_keys", "dequantize_values")
 
@@ -177,14 +178,34 @@ def test_every_declared_op_is_covered_by_opcheck():
 
 
 @pytest.mark.parametrize("backend", ("reference", "sycl", "native"))
-def test_decode_attention_backends_agree_with_the_reference(backend):
+@pytest.mark.parametrize("rotated", ("none", "keys", "values", "both"))
+def test_decode_attention_backends_agree_with_the_reference(backend, rotated):
     skip_unless_available(backend)
+    hadamard = rotation_matrix("hadamard", 32)
+    rotations = (hadamard if rotated in ("keys", "both") else None, hadamard if rotated in ("values", "both") else None)
     for mask in (True, False):
         args = attention_args("decode_attention", length=1, mask=mask)
         if mask:
             args = (*args[:17], args[17][..., -1:, :], *args[18:])
-        got = ops.call("decode_attention", backend, *args)
-        torch.testing.assert_close(got, reference.decode_attention(*args), rtol=1e-4, atol=1e-4)
+        got = ops.call("decode_attention", backend, *args, *rotations)
+        torch.testing.assert_close(got, reference.decode_attention(*args, *rotations), rtol=1e-4, atol=1e-4)
+
+
+def test_opcheck_decode_attention_with_rotations():
+    hadamard = rotation_matrix("hadamard", 32)
+    torch.library.opcheck(
+        torch.ops.kivi_xpu.decode_attention, (*attention_args("decode_attention"), hadamard, hadamard)
+    )
+
+
+def test_decode_attention_rotation_checks_name_the_argument():
+    args = attention_args("decode_attention")
+    with pytest.raises(ValueError, match="`key_rotation` must be a float32 \\[32, 32\\]"):
+        torch.ops.kivi_xpu.decode_attention(*args, torch.eye(16), None)
+    with pytest.raises(ValueError, match="`value_rotation` must be a float32"):
+        torch.ops.kivi_xpu.decode_attention(*args, None, torch.eye(32, dtype=torch.float64))
+    with pytest.raises(TypeError, match="`key_rotation` must be None or a torch.Tensor"):
+        ops.call("decode_attention", "reference", *args, "hadamard", None)
 
 
 def test_decode_attention_checks_name_the_argument():

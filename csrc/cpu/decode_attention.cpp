@@ -1,7 +1,7 @@
 // Fused decode attention over a KIVI layer: [sinks | packed history | exact tail] in one pass (flash-decoding).
 // This file checks the arguments, describes them as a decode::Problem (raw pointers and strides, no copies of the
 // cache), runs the ISA's chunk kernel over (batch, kv head, chunk) tasks in torch's intra-op pool and merges the
-// chunks' partial softmaxes in order (deterministic). Semantics: kivi_xpu/ops/decode_reference.py.
+// chunks' partial softmaxes in order (deterministic). Semantics: kivi_xpu/ops/reference.py (decode_attention).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -117,6 +117,15 @@ Packed packed_values(const at::Tensor& codes, const at::Tensor& scales, const at
                 scales.size(2) * scales.size(3)};
 }
 
+// A rotation Q [dim, dim] float32 on the CPU (contiguous or not: only small matmuls read it).
+const at::Tensor& rotation(const at::Tensor& q, const char* name, int64_t dim) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(0) == dim &&
+                  q.size(1) == dim,
+              "decode_attention: `", name, "` must be a float32 [", dim, ", ", dim, "] CPU tensor, got ", q.dtype(),
+              " ", q.sizes(), " on ", q.device());
+  return q;
+}
+
 void (*chunk_kernel(Isa isa))(const Problem&, int64_t) {
   switch (isa) {
     case Isa::kAvx512: return decode::chunk_avx512;
@@ -157,8 +166,9 @@ void describe_mask(const c10::optional<at::Tensor>& mask_arg, Problem& p, at::Te
 }
 
 // Merges the chunks of every query row in order: out = sum_c w_c acc_c / sum_c w_c l_c with w_c = exp(m_c - M).
+// Rows of `acc_width` floats (see Problem::partials).
 void merge_chunks(const Problem& p, float* out) {
-  const int64_t acc_row = 2 + p.value_dim, rows = p.batch * p.kv_heads * p.rows;
+  const int64_t width = p.acc_width, acc_row = 2 + width, rows = p.batch * p.kv_heads * p.rows;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t bh = row / p.rows, r = row % p.rows;
@@ -171,22 +181,22 @@ void merge_chunks(const Problem& p, float* out) {
         nan |= std::isnan(mc);
         m = mc > m ? mc : m;
       }
-      float* o = out + row * p.value_dim;
+      float* o = out + row * width;
       if (!nan && m == -std::numeric_limits<float>::infinity()) {  // fully masked row: zeros, by definition
-        for (int64_t d = 0; d < p.value_dim; ++d) o[d] = 0.0f;
+        for (int64_t d = 0; d < width; ++d) o[d] = 0.0f;
         continue;
       }
       if (nan) m = std::numeric_limits<float>::quiet_NaN();
       float total = 0.0f;
-      for (int64_t d = 0; d < p.value_dim; ++d) o[d] = 0.0f;
+      for (int64_t d = 0; d < width; ++d) o[d] = 0.0f;
       for (int64_t c = 0; c < p.chunks; ++c) {
         const float* part = first + c * chunk_step;
         const float w = part[0] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(part[0] - m);
         total += w * part[1];
-        for (int64_t d = 0; d < p.value_dim; ++d) o[d] += w * part[2 + d];
+        for (int64_t d = 0; d < width; ++d) o[d] += w * part[2 + d];
       }
       const float inv = 1.0f / total;
-      for (int64_t d = 0; d < p.value_dim; ++d) o[d] *= inv;
+      for (int64_t d = 0; d < width; ++d) o[d] *= inv;
     }
   });
 }
@@ -198,7 +208,8 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
                             const at::Tensor& value_scales, const at::Tensor& value_zeros, int64_t value_count,
                             int64_t value_group, int64_t value_bits, const at::Tensor& value_tail,
                             const c10::optional<at::Tensor>& mask, double scaling,
-                            const c10::optional<double>& softcap) {
+                            const c10::optional<double>& softcap, const c10::optional<at::Tensor>& key_rotation,
+                            const c10::optional<at::Tensor>& value_rotation) {
   check_cpu_rank4(query, "query");
   float_dtype(query, "query");
   check_cpu_rank4(key_tail, "key_tail");
@@ -251,9 +262,15 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   const at::Tensor q32 = query.scalar_type() == at::kFloat ? query : query.to(at::kFloat);
   const at::Tensor q = (q32 * scaling).contiguous();
   p.query = q.data_ptr<float>();
+  const at::Tensor key_q = key_rotation.has_value() ? at::matmul(q, rotation(*key_rotation, "key_rotation", head_dim))
+                                                    : q;
+  p.packed_query = key_q.data_ptr<float>();
+  const bool rotated_values = value_rotation.has_value();
+  const at::Tensor value_q = rotated_values ? rotation(*value_rotation, "value_rotation", p.value_dim) : at::Tensor();
+  p.acc_width = rotated_values ? 2 * p.value_dim : p.value_dim;
   const auto f32 = query.options().dtype(at::kFloat);
   at::Tensor scores = at::empty({batch, kv_heads, p.rows, p.n}, f32);
-  at::Tensor partials = at::empty({batch, kv_heads, p.chunks, p.rows, 2 + p.value_dim}, f32);
+  at::Tensor partials = at::empty({batch, kv_heads, p.chunks, p.rows, 2 + p.acc_width}, f32);
   p.scores = scores.data_ptr<float>();
   p.partials = partials.data_ptr<float>();
 
@@ -269,8 +286,12 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
     for (int64_t task = next_task++; task < tasks; task = next_task++) kernel(p, task);
   });
 
-  at::Tensor out = at::empty({batch, kv_heads, p.rows, p.value_dim}, f32);
+  at::Tensor out = at::empty({batch, kv_heads, p.rows, p.acc_width}, f32);
   merge_chunks(p, out.data_ptr<float>());
+  if (rotated_values) {  // exact sum + (packed sum) Qᵀ
+    out = at::addmm(out.narrow(3, 0, p.value_dim).reshape({-1, p.value_dim}),
+                    out.narrow(3, p.value_dim, p.value_dim).reshape({-1, p.value_dim}), value_q.t());
+  }
   return out.view({batch, q_heads, length, p.value_dim}).to(query.scalar_type());
 }
 
@@ -279,13 +300,14 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
 void register_decode_attention(pybind11::module& m) {
   m.def("decode_attention", &decode_attention,
         "Fused KIVI decode attention over [sinks | packed history | exact tail] -> [B, Hq, L, Dv] (see "
-        "kivi_xpu/ops/decode_reference.py for the exact semantics)",
+        "kivi_xpu/ops/reference.py (decode_attention) for the exact semantics)",
         pybind11::arg("query"), pybind11::arg("key_sinks"), pybind11::arg("key_codes"), pybind11::arg("key_scales"),
         pybind11::arg("key_zeros"), pybind11::arg("key_count"), pybind11::arg("key_group"), pybind11::arg("key_bits"),
         pybind11::arg("key_tail"), pybind11::arg("value_sinks"), pybind11::arg("value_codes"),
         pybind11::arg("value_scales"), pybind11::arg("value_zeros"), pybind11::arg("value_count"),
         pybind11::arg("value_group"), pybind11::arg("value_bits"), pybind11::arg("value_tail"),
-        pybind11::arg("mask"), pybind11::arg("scaling"), pybind11::arg("softcap"));
+        pybind11::arg("mask"), pybind11::arg("scaling"), pybind11::arg("softcap"),
+        pybind11::arg("key_rotation") = pybind11::none(), pybind11::arg("value_rotation") = pybind11::none());
 }
 
 }  // namespace kivi::cpu

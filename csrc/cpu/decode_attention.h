@@ -35,6 +35,8 @@ struct Problem {
   int64_t batch, kv_heads, q_per_kv, length, rows;  // rows = q_per_kv * length query rows per kv head
   int64_t head_dim, value_dim, n, sinks;
   const float* query;  // [B, Hkv, rows, head_dim] fp32, already multiplied by `scaling`
+  // The query that scores the packed keys: `query` itself, or query @ Q when the keys are stored rotated (q·k = qQ·kQ).
+  const float* packed_query;
   Exact key_sinks, key_tail, value_sinks, value_tail;
   Packed keys, values;
   MaskKind mask_kind;
@@ -43,7 +45,10 @@ struct Problem {
   float softcap;           // 0: none
   int64_t chunk, chunks;   // tokens per chunk past the sinks (a multiple of the key group); chunk 0 adds the sinks
   float* scores;    // workspace [B, Hkv, rows, n]: scores, then probabilities
-  float* partials;  // [B, Hkv, chunks, rows, 2 + value_dim]: chunk max, chunk sum, unnormalised output
+  // [B, Hkv, chunks, rows, 2 + acc_width]: chunk max, chunk sum, unnormalised output. acc_width is value_dim, or
+  // 2 * value_dim when the values are stored rotated: the exact sum, then the packed sum (rotated back after the merge).
+  float* partials;
+  int64_t acc_width;
 };
 
 // Largest head_dim / value_dim the kernels' stack buffers hold.

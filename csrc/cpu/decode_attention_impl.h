@@ -590,8 +590,9 @@ inline void run_chunk(const Problem& P, int64_t task) {
   const int64_t S = P.sinks, n = P.n, D = P.head_dim, Dv = P.value_dim;
   const int64_t p0 = c == 0 ? 0 : S + c * P.chunk, p1 = min64(S + (c + 1) * P.chunk, n);
   const float* q = P.query + bh * P.rows * D;
+  const float* packed_q = P.packed_query + bh * P.rows * D;
   float* scores = P.scores + bh * P.rows * n;
-  const int64_t acc_row = 2 + Dv;
+  const int64_t acc_row = 2 + P.acc_width;
   float* partial = P.partials + task * P.rows * acc_row;
 
   // Scores: sinks [0, S), packed [S, S + kc), tail [S + kc, n), each clipped to the chunk.
@@ -601,9 +602,9 @@ inline void run_chunk(const Problem& P, int64_t task) {
   if (k0 < k1) {
     const int64_t g0 = (k0 - S) / P.keys.group, g1 = (k1 - S) / P.keys.group;
     switch (P.keys.bits) {
-      case 2: packed_scores<2>(P, bh, g0, g1, q, scores, k0); break;
-      case 4: packed_scores<4>(P, bh, g0, g1, q, scores, k0); break;
-      default: packed_scores<8>(P, bh, g0, g1, q, scores, k0); break;
+      case 2: packed_scores<2>(P, bh, g0, g1, packed_q, scores, k0); break;
+      case 4: packed_scores<4>(P, bh, g0, g1, packed_q, scores, k0); break;
+      default: packed_scores<8>(P, bh, g0, g1, packed_q, scores, k0); break;
     }
   }
   const int64_t tail0 = max64(p0, S + kc);
@@ -612,19 +613,20 @@ inline void run_chunk(const Problem& P, int64_t task) {
   for (int64_t r = 0; r < P.rows; ++r) {
     float* out = partial + r * acc_row;
     out[0] = chunk_softmax(P, b, h, r, scores + r * n, p0, p1, out + 1);
-    for (int64_t d = 0; d < Dv; ++d) out[2 + d] = 0.0f;
+    for (int64_t d = 0; d < P.acc_width; ++d) out[2 + d] = 0.0f;
   }
 
   // Values: sinks [0, S), packed [S, S + vc), tail [S + vc, n).
   const int64_t vc = P.values.count;
   float* acc = partial + 2;
+  float* packed_acc = acc + (P.acc_width - Dv);  // a separate sum for rotated packed values
   if (p0 < S) exact_values(P, P.value_sinks, b, h, p0, min64(p1, S) - p0, scores, p0, acc, acc_row);
   const int64_t v0 = max64(p0, S), v1 = min64(p1, S + vc);
   if (v0 < v1) {
     switch (P.values.bits) {
-      case 2: packed_values<2>(P, bh, v0 - S, v1 - S, scores, v0, acc, acc_row); break;
-      case 4: packed_values<4>(P, bh, v0 - S, v1 - S, scores, v0, acc, acc_row); break;
-      default: packed_values<8>(P, bh, v0 - S, v1 - S, scores, v0, acc, acc_row); break;
+      case 2: packed_values<2>(P, bh, v0 - S, v1 - S, scores, v0, packed_acc, acc_row); break;
+      case 4: packed_values<4>(P, bh, v0 - S, v1 - S, scores, v0, packed_acc, acc_row); break;
+      default: packed_values<8>(P, bh, v0 - S, v1 - S, scores, v0, packed_acc, acc_row); break;
     }
   }
   const int64_t vt0 = max64(p0, S + vc);

@@ -208,7 +208,8 @@ def check_attention_args(
 class KindOperands(NamedTuple):
     """One kind (keys or values) of a ``decode_attention`` call, its tokens in position order: ``sinks [B, Hkv, S, D]``
     exact, the first ``count`` tokens of the packed ``codes``/``scales``/``zeros`` (``group`` size, ``bits``), then
-    ``tail [B, Hkv, T, D]`` exact."""
+    ``tail [B, Hkv, T, D]`` exact; ``rotation``: ``None``, or the ``Q [D, D]`` float32 whose ``x @ Q`` the codes hold
+    (:mod:`kivi_xpu.rotation`). The op takes the first eight in this order, the rotations last (``packed(...)``)."""
 
     sinks: torch.Tensor
     codes: torch.Tensor
@@ -218,12 +219,34 @@ class KindOperands(NamedTuple):
     group: int
     bits: int
     tail: torch.Tensor
+    rotation: torch.Tensor | None = None
+
+
+def decode_args(keys: KindOperands, values: KindOperands, mask, scaling: float, softcap: float) -> tuple:
+    """The flat arguments of ``decode_attention`` after ``query``, the inverse of :func:`split_decode_args`."""
+    return (*keys[:8], *values[:8], mask, scaling, softcap, keys.rotation, values.rotation)
 
 
 def split_decode_args(args: tuple) -> tuple:
     """``decode_attention``'s arguments after ``query`` -> ``(keys, values, mask, scaling, softcap)`` with ``keys``
     and ``values`` as :class:`KindOperands` (the op's schema is flat; its parts have names here)."""
-    return KindOperands(*args[:8]), KindOperands(*args[8:16]), *args[16:]
+    key_rotation, value_rotation = (*args[19:21], None, None)[:2]
+    keys, values = KindOperands(*args[:8], key_rotation), KindOperands(*args[8:16], value_rotation)
+    return keys, values, *args[16:19]
+
+
+def check_rotation(rotation, name: str, head_dim: int, device) -> None:
+    """``None``, or a float32 ``[head_dim, head_dim]`` tensor on ``device`` (the query's)."""
+    if rotation is None:
+        return
+    if not isinstance(rotation, torch.Tensor):
+        raise TypeError(f"`{name}` must be None or a torch.Tensor, got {type(rotation).__name__}")
+    if rotation.dtype != torch.float32 or tuple(rotation.shape) != (head_dim, head_dim):
+        raise ValueError(
+            f"`{name}` must be a float32 [{head_dim}, {head_dim}] matrix, got {rotation.dtype} {tuple(rotation.shape)}"
+        )
+    if rotation.device != device:
+        raise ValueError(f"`{name}` is on {rotation.device} but `query` is on {device}")
 
 
 def check_decode_args(query, *args) -> None:
@@ -286,6 +309,8 @@ def check_decode_args(query, *args) -> None:
             raise ValueError(f"`mask` shape {tuple(mask.shape)} must be [1 or {b}, 1 or {hq}, {length}, >= {n} tokens]")
         if mask.device != query.device:
             raise ValueError(f"`mask` is on {mask.device} but `query` is on {query.device}")
+    check_rotation(keys.rotation, "key_rotation", head_dim, query.device)
+    check_rotation(values.rotation, "value_rotation", value_dim, query.device)
     for name, value in (("scaling", scaling), ("softcap", softcap)):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"`{name}` must be a float, got {value!r}")

@@ -43,7 +43,7 @@ _DECODE_ATTENTION = (
     "(Tensor query, Tensor key_sinks, Tensor key_codes, Tensor key_scales, Tensor key_zeros, int key_count, "
     "int key_group, int key_bits, Tensor key_tail, Tensor value_sinks, Tensor value_codes, Tensor value_scales, "
     "Tensor value_zeros, int value_count, int value_group, int value_bits, Tensor value_tail, Tensor? mask, "
-    "float scaling, float softcap) -> Tensor"
+    "float scaling, float softcap, Tensor? key_rotation=None, Tensor? value_rotation=None) -> Tensor"
 )
 
 

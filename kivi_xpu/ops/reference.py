@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rotation import unrotate
 from .checks import codes_per_byte
 from .library import register_kernel
 
@@ -287,22 +288,25 @@ def decode_attention(
     mask: torch.Tensor | None = None,
     scaling: float = 1.0,
     softcap: float = 0.0,
+    key_rotation: torch.Tensor | None = None,
+    value_rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [B, Hq, L, D]`` (unscaled) over a layer's ``n`` tokens held as ``[sinks | packed | tail]``
     per kind: ``key_sinks [B, Hkv, S, D]`` exact, the first ``key_count`` tokens of the packed keys, ``key_tail
     [B, Hkv, Tk, D]`` exact (likewise values, with their own count), ``S + key_count + Tk == S + value_count + Tv``.
     ``mask``: None or a transformers mask whose last ``n`` columns apply (see :func:`masked_scores`); ``softcap`` 0
-    means none. Returns ``[B, Hq, L, Dv]`` in query's dtype. The twin of every fused implementation: it dequantizes
-    the history and attends densely in fp32."""
+    means none. ``key_rotation`` / ``value_rotation``: ``None`` or the ``Q [D, D]`` whose ``x @ Q`` the packed codes
+    hold (:mod:`kivi_xpu.rotation`). Returns ``[B, Hq, L, Dv]`` in query's dtype. The twin of every fused
+    implementation: it dequantizes the history, rotates it back and attends densely in fp32."""
     device = query.device  # (sinks None and softcap None are accepted too, as by the native kernel)
     keys = [] if key_sinks is None else [key_sinks.float()]
     if key_count:
-        keys.append(dequantize_keys(key_codes, key_scales, key_zeros, key_count, key_group, key_bits).to(device))
+        packed = dequantize_keys(key_codes, key_scales, key_zeros, key_count, key_group, key_bits, torch.float32)
+        keys.append(unrotate(packed.to(device), key_rotation))
     values = [] if value_sinks is None else [value_sinks.float()]
     if value_count:
-        values.append(
-            dequantize_values(value_codes, value_scales, value_zeros, value_count, value_group, value_bits).to(device)
-        )
+        packed = dequantize_values(value_codes, value_scales, value_zeros, value_count, value_group, value_bits)
+        values.append(unrotate(packed.to(device), value_rotation))
     keys = torch.cat(keys + [key_tail.float()], dim=2)
     values = torch.cat(values + [value_tail.float()], dim=2)
     return dense_attention(query, keys, values, mask, scaling, softcap or 0.0)

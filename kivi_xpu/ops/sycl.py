@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rotation import rotate, unrotate
 from ..runtime import SyclRuntime, sycl_runtime_for
 from .checks import codes_per_byte, split_decode_args
 from .library import OPS, register_kernel
@@ -110,7 +111,8 @@ def packed_value_combine(probs, codes, scales, zeros, num_tokens, group_size, bi
 def decode_attention(query, *args):
     """The two SYCL attention kernels composed: scores of ``[sinks | packed keys | key tail]``, one softmax, then
     ``[sinks | packed values | value tail]`` combined. The packed history stays on its (storage) device; the exact
-    parts and the result on the query's device."""
+    parts and the result on the query's device. A rotated history is scored with the rotated query, and its values'
+    weighted sum is rotated back (:mod:`kivi_xpu.rotation`)."""
     keys, values, mask, scaling, softcap = split_decode_args(args)
     b, hq, length, _ = query.shape
     kv_heads = keys.tail.shape[1]
@@ -126,7 +128,7 @@ def decode_attention(query, *args):
     sinks = keys.sinks.shape[2]
     parts = [exact_scores(keys.sinks)] if sinks else []
     if keys.count:
-        q_storage = q.to(keys.codes.device)
+        q_storage = rotate(q, keys.rotation).to(keys.codes.device)  # q·k = (qQ)·(kQ): score the rotated codes
         history = packed_key_scores(q_storage, keys.codes, keys.scales, keys.zeros, keys.count, keys.group, keys.bits)
         parts.append(history.to(query.device))
     parts.append(exact_scores(keys.tail))
@@ -143,5 +145,5 @@ def decode_attention(query, *args):
         combined = packed_value_combine(
             p, values.codes, values.scales, values.zeros, values.count, values.group, values.bits
         )
-        out += combined.to(query.device)
+        out += unrotate(combined.to(query.device), values.rotation)  # (Σ p vQ) Qᵀ
     return out.to(query.dtype)
