@@ -50,13 +50,18 @@ from .report import ppl_table
 from .specs import cache_specs, check_cache_options, make_cache, third_party_failure, unavailable_reason
 
 MODES = ("decode", "streaming")
+TEXT_HELP = (
+    "UTF-8 text file, or a text obtained through pip from the gensim 4.4.0 wheel: 'wikipedia' (default), ~100 "
+    "Wikipedia articles (kivi_xpu.assets.wikipedia_text), or 'news', 300 Australian news articles of the Lee "
+    "corpus (kivi_xpu.assets.news_text)"
+)
 
 
 @dataclass(kw_only=True)
 class EvalOptions(ToolOptions):
     """The settings of ``kivi-xpu eval-ppl`` (see the module docstring)."""
 
-    text: str = "wikipedia"  # a UTF-8 text file or "wikipedia"
+    text: str = "wikipedia"  # a UTF-8 text file, "wikipedia" or "news"
     eval_mode: str = "decode"  # one of MODES
     prefill: int = 512  # decode mode: P
     decode_steps: int = 256  # decode mode: D
@@ -75,8 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--text",
         default=DEFAULTS.text,
-        help="UTF-8 text file, or 'wikipedia' (default): ~100 Wikipedia articles from the gensim 4.4.0 wheel, "
-        "obtained through pip (kivi_xpu.assets.wikipedia_text)",
+        help=TEXT_HELP,
     )
     p.add_argument("--eval-mode", choices=MODES, default=DEFAULTS.eval_mode, help="decode (default) or streaming")
     p.add_argument(
