@@ -141,23 +141,29 @@ def _std(values: list[float]) -> float:
 def decode_nll(model, spec, windows: torch.Tensor, prefill: int, window_batch: int, options, bar) -> tuple:
     """Negative log-likelihoods ``[K, D]`` of the D teacher-forced decode predictions of each window
     (``windows [K, P + D + 1]``), and the KV bytes the first batch's cache held at the end."""
-    steps = windows.shape[1] - prefill - 1
     model.set_attn_implementation(spec.attn_implementation)
     nll, held = [], None
     for chunk in windows.split(window_batch):
         cache = make_cache(spec, model.config, options, windows.shape[1])
         model(chunk[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
         losses = []
-        for i in range(steps):
-            position = prefill + i
-            logits = model(chunk[:, position : position + 1], past_key_values=cache, use_cache=True).logits[:, -1]
-            losses.append(F.cross_entropy(logits.float(), chunk[:, position + 1], reduction="none"))
+        for i, logits in enumerate(decode_logits(model, cache, chunk, prefill)):
+            losses.append(F.cross_entropy(logits, chunk[:, prefill + i + 1], reduction="none"))
             bar.update(1)
         nll.append(torch.stack(losses, dim=1))
         held = accounted_bytes(cache)[0] if held is None else held
         del cache
     model.set_attn_implementation("sdpa")
     return torch.cat(nll), held
+
+
+@torch.no_grad()
+def decode_logits(model, cache, chunk: torch.Tensor, prefill: int):
+    """The teacher-forced decode steps of windows ``chunk [B, P + D + 1]`` once ``cache`` holds their first
+    ``P = prefill`` tokens: yields, for step i = 0..D-1, the float32 logits ``[B, vocab]`` after feeding token
+    ``P + i``, which predict token ``P + i + 1``."""
+    for position in range(prefill, chunk.shape[1] - 1):
+        yield model(chunk[:, position : position + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
 
 
 @torch.no_grad()
