@@ -369,9 +369,9 @@ def test_a_run_that_fails_midway_writes_no_json(assets, tmp_path, capsys, monkey
 
 # runpy warns that the module is already imported (by this file): harmless, the tool runs from the fresh copy.
 @pytest.mark.filterwarnings("ignore:'kivi_xpu.*found in sys.modules:RuntimeWarning")
-@pytest.mark.parametrize("module", ["kivi_xpu.tools.bench", "kivi_xpu.tools.eval_ppl"])
+@pytest.mark.parametrize("module", ["kivi_xpu.tools.bench", "kivi_xpu.tools.eval_ppl", "kivi_xpu.tools.calibrate"])
 def test_module_entry_points_exit_with_the_tool_status(module, tmp_path, capsys, monkeypatch):
-    # `python -m kivi_xpu.tools.bench` / `python -m kivi_xpu.tools.eval_ppl`, run in this process.
+    # `python -m kivi_xpu.tools.<tool>`, run in this process (calibrate takes --json as an alias of --output).
     monkeypatch.setattr(sys, "argv", [module, "--model", str(tmp_path), "--json", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module(module, run_name="__main__")
