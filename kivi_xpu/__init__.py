@@ -8,6 +8,7 @@ from .cache import KiviCache
 from .integration import enable as _enable_cache_implementation
 from .layer import KiviLayer
 from .memory import KiviMemoryReport
+from .overrides import load_layer_overrides
 from .qat import KiviQAT, kivi_qat
 
 _register_attention()  # attn_implementation="kivi" works as soon as kivi_xpu is imported
@@ -22,6 +23,7 @@ __all__ = [
     "KiviQAT",
     "KiviSettings",
     "kivi_qat",
+    "load_layer_overrides",
     "use_fused_attention",
     "__version__",
 ]

@@ -1,10 +1,12 @@
-"""Command line: ``python -m kivi_xpu {info,bench,eval-ppl}`` (also the ``kivi-xpu`` console script).
+"""Command line: ``python -m kivi_xpu {info,bench,eval-ppl,calibrate}`` (also the ``kivi-xpu`` console script).
 
 * ``info``: versions, SYCL devices, the chosen backend, whether the kernels compile, the kernel cache's variants;
 * ``bench``: prefill time, decode speed, KV memory, peak memory and token match of several caches
   (:mod:`kivi_xpu.tools.bench`, also ``python -m kivi_xpu.tools.bench``);
 * ``eval-ppl``: perplexity on a text with the cache in the loop, decode or streaming mode
-  (:mod:`kivi_xpu.tools.eval_ppl`, also ``python -m kivi_xpu.tools.eval_ppl``).
+  (:mod:`kivi_xpu.tools.eval_ppl`, also ``python -m kivi_xpu.tools.eval_ppl``);
+* ``calibrate``: per-layer KIVI settings for a bits/element budget from a short calibration, written as a
+  ``layer_overrides`` JSON file (:mod:`kivi_xpu.tools.calibrate`, also ``python -m kivi_xpu.tools.calibrate``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from . import __version__, backend
 from .backend import PROBE_VARIANT
 from .ops.library import OPS
 from .tools import bench as bench_tool
+from .tools import calibrate as calibrate_tool
 from .tools import eval_ppl as evaluate_tool
 from .tools.cli import run_tool
 
@@ -62,6 +65,7 @@ def main(argv=None) -> int:
     for name, tool, summary in (
         ("bench", bench_tool, "decode speed, KV and peak memory, token match of several caches"),
         ("eval-ppl", evaluate_tool, "perplexity on a text with the cache in the loop (decode or streaming)"),
+        ("calibrate", calibrate_tool, "per-layer KIVI settings for a bits/element budget (layer_overrides file)"),
     ):
         sub = commands.add_parser(
             name, help=summary, description=tool.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

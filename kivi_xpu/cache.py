@@ -7,6 +7,7 @@ history lives on the storage device chosen by the backend (the SYCL device when 
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -22,6 +23,7 @@ from .algorithm import KiviSettings
 from .backend import select
 from .layer import ATTENTION_MODES, KiviLayer
 from .memory import KiviMemoryReport
+from .overrides import load_layer_overrides
 from .validation import name_choice
 
 
@@ -89,9 +91,10 @@ class KiviCache(Cache):
             ``key_group_size``, ``value_group_size``, ``sink_tokens``, ``rotation``, ``key_rotation``,
             ``value_rotation``): ``None`` (default: every layer alike), a
             sequence with one entry per decoder layer of ``config`` (each ``None`` or a dict such as
-            ``{"key_bits": 4}``), or a callable ``layer_idx -> dict | None``. Without a config only a callable is
-            accepted (the number of layers is unknown, so a list could not be checked); it is then called when a
-            layer is first used. Entries of sliding-window and shared-KV layers are checked but unused.
+            ``{"key_bits": 4}``), a callable ``layer_idx -> dict | None``, or the path of a JSON file of such a
+            list (:func:`kivi_xpu.load_layer_overrides`; ``kivi-xpu calibrate`` writes one). Without a config only a
+            callable is accepted (the number of layers is unknown, so a list could not be checked); it is then called
+            when a layer is first used. Entries of sliding-window and shared-KV layers are checked but unused.
 
     Each KIVI layer's effective settings are ``cache.layers[i].settings``; :meth:`layer_settings` gives them for
     any layer index, also before a lazily created layer exists.
@@ -119,6 +122,8 @@ class KiviCache(Cache):
         preset: str = "default",
         layer_overrides=None,
     ):
+        if isinstance(layer_overrides, str | os.PathLike):  # a JSON file, e.g. from `kivi-xpu calibrate`
+            layer_overrides = load_layer_overrides(layer_overrides, config)
         self.settings = KiviSettings(
             bits,
             group_size,

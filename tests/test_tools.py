@@ -7,16 +7,20 @@ import math
 import random
 import runpy
 import sys
+import zipfile
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import kivi_xpu.assets
 from kivi_xpu.__main__ import main
-from kivi_xpu.assets import strip_wiki_markup, wiki_articles
+from kivi_xpu.assets import GENSIM_LEE, GENSIM_WHEEL, news_text, strip_wiki_markup, wiki_articles
 from kivi_xpu.tools import bench
 from kivi_xpu.tools import eval_ppl as evaluate
+from kivi_xpu.tools.loading import resolve_text
+from kivi_xpu.tools.options import ToolError
 
 MAX_POSITIONS = 256
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
@@ -365,9 +369,9 @@ def test_a_run_that_fails_midway_writes_no_json(assets, tmp_path, capsys, monkey
 
 # runpy warns that the module is already imported (by this file): harmless, the tool runs from the fresh copy.
 @pytest.mark.filterwarnings("ignore:'kivi_xpu.*found in sys.modules:RuntimeWarning")
-@pytest.mark.parametrize("module", ["kivi_xpu.tools.bench", "kivi_xpu.tools.eval_ppl"])
+@pytest.mark.parametrize("module", ["kivi_xpu.tools.bench", "kivi_xpu.tools.eval_ppl", "kivi_xpu.tools.calibrate"])
 def test_module_entry_points_exit_with_the_tool_status(module, tmp_path, capsys, monkeypatch):
-    # `python -m kivi_xpu.tools.bench` / `python -m kivi_xpu.tools.eval_ppl`, run in this process.
+    # `python -m kivi_xpu.tools.<tool>`, run in this process (calibrate takes --json as an alias of --output).
     monkeypatch.setattr(sys, "argv", [module, "--model", str(tmp_path), "--json", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module(module, run_name="__main__")
@@ -421,6 +425,34 @@ def test_wiki_articles_skips_redirects_and_other_namespaces():
         + "</mediawiki>"
     )
     assert wiki_articles(dump.encode()) == [("Kept", "Some bold text.")]
+
+
+def test_news_text_is_built_once_with_articles_separated_by_blank_lines(tmp_path, monkeypatch):
+    downloads = []
+
+    def fake_pip_download(requirement, dest):
+        # A wheel holding the corpus as gensim ships it: one article per line (the last without a newline).
+        downloads.append(requirement)
+        wheel = dest / "gensim-4.4.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(GENSIM_LEE, "First article. Two sentences.\n  Second article.  \n\nThird, caf\u00e9.")
+        return wheel
+
+    monkeypatch.setattr(kivi_xpu.assets, "pip_download", fake_pip_download)
+    path = news_text(tmp_path / "cache")
+    assert downloads == [GENSIM_WHEEL] and path.parent == tmp_path / "cache"
+    expected = "First article. Two sentences.\n\nSecond article.\n\nThird, caf\u00e9.\n"
+    assert path.read_text(encoding="utf-8") == expected
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no .partial left behind
+    assert news_text(tmp_path / "cache") == path and len(downloads) == 1  # cached: no second download
+
+
+def test_text_shortcuts_resolve_through_the_assets(tmp_path, monkeypatch):
+    for name, helper in (("news", "news_text"), ("wikipedia", "wikipedia_text")):
+        monkeypatch.setattr(kivi_xpu.assets, helper, lambda name=name: tmp_path / f"{name}.txt")
+        assert resolve_text(name) == tmp_path / f"{name}.txt"
+    with pytest.raises(ToolError, match="no such file .*wikipedia, news"):
+        resolve_text(str(tmp_path / "missing.txt"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

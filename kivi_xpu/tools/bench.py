@@ -69,7 +69,7 @@ class BenchOptions(ToolOptions):
     new_tokens: int = 64  # greedy tokens per run; the prefill yields the first
     warmup: int = 2  # untimed decode steps at the start of a run
     repeats: int = 3  # runs per configuration, medians reported
-    text: str | None = None  # prompts from this text file or "wikipedia" instead of random ids
+    text: str | None = None  # prompts from this text file, "wikipedia" or "news" instead of random ids
     plot: str | None = None  # PNG path
     contend: int = 0  # CPU-bound competitor processes running during every measured run
     curve: bool = False  # the long-context curve on a tiny random Llama (kivi_xpu.tools.curve) instead
@@ -106,8 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--text",
-        help="prompts from this text file, or 'wikipedia' (kivi_xpu.assets.wikipedia_text), instead of random "
-        "token ids; needs the model's tokenizer",
+        help="prompts from this text file, or 'wikipedia' / 'news' (kivi_xpu.assets.wikipedia_text / news_text), "
+        "instead of random token ids; needs the model's tokenizer",
     )
     add_cache_arguments(p)
     add_output_arguments(p)

@@ -108,6 +108,12 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         help="bit widths: every quantized cache runs at each (default 2; KIVI takes 2, 4, 8; quanto 2, 4; hqq "
         "1, 2, 3, 4, 8)",
     )
+    add_kivi_arguments(p)
+
+
+def add_kivi_arguments(p: argparse.ArgumentParser) -> None:
+    """The KIVI settings besides the bit width: --group-size, --residual-length, --meta-dtype, --kivi-option,
+    --backend, --device."""
     p.add_argument(
         "--group-size", type=positive_int, default=DEFAULTS.group_size, help="G: elements per scale/zero group (32)"
     )

@@ -50,13 +50,18 @@ from .report import ppl_table
 from .specs import cache_specs, check_cache_options, make_cache, third_party_failure, unavailable_reason
 
 MODES = ("decode", "streaming")
+TEXT_HELP = (
+    "UTF-8 text file, or a text obtained through pip from the gensim 4.4.0 wheel: 'wikipedia' (default), ~100 "
+    "Wikipedia articles (kivi_xpu.assets.wikipedia_text), or 'news', 300 Australian news articles of the Lee "
+    "corpus (kivi_xpu.assets.news_text)"
+)
 
 
 @dataclass(kw_only=True)
 class EvalOptions(ToolOptions):
     """The settings of ``kivi-xpu eval-ppl`` (see the module docstring)."""
 
-    text: str = "wikipedia"  # a UTF-8 text file or "wikipedia"
+    text: str = "wikipedia"  # a UTF-8 text file, "wikipedia" or "news"
     eval_mode: str = "decode"  # one of MODES
     prefill: int = 512  # decode mode: P
     decode_steps: int = 256  # decode mode: D
@@ -75,8 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--text",
         default=DEFAULTS.text,
-        help="UTF-8 text file, or 'wikipedia' (default): ~100 Wikipedia articles from the gensim 4.4.0 wheel, "
-        "obtained through pip (kivi_xpu.assets.wikipedia_text)",
+        help=TEXT_HELP,
     )
     p.add_argument("--eval-mode", choices=MODES, default=DEFAULTS.eval_mode, help="decode (default) or streaming")
     p.add_argument(
@@ -137,23 +141,29 @@ def _std(values: list[float]) -> float:
 def decode_nll(model, spec, windows: torch.Tensor, prefill: int, window_batch: int, options, bar) -> tuple:
     """Negative log-likelihoods ``[K, D]`` of the D teacher-forced decode predictions of each window
     (``windows [K, P + D + 1]``), and the KV bytes the first batch's cache held at the end."""
-    steps = windows.shape[1] - prefill - 1
     model.set_attn_implementation(spec.attn_implementation)
     nll, held = [], None
     for chunk in windows.split(window_batch):
         cache = make_cache(spec, model.config, options, windows.shape[1])
         model(chunk[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
         losses = []
-        for i in range(steps):
-            position = prefill + i
-            logits = model(chunk[:, position : position + 1], past_key_values=cache, use_cache=True).logits[:, -1]
-            losses.append(F.cross_entropy(logits.float(), chunk[:, position + 1], reduction="none"))
+        for i, logits in enumerate(decode_logits(model, cache, chunk, prefill)):
+            losses.append(F.cross_entropy(logits, chunk[:, prefill + i + 1], reduction="none"))
             bar.update(1)
         nll.append(torch.stack(losses, dim=1))
         held = accounted_bytes(cache)[0] if held is None else held
         del cache
     model.set_attn_implementation("sdpa")
     return torch.cat(nll), held
+
+
+@torch.no_grad()
+def decode_logits(model, cache, chunk: torch.Tensor, prefill: int):
+    """The teacher-forced decode steps of windows ``chunk [B, P + D + 1]`` once ``cache`` holds their first
+    ``P = prefill`` tokens: yields, for step i = 0..D-1, the float32 logits ``[B, vocab]`` after feeding token
+    ``P + i``, which predict token ``P + i + 1``."""
+    for position in range(prefill, chunk.shape[1] - 1):
+        yield model(chunk[:, position : position + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
 
 
 @torch.no_grad()

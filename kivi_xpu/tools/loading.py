@@ -41,17 +41,25 @@ def load_tokenizer(path: str, model_name: str):
         raise ToolError(f"cannot load the tokenizer of {model_name!r}: {first_line(err)}") from None
 
 
-def resolve_text(text: str) -> Path:
-    if text == "wikipedia":
-        from ..assets import wikipedia_text
+# --text shortcuts: texts obtained through pip (kivi_xpu.assets), by name: (helper name, what it is).
+TEXTS = {
+    "wikipedia": ("wikipedia_text", "the Wikipedia text"),
+    "news": ("news_text", "the news text (Lee corpus)"),
+}
 
+
+def resolve_text(text: str) -> Path:
+    if text in TEXTS:
+        from .. import assets
+
+        helper, what = TEXTS[text]
         try:
-            return wikipedia_text()
+            return getattr(assets, helper)()
         except (RuntimeError, OSError) as err:
-            raise ToolError(f"cannot obtain the Wikipedia text through pip: {first_line(err)}") from None
+            raise ToolError(f"cannot obtain {what} through pip: {first_line(err)}") from None
     path = Path(text)
     if not path.is_file():
-        raise ToolError(f"--text {text!r}: no such file (or use the shortcut 'wikipedia')")
+        raise ToolError(f"--text {text!r}: no such file (or use a shortcut: {', '.join(TEXTS)})")
     return path
 
 

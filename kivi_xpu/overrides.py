@@ -1,0 +1,82 @@
+"""Per-layer settings from a file: :func:`load_layer_overrides` reads the ``layer_overrides`` JSON that
+``kivi-xpu calibrate`` writes (or one written by hand), for ``KiviCache(config, layer_overrides="file.json")``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .ops.checks import META_DTYPES
+
+# JSON holds no torch dtypes: a `meta_dtype` entry is written as its name ("float16" or "torch.float16").
+META_DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in META_DTYPES}
+
+
+def load_layer_overrides(path: str | os.PathLike, config=None) -> list[dict | None]:
+    """The ``layer_overrides`` list of the JSON file ``path``: one entry per decoder layer, each ``null`` (the
+    cache's settings) or an object of :class:`~kivi_xpu.KiviSettings` fields to change for that layer, such as
+    ``{"key_bits": 4}``; ``meta_dtype`` names become torch dtypes. The file is an object with a
+    ``"layer_overrides"`` key (what ``kivi-xpu calibrate`` writes; its other keys are ignored) or that list itself.
+
+    The entries change the settings of the cache they are given to: a file calibrated with other base settings
+    (its ``"base"`` object) means something else there. With ``config`` (a model config), the number of entries
+    is checked against its decoder layers. Raises ``ValueError`` naming ``layer_overrides`` and the file when it
+    is missing, is not such JSON, or has the wrong number of entries; the fields themselves are checked by
+    ``KiviCache`` (:meth:`~kivi_xpu.KiviCache.layer_settings`).
+    """
+    where = f"`layer_overrides` file {str(path)!r}"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"{where} cannot be read: {error.strerror or error}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{where} is not valid JSON: {error}") from None
+    entries = data.get("layer_overrides") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ValueError(
+            f'{where} must hold a JSON object with a list under "layer_overrides" (as `kivi-xpu calibrate` writes) '
+            f"or that list itself, one entry (null or an object) per decoder layer; got {_kind(data, entries)}"
+        )
+    overrides = [override_entry(entry, f"{where}: entry {index}") for index, entry in enumerate(entries)]
+    if config is not None:
+        layers = getattr(config.get_text_config(decoder=True), "num_hidden_layers", None)
+        if layers is not None and len(overrides) != layers:
+            raise ValueError(
+                f"{where} has {len(overrides)} entries but the model has {layers} decoder layers: it was made for "
+                "another model (or edited); give exactly one entry (null or an object) per layer"
+            )
+    return overrides
+
+
+def _kind(data, entries) -> str:
+    if isinstance(data, dict):
+        found = "nothing" if entries is None else f"a {type(entries).__name__}"
+        return f'an object with {found} under "layer_overrides"'
+    return f"a JSON {type(data).__name__}"
+
+
+def override_entry(entry, where: str) -> dict | None:
+    """One JSON entry of a ``layer_overrides`` list as ``KiviCache`` takes it: ``None``, or a dict copy with a
+    ``meta_dtype`` name turned into the torch dtype; ``ValueError`` starting with ``where`` for anything else."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be null or an object of KiviSettings fields, got {json.dumps(entry)}")
+    entry = dict(entry)
+    meta = entry.get("meta_dtype")
+    if isinstance(meta, str):
+        if meta.removeprefix("torch.") not in META_DTYPE_NAMES:
+            raise ValueError(f"{where} has meta_dtype {meta!r}; allowed: {list(META_DTYPE_NAMES)}")
+        entry["meta_dtype"] = META_DTYPE_NAMES[meta.removeprefix("torch.")]
+    return entry
+
+
+def settings_json(settings) -> dict:
+    """A :class:`~kivi_xpu.KiviSettings` (or a dict of its fields) as a JSON object: dtypes by name."""
+    if not isinstance(settings, dict):
+        settings = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.init and f.name != "_"}
+    return {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for k, v in settings.items()}
