@@ -117,13 +117,24 @@ Packed packed_values(const at::Tensor& codes, const at::Tensor& scales, const at
                 scales.size(2) * scales.size(3)};
 }
 
-// A rotation Q [dim, dim] float32 on the CPU (contiguous or not: only small matmuls read it).
-const at::Tensor& rotation(const at::Tensor& q, const char* name, int64_t dim) {
+// A rotation Q [dim, dim]: a contiguous float32 CPU tensor (nullptr for none).
+const float* rotation(const c10::optional<at::Tensor>& arg, const char* name, int64_t dim) {
+  if (!arg.has_value()) return nullptr;
+  const at::Tensor& q = *arg;
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(0) == dim &&
-                  q.size(1) == dim,
-              "decode_attention: `", name, "` must be a float32 [", dim, ", ", dim, "] CPU tensor, got ", q.dtype(),
-              " ", q.sizes(), " on ", q.device());
-  return q;
+                  q.size(1) == dim && q.is_contiguous(),
+              "decode_attention: `", name, "` must be a contiguous float32 [", dim, ", ", dim, "] CPU tensor, got ",
+              q.dtype(), " ", q.sizes(), " on ", q.device());
+  return q.data_ptr<float>();
+}
+
+// out (+)= x @ m, rows of `dim` floats, with the CPU's ISA (see decode_attention.h).
+void rows_times(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate) {
+  switch (current_isa()) {
+    case Isa::kAvx512: return decode::rows_times_avx512(x, m, rows, dim, out, accumulate);
+    case Isa::kAvx2: return decode::rows_times_avx2(x, m, rows, dim, out, accumulate);
+    default: return decode::rows_times_baseline(x, m, rows, dim, out, accumulate);
+  }
 }
 
 void (*chunk_kernel(Isa isa))(const Problem&, int64_t) {
@@ -166,10 +177,13 @@ void describe_mask(const c10::optional<at::Tensor>& mask_arg, Problem& p, at::Te
 }
 
 // Merges the chunks of every query row in order: out = sum_c w_c acc_c / sum_c w_c l_c with w_c = exp(m_c - M).
-// Rows of `acc_width` floats (see Problem::partials).
-void merge_chunks(const Problem& p, float* out) {
-  const int64_t width = p.acc_width, acc_row = 2 + width, rows = p.batch * p.kv_heads * p.rows;
+// Partials hold rows of `acc_width` floats (see Problem::partials): with rotated values the row is [exact sum |
+// packed sum], merged into `out` and `packed_out` (the caller rotates the latter back); `out` rows are value_dim
+// floats. A fully masked row gives zeros in `out` (and leaves `packed_out` alone: the caller zero-fills it).
+void merge_chunks(const Problem& p, float* out, float* packed_out) {
+  const int64_t width = p.acc_width, acc_row = p.acc_row, rows = p.batch * p.kv_heads * p.rows, Dv = p.value_dim;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    float o[2 * decode::kMaxDim];
     for (int64_t row = begin; row < end; ++row) {
       const int64_t bh = row / p.rows, r = row % p.rows;
       const float* first = p.partials + (bh * p.chunks * p.rows + r) * acc_row;
@@ -181,9 +195,9 @@ void merge_chunks(const Problem& p, float* out) {
         nan |= std::isnan(mc);
         m = mc > m ? mc : m;
       }
-      float* o = out + row * width;
+      float* result = out + row * Dv;
       if (!nan && m == -std::numeric_limits<float>::infinity()) {  // fully masked row: zeros, by definition
-        for (int64_t d = 0; d < width; ++d) o[d] = 0.0f;
+        for (int64_t d = 0; d < Dv; ++d) result[d] = 0.0f;
         continue;
       }
       if (nan) m = std::numeric_limits<float>::quiet_NaN();
@@ -193,10 +207,12 @@ void merge_chunks(const Problem& p, float* out) {
         const float* part = first + c * chunk_step;
         const float w = part[0] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(part[0] - m);
         total += w * part[1];
-        for (int64_t d = 0; d < width; ++d) o[d] += w * part[2 + d];
+        for (int64_t d = 0; d < width; ++d) o[d] += w * part[decode::kAccOffset + d];
       }
       const float inv = 1.0f / total;
-      for (int64_t d = 0; d < width; ++d) o[d] *= inv;
+      for (int64_t d = 0; d < Dv; ++d) result[d] = o[d] * inv;
+      if (packed_out != nullptr)
+        for (int64_t d = 0; d < Dv; ++d) packed_out[row * Dv + d] = o[p.packed_acc + d] * inv;
     }
   });
 }
@@ -262,16 +278,28 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   const at::Tensor q32 = query.scalar_type() == at::kFloat ? query : query.to(at::kFloat);
   const at::Tensor q = (q32 * scaling).contiguous();
   p.query = q.data_ptr<float>();
-  const at::Tensor key_q = key_rotation.has_value() ? at::matmul(q, rotation(*key_rotation, "key_rotation", head_dim))
-                                                    : q;
-  p.packed_query = key_q.data_ptr<float>();
-  const bool rotated_values = value_rotation.has_value();
-  const at::Tensor value_q = rotated_values ? rotation(*value_rotation, "value_rotation", p.value_dim) : at::Tensor();
-  p.acc_width = rotated_values ? 2 * p.value_dim : p.value_dim;
+  const float* key_q = rotation(key_rotation, "key_rotation", head_dim);
+  const float* value_q = rotation(value_rotation, "value_rotation", p.value_dim);
+  at::Tensor value_qt;  // Qᵀ contiguous: (packed sum) Qᵀ as rows times a matrix
+  if (value_q != nullptr) {
+    value_qt = value_rotation->t().contiguous();
+    value_q = value_qt.data_ptr<float>();
+  }
+  at::Tensor rotated_query;
+  if (key_q != nullptr) {  // packed keys hold k Q: score them with q Q (q·k = qQ·kQ)
+    rotated_query = at::empty_like(q);
+    rows_times(p.query, key_q, q.numel() / head_dim, head_dim, rotated_query.data_ptr<float>(), false);
+  }
+  p.packed_query = key_q != nullptr ? rotated_query.data_ptr<float>() : p.query;
+  p.packed_acc = value_q != nullptr ? (p.value_dim + 15) / 16 * 16 : 0;
+  p.acc_width = p.packed_acc + p.value_dim;
+  p.acc_row = (decode::kAccOffset + p.acc_width + 15) / 16 * 16;
   const auto f32 = query.options().dtype(at::kFloat);
-  at::Tensor scores = at::empty({batch, kv_heads, p.rows, p.n}, f32);
-  at::Tensor partials = at::empty({batch, kv_heads, p.chunks, p.rows, 2 + p.acc_width}, f32);
-  p.scores = scores.data_ptr<float>();
+  const int64_t shift = (16 - p.sinks % 16) % 16;
+  p.score_row = (shift + p.n + 15) / 16 * 16;
+  at::Tensor scores = at::empty({batch, kv_heads, p.rows, p.score_row}, f32);  // 64-byte aligned (torch's allocator)
+  at::Tensor partials = at::empty({batch, kv_heads, p.chunks, p.rows, p.acc_row}, f32);
+  p.scores = scores.data_ptr<float>() + shift;
   p.partials = partials.data_ptr<float>();
 
   const auto kernel = chunk_kernel(current_isa());
@@ -286,11 +314,14 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
     for (int64_t task = next_task++; task < tasks; task = next_task++) kernel(p, task);
   });
 
-  at::Tensor out = at::empty({batch, kv_heads, p.rows, p.acc_width}, f32);
-  merge_chunks(p, out.data_ptr<float>());
-  if (rotated_values) {  // exact sum + (packed sum) Qᵀ
-    out = at::addmm(out.narrow(3, 0, p.value_dim).reshape({-1, p.value_dim}),
-                    out.narrow(3, p.value_dim, p.value_dim).reshape({-1, p.value_dim}), value_q.t());
+  at::Tensor out = at::empty({batch, kv_heads, p.rows, p.value_dim}, f32);
+  if (value_q == nullptr) {
+    merge_chunks(p, out.data_ptr<float>(), nullptr);
+  } else {  // exact sum + (packed sum) Qᵀ
+    at::Tensor packed_sum = at::zeros_like(out);
+    merge_chunks(p, out.data_ptr<float>(), packed_sum.data_ptr<float>());
+    rows_times(packed_sum.data_ptr<float>(), value_q, out.numel() / p.value_dim, p.value_dim, out.data_ptr<float>(),
+               true);
   }
   return out.view({batch, q_heads, length, p.value_dim}).to(query.scalar_type());
 }

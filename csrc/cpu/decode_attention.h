@@ -44,12 +44,20 @@ struct Problem {
   int64_t mask_sb, mask_sh, mask_sl, mask_sc, mask_col0;  // mask_col0: the column of position 0
   float softcap;           // 0: none
   int64_t chunk, chunks;   // tokens per chunk past the sinks (a multiple of the key group); chunk 0 adds the sinks
-  float* scores;    // workspace [B, Hkv, rows, n]: scores, then probabilities
-  // [B, Hkv, chunks, rows, 2 + acc_width]: chunk max, chunk sum, unnormalised output. acc_width is value_dim, or
-  // 2 * value_dim when the values are stored rotated: the exact sum, then the packed sum (rotated back after the merge).
+  // Workspace of scores, then probabilities: position t of row r of (b, h) at scores[(bh * rows + r) * score_row + t].
+  // score_row is a multiple of 16 floats and `scores` is shifted so that position `sinks` (where the packed keys and
+  // the chunks start) is 64-byte aligned in every row: the vector loops over a chunk never straddle cache lines.
+  float* scores;
+  int64_t score_row;
+  // [B, Hkv, chunks, rows, acc_row]: chunk max, chunk sum, then from float kAccOffset on the unnormalised output,
+  // acc_width floats: the whole sum, or, when the values are stored rotated, the exact sum and from packed_acc on the
+  // packed sum (rotated back after the merge). Rows and both sums start 64-byte aligned.
   float* partials;
-  int64_t acc_width;
+  int64_t acc_row, acc_width, packed_acc;
 };
+
+// Where the output sums start in a row of Problem::partials (floats).
+constexpr int64_t kAccOffset = 16;
 
 // Largest head_dim / value_dim the kernels' stack buffers hold.
 constexpr int64_t kMaxDim = 512;
@@ -58,5 +66,11 @@ constexpr int64_t kMaxDim = 512;
 void chunk_avx512(const Problem& p, int64_t task);
 void chunk_avx2(const Problem& p, int64_t task);
 void chunk_baseline(const Problem& p, int64_t task);
+
+// out[r] = x[r] @ m (or out[r] += x[r] @ m with `accumulate`) for `rows` rows of `dim` floats, m [dim, dim]
+// row-major: the rotations of the query and of the packed values' sum (see kivi_xpu/rotation.py).
+void rows_times_avx512(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
+void rows_times_avx2(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
+void rows_times_baseline(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
 
 }  // namespace kivi::cpu::decode

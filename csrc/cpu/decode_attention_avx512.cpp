@@ -13,5 +13,6 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
 #define KIVI_SIMD_AVX512 1
 #define KIVI_DA_ENTRY chunk_avx512
+#define KIVI_DA_ROWS_TIMES rows_times_avx512
 #include "decode_attention_impl.h"
 #pragma GCC pop_options

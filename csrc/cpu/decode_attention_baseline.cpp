@@ -9,4 +9,5 @@
 #include "decode_attention.h"
 
 #define KIVI_DA_ENTRY chunk_baseline
+#define KIVI_DA_ROWS_TIMES rows_times_baseline
 #include "decode_attention_impl.h"

@@ -11,8 +11,8 @@
 //   out_d  += p_t * (s_tg * c_td)  and  zsum_g += p_t * z_tg     (vectorised along channels; zsum added at the end)
 // The chunk's scores become exp(score - chunk max) in place; the chunk max, sum and unnormalised output go to its
 // partial, merged in order by the dispatcher.
-#ifndef KIVI_DA_ENTRY
-#error "define KIVI_DA_ENTRY (the chunk_<isa> function to define) before including decode_attention_impl.h"
+#if !defined(KIVI_DA_ENTRY) || !defined(KIVI_DA_ROWS_TIMES)
+#error "define KIVI_DA_ENTRY and KIVI_DA_ROWS_TIMES (the <name>_<isa> functions) before including decode_attention_impl.h"
 #endif
 
 namespace kivi::cpu::decode {
@@ -268,7 +268,7 @@ inline void exact_scores(const Problem& P, const Exact& keys, int64_t b, int64_t
   const int64_t D = P.head_dim;
   for (int64_t t = 0; t < count; ++t) {
     load_row(keys.data, keys.dtype, b * keys.stride_b + h * keys.stride_h + (t0 + t) * keys.stride_t, D, row);
-    for (int64_t r = 0; r < P.rows; ++r) scores[r * P.n + pos0 + t] = dot(q + r * D, row, D);
+    for (int64_t r = 0; r < P.rows; ++r) scores[r * P.score_row + pos0 + t] = dot(q + r * D, row, D);
   }
 }
 
@@ -358,7 +358,7 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
           const float* qr = q + (r0 + j) * D;
           for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[d] * scale[d];
           bias[j] = dot(qr, zero, D);
-          out[j] = scores + (r0 + j) * P.n + pos;
+          out[j] = scores + (r0 + j) * P.score_row + pos;
         }
         switch (nr) {
           case 1: key_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;
@@ -373,7 +373,8 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
 
 // ---- values -------------------------------------------------------------------------------------------------------
 
-// Exact values, tokens [t0, t0 + count), probabilities at prob[r * n + pos0 + t]; acc rows `acc_row` floats apart.
+// Exact values, tokens [t0, t0 + count), probabilities at prob[r * score_row + pos0 + t]; acc rows `acc_row` floats
+// apart.
 inline void exact_values(const Problem& P, const Exact& values, int64_t b, int64_t h, int64_t t0, int64_t count,
                          const float* prob, int64_t pos0, float* acc, int64_t acc_row) {
   float row[kMaxDim];
@@ -381,7 +382,7 @@ inline void exact_values(const Problem& P, const Exact& values, int64_t b, int64
   for (int64_t t = 0; t < count; ++t) {
     load_row(values.data, values.dtype, b * values.stride_b + h * values.stride_h + (t0 + t) * values.stride_t, Dv,
              row);
-    for (int64_t r = 0; r < P.rows; ++r) axpy(prob[r * P.n + pos0 + t], row, acc + r * acc_row, Dv);
+    for (int64_t r = 0; r < P.rows; ++r) axpy(prob[r * P.score_row + pos0 + t], row, acc + r * acc_row, Dv);
   }
 }
 
@@ -522,7 +523,7 @@ void packed_values(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const f
   for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
     const int nr = (int)min64(4, P.rows - r0);
     for (int i = 0; i < nr; ++i) {
-      p[i] = prob + (r0 + i) * P.n + pos_of_t0 - t0;  // indexed by packed token
+      p[i] = prob + (r0 + i) * P.score_row + pos_of_t0 - t0;  // indexed by packed token
       a[i] = acc + (r0 + i) * acc_row;
     }
     switch (nr) {
@@ -591,8 +592,8 @@ inline void run_chunk(const Problem& P, int64_t task) {
   const int64_t p0 = c == 0 ? 0 : S + c * P.chunk, p1 = min64(S + (c + 1) * P.chunk, n);
   const float* q = P.query + bh * P.rows * D;
   const float* packed_q = P.packed_query + bh * P.rows * D;
-  float* scores = P.scores + bh * P.rows * n;
-  const int64_t acc_row = 2 + P.acc_width;
+  float* scores = P.scores + bh * P.rows * P.score_row;
+  const int64_t acc_row = P.acc_row;
   float* partial = P.partials + task * P.rows * acc_row;
 
   // Scores: sinks [0, S), packed [S, S + kc), tail [S + kc, n), each clipped to the chunk.
@@ -612,14 +613,14 @@ inline void run_chunk(const Problem& P, int64_t task) {
 
   for (int64_t r = 0; r < P.rows; ++r) {
     float* out = partial + r * acc_row;
-    out[0] = chunk_softmax(P, b, h, r, scores + r * n, p0, p1, out + 1);
-    for (int64_t d = 0; d < P.acc_width; ++d) out[2 + d] = 0.0f;
+    out[0] = chunk_softmax(P, b, h, r, scores + r * P.score_row, p0, p1, out + 1);
+    for (int64_t d = 0; d < P.acc_width; ++d) out[kAccOffset + d] = 0.0f;
   }
 
   // Values: sinks [0, S), packed [S, S + vc), tail [S + vc, n).
   const int64_t vc = P.values.count;
-  float* acc = partial + 2;
-  float* packed_acc = acc + (P.acc_width - Dv);  // a separate sum for rotated packed values
+  float* acc = partial + kAccOffset;
+  float* packed_acc = acc + P.packed_acc;  // a separate sum for rotated packed values (or the same)
   if (p0 < S) exact_values(P, P.value_sinks, b, h, p0, min64(p1, S) - p0, scores, p0, acc, acc_row);
   const int64_t v0 = max64(p0, S), v1 = min64(p1, S + vc);
   if (v0 < v1) {
@@ -636,5 +637,14 @@ inline void run_chunk(const Problem& P, int64_t task) {
 }  // namespace
 
 void KIVI_DA_ENTRY(const Problem& p, int64_t task) { run_chunk(p, task); }
+
+void KIVI_DA_ROWS_TIMES(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * dim;
+    if (!accumulate)
+      for (int64_t j = 0; j < dim; ++j) o[j] = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) axpy(x[r * dim + d], m + d * dim, o, dim);  // o += x_d * (row d of m)
+  }
+}
 
 }  // namespace kivi::cpu::decode
