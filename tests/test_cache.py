@@ -1,5 +1,7 @@
 """KiviLayer / KiviCache: the paper's streaming rule after every step, crop, batch operations, memory,
-validation. Run on the reference backend and, where available, the SYCL backend."""
+validation. Run on the reference backend and, where available, the SYCL backend. The caches here are
+``preset="paper"`` (the KIVI authors' algorithm, pinned bit for bit); the default preset's options are tested in
+test_options.py and test_rotation.py."""
 
 import math
 import random
@@ -17,7 +19,7 @@ B, H, D = 2, 3, 64
 
 
 def make_layer(backend_name, bits=2, group_size=16, residual_length=32):
-    return KiviLayer(KiviSettings(bits, group_size, residual_length), select(backend_name))
+    return KiviLayer(KiviSettings(bits, group_size, residual_length, preset="paper"), select(backend_name))
 
 
 def expected_dense(keys, values, held, settings):
@@ -167,7 +169,7 @@ def test_storage_grows_by_amortised_chunks(backend_name):
 
 def test_memory_report_for_a_4096_token_llama_cache(backend_name):
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
-    cache = KiviCache(config=config, bits=2, group_size=32, residual_length=128, backend=backend_name)
+    cache = KiviCache(config=config, bits=2, group_size=32, residual_length=128, backend=backend_name, preset="paper")
     head_dim = 64
     for layer_idx in range(2):
         k = torch.randn(1, 2, 4096, head_dim)
@@ -191,7 +193,7 @@ def test_memory_report_for_a_4096_token_llama_cache(backend_name):
 
 def test_memory_follows_the_tokens_held_not_the_residual_length(backend_name):
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
-    cache = KiviCache(config=config, residual_length=2**20, backend=backend_name)
+    cache = KiviCache(config=config, residual_length=2**20, backend=backend_name, preset="paper")
     k = torch.randn(2, 2, 27, 64)
     for layer_idx in range(2):
         cache.update(k, k, layer_idx)
@@ -217,7 +219,7 @@ def test_memory_follows_the_tokens_held_not_the_residual_length(backend_name):
     ],
 )
 def test_metadata_dtype_follows_the_model_unless_given(model_dtype, given, stored):
-    layer = KiviLayer(KiviSettings(2, 16, 32, given), select("reference"))
+    layer = KiviLayer(KiviSettings(2, 16, 32, given, preset="paper"), select("reference"))
     states = torch.randn(1, 2, 40, 32, dtype=model_dtype)
     layer.update(states, states)
     assert layer.settings.meta_dtype == stored
@@ -259,7 +261,7 @@ def test_iterating_a_cache_yields_what_dynamic_cache_yields():
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, sliding_window=16,
     )  # fmt: skip
-    cache = KiviCache(config=config, group_size=16, residual_length=32, backend="reference")
+    cache = KiviCache(config=config, group_size=16, residual_length=32, backend="reference", preset="paper")
     dynamic = DynamicCache(config=config)
     assert [type(layer).__name__ for layer in cache.layers] == ["DynamicSlidingWindowLayer", "KiviLayer"]
     k, v = torch.randn(1, 1, 20, 32), torch.randn(1, 1, 20, 32)
@@ -279,7 +281,7 @@ def test_iterating_a_cache_yields_what_dynamic_cache_yields():
 
 def test_gqa_is_stored_at_kv_heads():
     config = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)
-    cache = KiviCache(config=config, residual_length=32, backend="reference")
+    cache = KiviCache(config=config, residual_length=32, backend="reference", preset="paper")
     cache.update(torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32), 0)
     assert cache.layers[0].keys_stream.packed.codes.data.shape[1] == 2
 
@@ -318,7 +320,7 @@ def test_constructor_validation(kwargs, match):
     ],
 )
 def test_update_refuses_states_it_cannot_append(keys, values, match):
-    cache = KiviCache(group_size=16, residual_length=32, backend="reference")
+    cache = KiviCache(group_size=16, residual_length=32, backend="reference", preset="paper")
     with pytest.raises(ValueError, match=match):
         cache.update(torch.randn(keys), torch.randn(values), 0)
     with pytest.raises(
@@ -337,7 +339,7 @@ def test_update_refuses_states_it_cannot_append(keys, values, match):
     ],
 )
 def test_update_refuses_a_change_of_shape_until_reset(shape, dtype, what):
-    cache = KiviCache(group_size=16, residual_length=32, backend="reference")
+    cache = KiviCache(group_size=16, residual_length=32, backend="reference", preset="paper")
     cache.update(torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32), 0)
     with pytest.raises(ValueError, match=f"holds states of batch 1, 2 kv heads, head_dim 32/32.*{what}.*reset"):
         cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), 0)

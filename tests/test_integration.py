@@ -431,14 +431,15 @@ def test_assisted_decoding_rollbacks_leave_the_cache_as_if_the_rejected_tokens_n
 @torch.no_grad()
 def test_left_padded_batch_equals_each_prompt_alone_when_padding_is_whole_windows(llama):
     """KIVI groups tokens by position in the cache; a row padded by a whole number of residual windows (and so of
-    groups) is grouped exactly like the same prompt alone (the pads fill groups of their own)."""
+    groups) is grouped exactly like the same prompt alone (the pads fill groups of their own). The paper preset: with
+    sinks, the first cache positions of a padded row hold pads where the prompt alone holds its first tokens."""
     short, long = torch.randint(3, VOCAB, (1, 9)), torch.randint(3, VOCAB, (1, 9 + 32))
     pads = torch.zeros(1, 32, dtype=torch.long)
     batch = {
         "input_ids": torch.cat([torch.cat([pads, short], dim=1), long]),
         "attention_mask": torch.cat([torch.cat([pads, torch.ones_like(short)], dim=1), torch.ones_like(long)]),
     }
-    settings = {"residual_length": 32, "group_size": 16}
+    settings = {"residual_length": 32, "group_size": 16, "preset": "paper"}
     together = greedy(llama, batch, max_new_tokens=70, **kivi(**settings))
     for row, ids in enumerate((short, long)):
         alone = greedy(

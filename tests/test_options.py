@@ -1,6 +1,7 @@
-"""Options beyond the paper (attention sinks, separate key/value bits and group sizes, per-layer overrides) and the
-exact rollback under past recording (transformers' assisted decoding): the streaming rule after every step, fused
-vs dense vs reference agreement, crop and batch operations, memory, bad input. Reference and SYCL backends."""
+"""Options beyond the paper (attention sinks, rotations, separate key/value bits and group sizes, per-layer
+overrides) and the exact rollback under past recording (transformers' assisted decoding): the streaming rule after
+every step, fused vs dense vs reference agreement, crop and batch operations, memory, bad input. Reference and SYCL
+backends."""
 
 import random
 
@@ -13,18 +14,22 @@ from kivi_xpu import KiviCache, KiviLayer, KiviSettings
 from kivi_xpu.backend import select
 from kivi_xpu.ops import for_backend
 from kivi_xpu.ops import reference as ref
+from kivi_xpu.rotation import ROTATIONS, rotate, rotation_matrix, unrotate
 
 B, H, D = 2, 3, 64
 
 
 def make_layer(backend_name, **kwargs):
+    """A layer of the paper's algorithm with the options in ``kwargs`` (G=16, R=32 unless given)."""
     kwargs.setdefault("group_size", 16)
     kwargs.setdefault("residual_length", 32)
+    kwargs.setdefault("preset", "paper")
     return KiviLayer(KiviSettings(**kwargs), select(backend_name))
 
 
 def random_settings(rng: random.Random) -> dict:
-    """Random valid settings with head_dim 64: per-kind bits and groups, R a multiple of the key group, S < R."""
+    """Random valid settings with head_dim 64: per-kind bits, groups and rotations, R a multiple of the key group,
+    S < R."""
     key_bits, value_bits = rng.choice((2, 4, 8)), rng.choice((2, 4, 8))
     key_group = rng.choice([g for g in (4, 8, 16, 32) if g % (8 // key_bits) == 0])
     value_group = rng.choice([g for g in (4, 8, 16, 32, 64) if g % (8 // value_bits) == 0])
@@ -36,6 +41,8 @@ def random_settings(rng: random.Random) -> dict:
         value_group_size=value_group,
         residual_length=residual,
         sink_tokens=rng.randrange(0, min(residual, 6)),
+        key_rotation=rng.choice(ROTATIONS),
+        value_rotation=rng.choice(ROTATIONS),
     )
 
 
@@ -47,18 +54,36 @@ def split(n: int, sinks: int, residual: int) -> tuple[int, int]:
 
 def expected_dense(keys, values, held, s: KiviSettings):
     """What attention reads when ``held`` tokens were stored and ``keys/values [B, H, n, D]`` hold every token so
-    far: exact sinks, the quantized spans round-tripped through the reference quantizer, the rest exact."""
+    far: exact sinks, the quantized spans round-tripped through the reference quantizer (in the rotated basis of a
+    rotated kind: ``dequantize(quantize(x @ Q)) @ Qᵀ``), the rest exact."""
     s = s.for_model_dtype(keys.dtype)
     qk, qv = split(held, s.sink_tokens, s.residual_length)
     sink = min(held, s.sink_tokens)
     k, v = keys.clone(), values.clone()
     if qk:
-        c, sc, z = ref.quantize_keys(keys[:, :, sink : sink + qk], s.key_group_size, s.key_bits, s.meta_dtype)
-        k[:, :, sink : sink + qk] = ref.dequantize_keys(c, sc, z, qk, s.key_group_size, s.key_bits, keys.dtype)
+        q = rotation_matrix(s.key_rotation, keys.shape[3])
+        c, sc, z = ref.quantize_keys(
+            rotate(keys[:, :, sink : sink + qk], q), s.key_group_size, s.key_bits, s.meta_dtype
+        )
+        dequantized = ref.dequantize_keys(c, sc, z, qk, s.key_group_size, s.key_bits, torch.float32)
+        k[:, :, sink : sink + qk] = unrotate(dequantized, q, keys.dtype)
     if qv:
-        c, sc, z = ref.quantize_values(values[:, :, sink : sink + qv], s.value_group_size, s.value_bits, s.meta_dtype)
-        v[:, :, sink : sink + qv] = ref.dequantize_values(c, sc, z, qv, s.value_group_size, s.value_bits, values.dtype)
+        q = rotation_matrix(s.value_rotation, values.shape[3])
+        x = rotate(values[:, :, sink : sink + qv], q)
+        c, sc, z = ref.quantize_values(x, s.value_group_size, s.value_bits, s.meta_dtype)
+        dequantized = ref.dequantize_values(c, sc, z, qv, s.value_group_size, s.value_bits, torch.float32)
+        v[:, :, sink : sink + qv] = unrotate(dequantized, q, values.dtype)
     return k, v
+
+
+def assert_same_dense(actual, expected, s: KiviSettings) -> None:
+    """Bit for bit without rotation; with one, up to the float rounding of the rotations (a matmul's result may
+    depend on how many rows it multiplies at once)."""
+    for a, e, rotation in zip(actual, expected, (s.key_rotation, s.value_rotation), strict=True):
+        if rotation == "none":
+            assert torch.equal(a, e)
+        else:
+            torch.testing.assert_close(a, e, rtol=0, atol=1e-5)
 
 
 def check_counts(layer: KiviLayer, n: int) -> None:
@@ -99,9 +124,10 @@ def assert_same_state(a: KiviLayer, b: KiviLayer) -> None:
 # Settings
 
 
-def test_defaults_are_the_paper():
-    s = KiviSettings()
+def test_the_paper_preset_is_the_paper():
+    s = KiviSettings(preset="paper")
     assert (s.bits, s.group_size, s.residual_length, s.sink_tokens) == (2, 32, 128, 0)
+    assert (s.key_rotation, s.value_rotation) == ("none", "none")
     assert (s.key_bits, s.value_bits, s.key_group_size, s.value_group_size) == (2, 2, 32, 32)
     assert [s.quantized_key_count(n) for n in (0, 127, 128, 300)] == [0, 0, 128, 256]
     assert [s.quantized_value_count(n) for n in (0, 128, 129, 300)] == [0, 0, 1, 172]
@@ -181,7 +207,7 @@ def llama_config(layers=3, head_dim=64):
         ({"layer_overrides": [None, {"value_group_size": 128}, None]}, ValueError, r"\[1\].*value_group_size"),
         ({"layer_overrides": lambda i: 4}, TypeError, "None or a dict"),
         ({"layer_overrides": {"key_bits": 4}}, TypeError, "layer_overrides"),
-        ({"layer_overrides": "key_bits=4"}, TypeError, "layer_overrides"),
+        ({"layer_overrides": "key_bits=4"}, ValueError, "`layer_overrides` file .key_bits=4. cannot be read"),
     ],
 )
 def test_cache_rejects_bad_options(kwargs, error, match):
@@ -215,7 +241,7 @@ def test_streaming_rule_with_options_after_every_step(backend_name, seed):
     for m in sizes:
         k_out, v_out = layer.update(keys[:, :, n : n + m], values[:, :, n : n + m])
         k_exp, v_exp = expected_dense(keys[:, :, : n + m], values[:, :, : n + m], n, s)
-        assert torch.equal(k_out, k_exp) and torch.equal(v_out, v_exp)
+        assert_same_dense((k_out, v_out), (k_exp, v_exp), s)
         n += m
         check_counts(layer, n)
     assert torch.equal(layer.keys_stream.sinks.view(), keys[:, :, : s.sink_tokens])  # the sinks never changed
@@ -338,7 +364,7 @@ def test_callable_overrides_apply_to_lazily_created_layers():
         calls.append(i)
         return {"sink_tokens": i} if i % 2 else None
 
-    cache = KiviCache(group_size=16, residual_length=32, layer_overrides=overrides, backend="reference")
+    cache = KiviCache(group_size=16, residual_length=32, layer_overrides=overrides, backend="reference", preset="paper")
     assert cache.layer_settings(3).sink_tokens == 3
     for i in range(4):
         k = torch.randn(1, 2, 40, 32)

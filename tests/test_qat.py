@@ -10,6 +10,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from kivi_xpu import KiviCache, KiviSettings
 from kivi_xpu.ops import reference as ref
 from kivi_xpu.qat import QAT_ATTENTION_NAME, decode_read_masks, fake_quantized_states, kivi_qat, qat_attention
+from kivi_xpu.rotation import ROTATIONS, rotate, rotation_matrix, unrotate
 
 VOCAB, LENGTH = 101, 70
 
@@ -181,7 +182,8 @@ def test_decode_read_masks_follow_the_streaming_counts():
 
 def decode_step_by_step(query, key, value, settings, scaling):
     """The literal decode: for each query position t, the keys/values the cache holds at that step (t tokens before
-    the update, plus the new one), the quantized part read as ``dequantize(quantize(x))`` with the gradient of ``x``."""
+    the update, plus the new one), the quantized part read as ``dequantize(quantize(x))`` with the gradient of ``x``
+    (``dequantize(quantize(x @ Q)) @ Qᵀ`` for a rotated kind)."""
     settings = settings.for_model_dtype(key.dtype)  # the metadata dtype a cache of this model uses
     sinks, kv_heads = settings.sink_tokens, key.shape[1]
     rep = query.shape[1] // kv_heads
@@ -192,15 +194,17 @@ def decode_step_by_step(query, key, value, settings, scaling):
         if qk:
             block = keys[:, :, sinks : sinks + qk]
             g, bits = settings.key_group_size, settings.key_bits
-            codes = ref.quantize_keys(block.detach(), g, bits, settings.meta_dtype)
-            dequantized = ref.dequantize_keys(*codes, qk, g, bits, key.dtype)
+            q = rotation_matrix(settings.key_rotation, key.shape[3])
+            codes = ref.quantize_keys(rotate(block.detach(), q), g, bits, settings.meta_dtype)
+            dequantized = unrotate(ref.dequantize_keys(*codes, qk, g, bits, torch.float32), q, key.dtype)
             block = dequantized + (block - block.detach())
             keys = torch.cat([keys[:, :, :sinks], block, keys[:, :, sinks + qk :]], dim=2)
         if qv:
             block = values[:, :, sinks : sinks + qv]
             g, bits = settings.value_group_size, settings.value_bits
-            codes = ref.quantize_values(block.detach(), g, bits, settings.meta_dtype)
-            dequantized = ref.dequantize_values(*codes, qv, g, bits, value.dtype)
+            q = rotation_matrix(settings.value_rotation, value.shape[3])
+            codes = ref.quantize_values(rotate(block.detach(), q), g, bits, settings.meta_dtype)
+            dequantized = unrotate(ref.dequantize_values(*codes, qv, g, bits, torch.float32), q, value.dtype)
             block = dequantized + (block - block.detach())
             values = torch.cat([values[:, :, :sinks], block, values[:, :, sinks + qv :]], dim=2)
         scores = query[:, :, t : t + 1] @ repeat_kv(keys, rep).transpose(2, 3) * scaling
@@ -212,9 +216,11 @@ def decode_step_by_step(query, key, value, settings, scaling):
     "settings",
     [
         KiviSettings(group_size=8, residual_length=16),
+        KiviSettings(group_size=8, residual_length=16, preset="paper"),
         KiviSettings(group_size=8, residual_length=16, sink_tokens=3, key_bits=4, value_group_size=16),
+        KiviSettings(group_size=8, residual_length=16, preset="paper", value_rotation="hadamard"),
     ],
-    ids=("default", "sinks-K4-Gv16"),
+    ids=("default", "paper", "sinks-K4-Gv16-rotated", "paper-rotated-values"),
 )
 def test_qat_attention_and_its_straight_through_gradient_equal_the_literal_decode(settings):
     b, hq, kv_heads, n, d = 2, 6, 2, 75, 32
@@ -270,17 +276,19 @@ def test_model_gradient_equals_the_literal_decode_gradient():
     assert any((qat_grads[k] - exact_grads[k]).abs().max() > 1e-5 for k in qat_grads)
 
 
-def test_fake_quantized_states_match_the_quantizer_and_keep_sinks_exact():
-    settings = KiviSettings(group_size=8, residual_length=16, sink_tokens=3)
+@pytest.mark.parametrize("rotation", ROTATIONS)
+def test_fake_quantized_states_match_the_quantizer_and_keep_sinks_exact(rotation):
+    settings = KiviSettings(group_size=8, residual_length=16, sink_tokens=3, rotation=rotation)
     key, value = torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
     fake_k, fake_v = fake_quantized_states(key, value, settings)
     assert torch.equal(fake_k[:, :, :3], key[:, :, :3]) and torch.equal(fake_v[:, :, :3], value[:, :, :3])
     # Keys: whole groups of 8 after the sinks ([3, 27)); the trailing partial group [27, 30) is never read quantized.
-    codes = ref.quantize_keys(key[:, :, 3:27].contiguous(), 8, 2)
-    assert torch.equal(fake_k[:, :, 3:27], ref.dequantize_keys(*codes, 24, 8, 2))
+    q = rotation_matrix(rotation, 16)
+    codes = ref.quantize_keys(rotate(key[:, :, 3:27], q).contiguous(), 8, 2)
+    assert torch.equal(fake_k[:, :, 3:27], unrotate(ref.dequantize_keys(*codes, 24, 8, 2), q))
     assert torch.equal(fake_k[:, :, 27:], key[:, :, 27:])
-    codes = ref.quantize_values(value[:, :, 3:].contiguous(), 8, 2)
-    assert torch.equal(fake_v[:, :, 3:], ref.dequantize_values(*codes, 27, 8, 2))
+    codes = ref.quantize_values(rotate(value[:, :, 3:], q).contiguous(), 8, 2)
+    assert torch.equal(fake_v[:, :, 3:], unrotate(ref.dequantize_values(*codes, 27, 8, 2), q))
 
 
 def test_softcap_and_padding_rows():
