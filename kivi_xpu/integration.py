@@ -19,20 +19,20 @@ import copy
 import functools
 import inspect
 
-import torch
 import transformers
 from packaging.version import InvalidVersion, Version
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
 from .cache import KiviCache
+from .overrides import meta_dtype_named
 
 CACHE_IMPLEMENTATION = "kivi"
 # Keep in sync with the `transformers` requirement in pyproject.toml.
 SUPPORTED_TRANSFORMERS = ("5.23", "6")  # [minimum, maximum)
 
-# `meta_dtype` may be given as a string so that a GenerationConfig holding it stays JSON-serialisable.
-_META_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# `meta_dtype` may be given as a string so that a GenerationConfig holding it stays JSON-serialisable
+# (kivi_xpu.overrides.meta_dtype_named).
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -96,12 +96,7 @@ def _kivi_kwargs(cache_config) -> dict:
 
 
 def _with_meta_dtype(options: dict, where: str) -> dict:
-    meta = options.get("meta_dtype")
-    if isinstance(meta, str):
-        if meta.removeprefix("torch.") not in _META_DTYPE_NAMES:
-            raise ValueError(f"`{where}['meta_dtype']` must be one of {list(_META_DTYPE_NAMES)}, got {meta!r}")
-        options["meta_dtype"] = _META_DTYPE_NAMES[meta.removeprefix("torch.")]
-    return options
+    return meta_dtype_named(options, f"`{where}['meta_dtype']`")
 
 
 def build_cache(model, cache_config: dict | None = None) -> KiviCache:

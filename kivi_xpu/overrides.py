@@ -66,13 +66,19 @@ def override_entry(entry, where: str) -> dict | None:
         return None
     if not isinstance(entry, dict):
         raise ValueError(f"{where} must be null or an object of KiviSettings fields, got {json.dumps(entry)}")
-    entry = dict(entry)
-    meta = entry.get("meta_dtype")
+    return meta_dtype_named(dict(entry), f"{where}: `meta_dtype`")
+
+
+def meta_dtype_named(options: dict, what: str) -> dict:
+    """``options`` (changed in place) with a ``meta_dtype`` given by name (JSON files and GenerationConfig hold names)
+    replaced by the torch dtype; ``ValueError`` "<what> must be one of [...]" for an unknown name."""
+    meta = options.get("meta_dtype")
     if isinstance(meta, str):
-        if meta.removeprefix("torch.") not in META_DTYPE_NAMES:
-            raise ValueError(f"{where} has meta_dtype {meta!r}; allowed: {list(META_DTYPE_NAMES)}")
-        entry["meta_dtype"] = META_DTYPE_NAMES[meta.removeprefix("torch.")]
-    return entry
+        name = meta.removeprefix("torch.")
+        if name not in META_DTYPE_NAMES:
+            raise ValueError(f"{what} must be one of {list(META_DTYPE_NAMES)}, got {meta!r}")
+        options["meta_dtype"] = META_DTYPE_NAMES[name]
+    return options
 
 
 def settings_json(settings) -> dict:

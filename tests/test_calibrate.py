@@ -105,7 +105,10 @@ def test_layer_overrides_file_sets_each_layer(tmp_path):
         (json.dumps({"layer_overrides": {"0": None}}), 'an object with a dict under "layer_overrides"'),
         (json.dumps(7), "got a JSON int"),
         (json.dumps([None, 4, None]), "entry 1 must be null or an object"),
-        (json.dumps([None, {"meta_dtype": "float8"}, None]), "entry 1 has meta_dtype 'float8'"),
+        (
+            json.dumps([None, {"meta_dtype": "float8"}, None]),
+            "entry 1: `meta_dtype` must be one of \\['float16', 'bfloat16', 'float32'\\], got 'float8'",
+        ),
         (json.dumps([None, None]), "has 2 entries but the model has 3 decoder layers"),
     ],
 )
