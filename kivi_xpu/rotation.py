@@ -47,11 +47,11 @@ def rotation_matrix(name: str, head_dim: int, device=None) -> torch.Tensor | Non
         return None
     if name != "hadamard":
         raise ValueError(f"`rotation` must be one of {ROTATIONS}, got {name!r}")
-    return _on_device(head_dim, str(torch.device("cpu" if device is None else device)))
+    return _on_device(head_dim, torch.device("cpu" if device is None else device))
 
 
 @functools.cache
-def _on_device(head_dim: int, device: str) -> torch.Tensor:
+def _on_device(head_dim: int, device: torch.device) -> torch.Tensor:
     return _hadamard(head_dim).to(device)
 
 

@@ -200,21 +200,15 @@ class PackedHistory:
         self.scales = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)
         self.zeros = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)
         self.head_dim, self.num_tokens = head_dim, 0
-        self._rotation: torch.Tensor | None = None  # the last rotation() looked up
 
     @property
     def device(self) -> torch.device:
         return self.codes.device
 
     def rotation(self, device) -> torch.Tensor | None:
-        """The rotation ``Q [D, D]`` float32 on ``device`` (``None`` without one); looked up once per device (this
-        runs at every decode step)."""
-        if self.rotation_name == "none":
-            return None
-        cached = self._rotation
-        if cached is None or cached.device != device:
-            cached = self._rotation = rotation_matrix(self.rotation_name, self.head_dim, device)
-        return cached
+        """The rotation ``Q [D, D]`` float32 on ``device`` (``None`` without one): a shared matrix, kept outside the
+        cache (so it is neither copied with it nor counted as its memory)."""
+        return rotation_matrix(self.rotation_name, self.head_dim, device)
 
     def buffers(self) -> tuple[TokenBuffer, ...]:
         return self.codes, self.scales, self.zeros
