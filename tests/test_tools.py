@@ -532,3 +532,81 @@ def test_bench_curve_refuses_a_model_or_text(assets, capsys):
     model_dir, _ = assets
     code, _, err = run(["bench", "--curve", "--model", model_dir, "--no-progress"], capsys)
     assert code == 2 and err == "error: --curve runs its own tiny random Llama on random K/V: drop --model and --text\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench --kv-budget: throughput at equal KV memory
+
+MIB = 1 << 20
+BUDGET_CONTEXT, BUDGET_NEW = 48, 5
+# DynamicCache of one sequence at its longest (context + the 4 decoded tokens the cache holds at the end), fp32 K and V
+DYNAMIC_SEQUENCE = 2 * LAYERS * KV_HEADS * (BUDGET_CONTEXT + BUDGET_NEW - 1) * HEAD_DIM * 4
+# StaticCache: preallocated for context + new tokens, plus its 8-byte token counter per layer
+STATIC_SEQUENCE = 2 * LAYERS * KV_HEADS * (BUDGET_CONTEXT + BUDGET_NEW) * HEAD_DIM * 4 + 8 * LAYERS
+
+
+def run_budget(assets, tmp_path, capsys, budget_bytes: float, *extra) -> tuple[dict, str]:
+    model_dir, _ = assets
+    args = ["bench", "--model", model_dir, "--kv-budget", budget_bytes / MIB, "--contexts", BUDGET_CONTEXT]
+    args += ["--new-tokens", BUDGET_NEW, "--warmup", 1, "--repeats", 2, "--caches", "dynamic", "static", "kivi-fused"]
+    path = tmp_path / "budget.json"
+    code, out, err = run([*args, *KIVI, *extra, "--json", path, "--no-progress"], capsys)
+    assert code == 0, err
+    return json.loads(path.read_text()), out
+
+
+def test_bench_kv_budget_runs_each_cache_at_the_largest_batch_that_fits(assets, tmp_path, capsys):
+    budget = 2.5 * DYNAMIC_SEQUENCE
+    plot = tmp_path / "budget.png"
+    payload, out = run_budget(assets, tmp_path, capsys, budget, "--plot", plot)
+    assert out.startswith("| cache | context | KV budget MiB |") and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check_machine_facts(payload, out)
+    rows = {r["name"]: r for r in payload["rows"]}
+    assert list(rows) == ["dynamic", "static", "kivi-fused"] and payload["skipped"] == []
+    assert rows["dynamic"]["sequence_kv_bytes"] == DYNAMIC_SEQUENCE and rows["dynamic"]["batch"] == 2
+    assert rows["static"]["sequence_kv_bytes"] == STATIC_SEQUENCE
+    # G=16, R=16: at 52 tokens most of the history is packed, so KIVI fits more sequences than the dense caches
+    assert rows["kivi-fused"]["batch"] > rows["dynamic"]["batch"]
+    for r in rows.values():
+        assert r["budget_bytes"] == int(budget) and not r["batch_capped"]
+        assert r["batch"] * r["sequence_kv_bytes"] <= budget < (r["batch"] + 1) * r["sequence_kv_bytes"]
+        # measured again at that batch, at the end of the run: within the budget, every storage accounted for
+        assert r["kv_bytes"] <= r["batch"] * r["sequence_kv_bytes"] and r["kv_check"] == "ok"
+        assert r["rows_match_one_sequence"]
+        assert r["decode_tokens_per_s"] == pytest.approx(r["batch"] * 1000 / r["ms_per_step"])
+        assert len(r["runs_tokens_per_s"]) == 2
+        assert r["tokens_per_s_vs_dynamic"] == pytest.approx(
+            r["decode_tokens_per_s"] / rows["dynamic"]["decode_tokens_per_s"]
+        )
+        assert r["batch_vs_dynamic"] == r["batch"] / 2
+    assert rows["dynamic"]["kv_bytes"] == 2 * DYNAMIC_SEQUENCE  # linear in the batch: the same buffers per row
+
+
+def test_bench_kv_budget_caps_the_batch_and_skips_caches_that_cannot_hold_one_sequence(assets, tmp_path, capsys):
+    payload, out = run_budget(assets, tmp_path, capsys, 100 * DYNAMIC_SEQUENCE, "--max-batch", 3)
+    assert all(r["batch"] == 3 and r["batch_capped"] for r in payload["rows"])
+    assert "batch capped by --max-batch" in out
+    payload, out = run_budget(assets, tmp_path, capsys, 0.9 * DYNAMIC_SEQUENCE)
+    skipped = {s["cache"]: s["reason"] for s in payload["skipped"]}
+    assert set(skipped) == {"dynamic", "static"} and "more than the budget" in skipped["dynamic"]
+    assert [(r["name"], r["tokens_per_s_vs_dynamic"]) for r in payload["rows"]] == [("kivi-fused", None)]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kv-budget", 0], "must be a positive finite number, got '0'"),
+        (["--kv-budget", "inf"], "must be a positive finite number, got 'inf'"),
+        (["--kv-budget", "lots"], "must be a number, got 'lots'"),
+        (["--kv-budget", 10, "--max-batch", 0], "must be a positive integer, got '0'"),
+    ],
+)
+def test_bench_kv_budget_bad_arguments_are_argparse_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *[str(a) for a in args]])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_kv_budget_and_curve_are_different_modes(capsys):
+    code, _, err = run(["bench", "--kv-budget", 10, "--curve", "--no-progress"], capsys)
+    assert code == 2 and err == "error: --kv-budget and --curve are different benchmarks: pass one of them\n"

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .budget import budget
 from .cli import (
     Flatten,
     add_cache_arguments,
@@ -43,6 +44,7 @@ from .cli import (
     add_output_arguments,
     apply_process_options,
     nonnegative_int,
+    positive_float,
     positive_int,
     positive_ints,
     progress,
@@ -54,8 +56,8 @@ from .loading import check_positions, load_model, load_tokenizer, resolve_text, 
 from .machine import environment
 from .memory import KvBytes, PeakMemory, kv_bytes, release_freed_memory
 from .options import ToolError, ToolOptions
-from .plots import bench_plot, check_matplotlib, curve_plot
-from .report import bench_table, curve_table, machine_line
+from .plots import bench_plot, budget_plot, check_matplotlib, curve_plot
+from .report import bench_table, budget_table, curve_table, machine_line
 from .specs import CacheSpec, cache_specs, check_cache_options, make_cache, third_party_failure, unavailable_reason
 from .timing import add_step_ratios, competitors, timed_decode
 
@@ -73,6 +75,8 @@ class BenchOptions(ToolOptions):
     plot: str | None = None  # PNG path
     contend: int = 0  # CPU-bound competitor processes running during every measured run
     curve: bool = False  # the long-context curve on a tiny random Llama (kivi_xpu.tools.curve) instead
+    kv_budget: float | None = None  # MiB: decode throughput at equal KV memory (kivi_xpu.tools.budget) instead
+    max_batch: int = 256  # the largest batch --kv-budget tries
 
 
 DEFAULTS = BenchOptions()
@@ -124,6 +128,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="long-context curve: decode ms/token and KV bytes against --contexts for dynamic, static and KIVI "
         "on a tiny random Llama whose caches are filled with random K/V (no --model, no --text)",
+    )
+    p.add_argument(
+        "--kv-budget",
+        type=positive_float,
+        metavar="MIB",
+        help="throughput at equal KV memory: for each cache and context, the largest batch whose KV fits MIB "
+        "mebibytes, and its total decode tokens/s (--batch-sizes is not used)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=DEFAULTS.max_batch,
+        help=f"with --kv-budget: the largest batch tried (default {DEFAULTS.max_batch})",
     )
 
 
@@ -317,6 +334,8 @@ def benchmark(options: BenchOptions) -> dict:
     check_output_path(options.plot, "--plot")
     if options.plot:
         check_matplotlib("--plot")
+    if options.kv_budget is not None:
+        return budget(options)
     if options.curve:
         return curve(options)
     apply_process_options(options)
@@ -366,9 +385,13 @@ def command(args) -> None:
     """``kivi-xpu bench``: run, print the table, write --plot and --json."""
     options = BenchOptions.from_namespace(args)
     payload = benchmark(options)
-    print((curve_table if options.curve else bench_table)(payload), machine_line(payload), sep="\n", flush=True)
+    table, plot = {
+        "kivi-xpu bench --kv-budget": (budget_table, budget_plot),
+        "kivi-xpu bench --curve": (curve_table, curve_plot),
+    }.get(payload["tool"], (bench_table, bench_plot))
+    print(table(payload), machine_line(payload), sep="\n", flush=True)
     if options.plot:
-        (curve_plot if options.curve else bench_plot)(payload, options.plot)
+        plot(payload, options.plot)
     if options.json:
         write_json(options.json, payload)
 

@@ -81,3 +81,34 @@ def curve_plot(payload: dict, path: str) -> None:
     fig.suptitle(f"{payload['model']}: {payload['date'][:10]} ({payload['environment']['cpu']['model']})")
     fig.tight_layout()
     write_png(path, fig)
+
+
+def budget_plot(payload: dict, path: str) -> None:
+    """At one KV budget: the batch that fits (left) and the total decode tokens/s (right) of each cache, a group of
+    bars per context."""
+    plt = _pyplot()
+    rows = payload["rows"]
+    caches = list(dict.fromkeys(r["cache"] for r in rows))
+    contexts = sorted({r["context"] for r in rows})
+    fig, (batches, speed) = plt.subplots(1, 2, figsize=(12, 5))
+    width = 0.8 / len(caches)
+    for i, cache in enumerate(caches):
+        by_context = {r["context"]: r for r in rows if r["cache"] == cache}
+        xs = [j + i * width for j, c in enumerate(contexts) if c in by_context]
+        points = [by_context[c] for c in contexts if c in by_context]
+        bars = batches.bar(xs, [r["batch"] for r in points], width, label=cache)
+        batches.bar_label(bars, fontsize="small")
+        bars = speed.bar(xs, [r["decode_tokens_per_s"] for r in points], width, label=cache)
+        speed.bar_label(bars, [f"{r['decode_tokens_per_s']:.0f}" for r in points], fontsize="small")
+    budget = rows[0]["budget_bytes"] / MIB if rows else 0
+    batches.set_title(f"largest batch whose KV fits {budget:.0f} MiB")
+    batches.set_ylabel("batch")
+    speed.set_title("total decode tokens/s at that batch")
+    speed.set_ylabel("tokens/s")
+    for ax in (batches, speed):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(contexts))], [f"context {c}" for c in contexts])
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(f"{Path(payload['model']).name}: {payload['date'][:10]} ({payload['environment']['cpu']['model']})")
+    fig.tight_layout()
+    write_png(path, fig)

@@ -73,6 +73,30 @@ def curve_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+BUDGET_HEADER = (
+    "| cache | context | KV budget MiB | KV per sequence MiB | batch | KV MiB at that batch | ms/step | "
+    "decode tok/s (total) | tok/s vs Dynamic | batch vs Dynamic | notes |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def budget_table(payload: dict) -> str:
+    lines = [BUDGET_HEADER]
+    for r in payload["rows"]:
+        notes = ["batch capped by --max-batch"] if r["batch_capped"] else []
+        notes += [] if r["kv_check"] == "ok" else [f"KV check: {r['kv_check']}"]
+        notes += [] if r["rows_match_one_sequence"] else ["a row decoded other tokens than the batch-1 run"]
+        lines.append(
+            f"| {r['cache']} | {r['context']} | {_mib(r['budget_bytes'])} | {_mib(r['sequence_kv_bytes'])} | "
+            f"{r['batch']} | {_mib(r['kv_bytes'])} | {r['ms_per_step']:.1f} | {r['decode_tokens_per_s']:.1f} | "
+            f"{_ratio(r['tokens_per_s_vs_dynamic'])} | {_ratio(r['batch_vs_dynamic'])} | {'; '.join(notes)} |"
+        )
+    for s in payload["skipped"]:
+        context = "—" if s["context"] is None else str(s["context"])
+        lines.append(f"| {s['cache']} | {context} | {' | '.join(['—'] * 8)} | {s['reason']} |")
+    return "\n".join(lines)
+
+
 def machine_line(payload: dict) -> str:
     """What a table was measured on: CPU model and ISA, the KIVI kernels' implementation, the competitor count."""
     env, settings = payload["environment"], payload["settings"]
