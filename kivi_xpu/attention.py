@@ -38,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .ops import kernel
 from .ops.checks import KindOperands, decode_args
 from .ops.reference import dense_attention
-from .rotation import unrotate
+from .storage import dequantized
 
 ATTENTION_NAME = "kivi"
 
@@ -58,12 +58,8 @@ def dense_kind(inputs: KindOperands, kind: str, backend: str) -> torch.Tensor:
     when stored rotated) + exact tail, in the tail's dtype on the tail's device. ``kind`` is "keys" or "values"."""
     parts = [inputs.sinks] if inputs.sinks.shape[2] else []
     if inputs.count:
-        dequantize = kernel(f"dequantize_{kind}", backend)
-        work_dtype = inputs.tail.dtype if inputs.rotation is None else torch.float32
-        history = dequantize(
-            inputs.codes, inputs.scales, inputs.zeros, inputs.count, inputs.group, inputs.bits, work_dtype
-        )
-        parts.append(unrotate(history.to(inputs.tail.device), inputs.rotation, inputs.tail.dtype))
+        operands = (inputs.codes, inputs.scales, inputs.zeros, inputs.count, inputs.group, inputs.bits)
+        parts.append(dequantized(kind, backend, *operands, inputs.rotation, inputs.tail.dtype, inputs.tail.device))
     parts.append(inputs.tail)
     # Always a new tensor: the tail may be a view of the layer's window, which the next append overwrites.
     return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0].clone()

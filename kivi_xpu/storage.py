@@ -48,6 +48,27 @@ def warn_on_metadata_overflow(x: torch.Tensor, scales: torch.Tensor, kind: str) 
         )
 
 
+def dequantized(
+    kind: str,
+    backend: str,
+    codes,
+    scales,
+    zeros,
+    count: int,
+    group: int,
+    bits: int,
+    rotation,
+    out_dtype: torch.dtype,
+    device=None,
+) -> torch.Tensor:
+    """``count`` packed tokens of ``kind`` ("keys" or "values") as ``[B, H, count, D]`` in ``out_dtype`` (moved to
+    ``device`` when given): the backend's dequantize op, then ``@ rotation.T`` when the codes hold rotated tokens
+    (``rotation`` ``[D, D]`` float32 or ``None``; dequantized in float32 then, so the rotation back is exact)."""
+    work_dtype = out_dtype if rotation is None else torch.float32
+    x = kernel(f"dequantize_{kind}", backend)(codes, scales, zeros, count, group, bits, work_dtype)
+    return unrotate(x if device is None else x.to(device), rotation, out_dtype)
+
+
 class TokenBuffer:
     """A 4-D tensor used as a sequence along its token axis ``dim`` (2: ``[B, H, capacity, X]``; 3:
     ``[B, H, X, capacity]``), holding rows ``[start, end)`` of that axis.
@@ -250,11 +271,18 @@ class PackedHistory:
             codes = self.codes.rows(code_start, self.codes.capacity).contiguous()
             scales = self.scales.rows(meta_start, self.scales.capacity).contiguous()
             zeros = self.zeros.rows(meta_start, self.zeros.capacity).contiguous()
-        dequantize = kernel(f"dequantize_{self.kind}", self.backend)
-        rotation = self.rotation(self.device)
-        work_dtype = out_dtype if rotation is None else torch.float32
-        x = dequantize(codes, scales, zeros, count - start, self.group_size, self.bits, work_dtype)
-        return unrotate(x, rotation, out_dtype)
+        return dequantized(
+            self.kind,
+            self.backend,
+            codes,
+            scales,
+            zeros,
+            count - start,
+            self.group_size,
+            self.bits,
+            self.rotation(self.device),
+            out_dtype,
+        )
 
     def truncate(self, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens (group-aligned for keys)."""
