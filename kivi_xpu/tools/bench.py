@@ -26,7 +26,6 @@ what this configuration needed on top of the model, during the prefill and durin
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import statistics
 import sys
@@ -53,7 +52,7 @@ from .cli import (
 from .curve import curve
 from .io import check_output_path, write_json
 from .loading import check_positions, load_model, load_tokenizer, resolve_text, text_tokens
-from .machine import environment
+from .machine import report_header
 from .memory import KvBytes, PeakMemory, kv_bytes, release_freed_memory
 from .options import ToolError, ToolOptions
 from .plots import bench_plot, budget_plot, check_matplotlib, curve_plot
@@ -356,16 +355,9 @@ def benchmark(options: BenchOptions) -> dict:
         rows, failed = measure(model, runnable, make_prompt, options, meter)
     finally:
         gc.unfreeze()
-    return {
-        "tool": "kivi-xpu bench",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": options.model,
-        "model_path": model_path,
-        "settings": options.settings(),
-        "environment": environment(options) | {"peak_memory_method": meter.method},
-        "rows": [asdict(r) for r in rows],
-        "skipped": skipped + failed,
-    }
+    payload = report_header("kivi-xpu bench", options, model_path=model_path)
+    payload["environment"]["peak_memory_method"] = meter.method
+    return payload | {"rows": [asdict(r) for r in rows], "skipped": skipped + failed}
 
 
 def add_ratios(results: list[Row], runs: dict[CacheSpec, list[Run]]) -> None:

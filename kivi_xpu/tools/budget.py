@@ -20,7 +20,6 @@ the tensor storages reachable from it) and reported next to the budget.
 from __future__ import annotations
 
 import copy
-import datetime
 import gc
 import statistics
 from collections.abc import Callable
@@ -31,7 +30,7 @@ import torch
 
 from .cli import apply_process_options, progress
 from .loading import check_positions, load_model
-from .machine import environment
+from .machine import report_header
 from .memory import MIB, KvBytes, accounted_bytes, kv_bytes, release_freed_memory
 from .options import ToolError
 from .specs import CacheSpec, cache_specs, check_cache_options, make_cache, unavailable_reason
@@ -223,13 +222,5 @@ def budget(options: BenchOptions, make_prompt: Callable[[int, int], torch.Tensor
     finally:
         gc.unfreeze()
         model.set_attn_implementation("sdpa")
-    return {
-        "tool": "kivi-xpu bench --kv-budget",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": options.model,
-        "model_path": model_path,
-        "settings": options.settings(),
-        "environment": environment(options),
-        "rows": [asdict(r) for r in rows],
-        "skipped": skipped,
-    }
+    header = report_header("kivi-xpu bench --kv-budget", options, model_path=model_path)
+    return header | {"rows": [asdict(r) for r in rows], "skipped": skipped}

@@ -27,7 +27,6 @@ the overrides are relative to: give the file to a cache with these settings), ``
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -47,7 +46,7 @@ from .cli import add_kivi_arguments, add_model_arguments, apply_process_options,
 from .eval_ppl import TEXT_HELP, decode_logits, evaluation_tokens
 from .io import check_output_path, write_json
 from .loading import load_model
-from .machine import environment
+from .machine import report_header
 from .options import ToolError, ToolOptions
 from .specs import kivi_kwargs
 
@@ -328,11 +327,7 @@ def calibrate(options: CalibrateOptions) -> dict:
 
     average = sum(w * costs[o] for w, o in zip(weights, choice, strict=True)) / sum(weights)
     predicted = all_base["kl"] + sum(loss[o] for loss, o in zip(losses, choice, strict=True))
-    return {
-        "tool": "kivi-xpu calibrate",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": options.model,
-        "model_path": model_path,
+    return report_header("kivi-xpu calibrate", options, model_path=model_path) | {
         "text": options.text,
         "evaluated": {"windows": options.windows, "prefill": options.prefill, "decode_steps": options.decode_steps},
         "budget": budget,
@@ -358,8 +353,6 @@ def calibrate(options: CalibrateOptions) -> dict:
             "chosen_predicted_kl": predicted,
         },
         "seconds": seconds,
-        "settings": options.settings(),
-        "environment": environment(options),
     }
 
 

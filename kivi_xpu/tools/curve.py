@@ -13,7 +13,6 @@ step fits in a few GiB for every cache.
 
 from __future__ import annotations
 
-import datetime
 import gc
 import statistics
 import time
@@ -24,7 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .cli import apply_process_options, progress
-from .machine import environment
+from .machine import report_header
 from .memory import kv_bytes, release_freed_memory
 from .options import DTYPES, ToolError, ToolOptions
 from .specs import CacheSpec, cache_specs, check_cache_options, make_cache
@@ -140,14 +139,11 @@ def curve(options: BenchOptions) -> dict:
             rows += results
             gc.collect()
     text = model.config
-    return {
-        "tool": "kivi-xpu bench --curve",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": "tiny random Llama (kivi_xpu.tools.curve.CURVE_LLAMA)",
+    return report_header(
+        "kivi-xpu bench --curve", options, model="tiny random Llama (kivi_xpu.tools.curve.CURVE_LLAMA)"
+    ) | {
         "curve_model": CURVE_LLAMA | {"max_position_embeddings": text.max_position_embeddings, "dtype": options.dtype},
         "context_fill": FILL,
-        "settings": options.settings(),
-        "environment": environment(options),
         "rows": [asdict(r) for r in rows],
         "skipped": skipped,
     }

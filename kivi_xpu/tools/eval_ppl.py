@@ -23,7 +23,6 @@ The text is tokenized without special tokens. Cache choices are those of ``kivi-
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import statistics
 import sys
@@ -43,7 +42,7 @@ from .cli import (
 )
 from .io import check_output_path, write_json
 from .loading import load_model, load_tokenizer, model_limit, resolve_text, text_tokens
-from .machine import environment
+from .machine import report_header
 from .memory import accounted_bytes
 from .options import ToolError, ToolOptions
 from .report import ppl_table
@@ -292,16 +291,10 @@ def evaluate(options: EvalOptions) -> dict:
         "decode": {"windows": options.windows, "prefill": options.prefill, "decode_steps": options.decode_steps},
         "streaming": {"tokens": len(tokens), "segment_length": options.segment_length},
     }[options.eval_mode]
-    return {
-        "tool": "kivi-xpu eval-ppl",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": options.model,
-        "model_path": model_path,
+    return report_header("kivi-xpu eval-ppl", options, model_path=model_path) | {
         "text": options.text,
         "mode": options.eval_mode,
         "evaluated": scored,
-        "settings": options.settings(),
-        "environment": environment(options),
         "rows": [asdict(r) for r in rows],
         "skipped": skipped,
     }

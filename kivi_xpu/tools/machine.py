@@ -3,6 +3,7 @@ implementation ran the KIVI kernels."""
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import os
 import platform
@@ -13,6 +14,19 @@ import transformers
 
 from .. import __version__
 from .options import ToolOptions
+
+
+def report_header(tool: str, options: ToolOptions, model: str | None = None, model_path: str | None = None) -> dict:
+    """The fields every tool's JSON report starts with: ``tool``, ``date`` (UTC), ``model`` (default
+    ``options.model``), ``model_path`` (when given), ``settings`` and ``environment``."""
+    header = {
+        "tool": tool,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": options.model if model is None else model,
+    }
+    if model_path is not None:
+        header["model_path"] = model_path
+    return header | {"settings": options.settings(), "environment": environment(options)}
 
 
 def environment(options: ToolOptions) -> dict:
