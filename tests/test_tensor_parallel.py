@@ -9,9 +9,11 @@ share the SYCL runtime's persistent kernel cache.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,22 +36,38 @@ def _free_port() -> int:
 def _start(launcher: list[str], architecture: str, output: Path) -> subprocess.Popen:
     env = os.environ | {
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
     args = ["--tiny", architecture, "--max-new-tokens", str(NEW_TOKENS), "--residual-length", str(RESIDUAL)]
     command = [sys.executable, *launcher, str(EXAMPLE), *args, "--output-dir", str(output)]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
-def _finish(process: subprocess.Popen) -> str:
+def _finish(processes: list[subprocess.Popen]) -> None:
+    """Waits for every process (all within :data:`TIMEOUT`), then checks their exit codes. Whatever still runs at the
+    deadline is stopped with SIGTERM, which torchrun passes on to its ranks (each runs in a session of its own, out of
+    reach of a kill of torchrun's group), then killed with its process group: no rank outlives the test."""
+    deadline = time.monotonic() + TIMEOUT
+    outputs = []
     try:
-        out, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, _ = process.communicate()
-        pytest.fail(f"{process.args} did not finish in {TIMEOUT} s:\n{out[-4000:]}")
-    assert process.returncode == 0, out[-4000:]
-    return out
+        for process in processes:
+            try:
+                outputs.append(process.communicate(timeout=max(deadline - time.monotonic(), 0))[0])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{process.args} did not finish in {TIMEOUT} s")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+    for process, out in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, f"{process.args}:\n{out[-4000:]}"
 
 
 def _exact_steps(prompt_tokens: int) -> int:
@@ -68,7 +86,7 @@ def test_two_ranks_hold_half_the_kv_heads_and_reproduce_one_process(tmp_path, ar
         tmp_path / "tp",
     )
     single = _start([], architecture, tmp_path / "single")
-    _finish(single), _finish(ranks)
+    _finish([single, ranks])
     one = json.loads((tmp_path / "single" / "rank0.json").read_text())
     shards = [json.loads((tmp_path / "tp" / f"rank{r}.json").read_text()) for r in range(2)]
     exact = _exact_steps(one["prompt_tokens"])
