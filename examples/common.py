@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from kivi_xpu.assets import byte_tokenizer
 
@@ -25,9 +32,17 @@ def new_token_options(args) -> dict:
     return {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens if args.tiny else None}
 
 
-def tiny_llama(num_hidden_layers: int = 2, seed: int = 0, **config) -> LlamaForCausalLM:
+TINY_ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_model(architecture: str = "llama", num_hidden_layers: int = 2, seed: int = 0, **config):
+    """A tiny random model of ``architecture`` (a key of :data:`TINY_ARCHITECTURES`): 4 query heads over 2 KV
+    heads, head_dim 32, a byte vocabulary."""
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"`architecture` must be one of {tuple(TINY_ARCHITECTURES)}, got {architecture!r}")
+    config_class, model_class = TINY_ARCHITECTURES[architecture]
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=TINY_VOCAB,
         hidden_size=128,
         intermediate_size=256,
@@ -39,7 +54,11 @@ def tiny_llama(num_hidden_layers: int = 2, seed: int = 0, **config) -> LlamaForC
         pad_token_id=0,
         **config,
     )
-    return LlamaForCausalLM(config).eval()
+    return model_class(config).eval()
+
+
+def tiny_llama(num_hidden_layers: int = 2, seed: int = 0, **config) -> LlamaForCausalLM:
+    return tiny_model("llama", num_hidden_layers, seed, **config)
 
 
 def model_path(args) -> str:

@@ -5,8 +5,8 @@ Backends (``backend=`` argument, else ``$KIVI_XPU_BACKEND``, else ``auto``):
 * ``native``: the native CPU kernels of ``kivi_xpu._cpu`` (SIMD for the CPU's ISA, run in torch's own thread pool);
   the packed history lives in host memory;
 * ``sycl``: the SYCL kernels of ``kivi_xpu._C`` on a SYCL device (``device=`` / ``$KIVI_XPU_DEVICE``, see
-  :func:`kivi_xpu.runtime.select_device`); the packed history lives in host memory when that device can read it
-  (the OpenCL CPU device), else on torch's XPU device;
+  :func:`kivi_xpu.runtime.select_device`): on the CPU device the packed history lives in host memory, on a GPU
+  each layer's lives on that layer's device (:meth:`Selection.storage_device`, the device-placement rule);
 * ``reference``: the pure-PyTorch reference kernels on the model's device;
 * ``auto``: ``sycl`` on an Intel GPU when torch has XPU support or when a SYCL ``device`` is named; else ``native``
   when it was built; else ``sycl`` on the CPU device; else ``reference``, with one warning.
@@ -51,14 +51,46 @@ class Selection:
     reason: str  # why this backend was chosen
     sycl_device: str | None = None  # filter string of the SYCL device (sycl only)
     device_name: str | None = None  # its name, or the ISA path of the native kernels
-    host_memory: bool = True  # the packed history lives in host memory (CPU tensors)
 
-    def storage_device(self, model_device) -> torch.device:
-        """Where a cache keeps its packed history: host memory for the native kernels and for a SYCL device that
-        can read it (the OpenCL CPU device), torch's XPU device for a GPU, the model's device on the reference path."""
+    @property
+    def gpu(self) -> bool:
+        """Whether the SYCL device chosen is a GPU (its canonical filter is ``backend:gpu:index``)."""
+        return self.name == "sycl" and self.sycl_device is not None and self.sycl_device.split(":")[1] == "gpu"
+
+    def storage_device(self, layer_device) -> torch.device:
+        """Where a layer keeps its packed history, and so where its kernels run: the device-placement rule, stated
+        here only. ``layer_device`` is the device of the keys the layer receives (its exact sinks and window stay
+        there); the packed history goes to
+
+        * ``reference``: ``layer_device`` (the pure-PyTorch kernels run wherever the layer runs);
+        * ``native``: host memory (``cpu``), the only memory the native kernels read, whatever ``layer_device``;
+        * ``sycl`` on a SYCL CPU device (``opencl:cpu``): host memory, likewise;
+        * ``sycl`` on a GPU: ``layer_device`` itself, ``cpu`` or ``xpu:<i>``: a layer on ``xpu:1`` keeps its
+          history on ``xpu:1``, a layer on the CPU in host memory.
+
+        A SYCL op runs on the device holding its tensors (:func:`kivi_xpu.runtime.sycl_runtime_for`): ``xpu:<i>``
+        tensors on ``level_zero:gpu:<i>`` through that device's own in-order queue, host memory on the host SYCL
+        device. So with ``device_map`` or tensor parallelism (rank ``r`` on ``xpu:<r>``) each layer's history and
+        kernels follow that layer; which GPU was selected matters only for the choice of backend.
+
+        Raises ValueError naming ``layer_device`` when the kernels cannot read that device's tensors: ``meta``
+        (no data) for native and sycl, and any device but ``cpu`` / ``xpu`` for sycl on a GPU."""
+        device = torch.device(layer_device)
         if self.name == "reference":
-            return torch.device(model_device)
-        return torch.device("cpu") if self.host_memory else torch.device("xpu")
+            return device
+        if device.type == "meta":
+            raise ValueError(
+                f"`layer_device` is meta, but the {self.name} kernels need tensors with data: use backend='reference' "
+                "for meta tensors"
+            )
+        if not self.gpu:
+            return torch.device("cpu")
+        if device.type not in ("cpu", "xpu"):
+            raise ValueError(
+                f"`layer_device` is {device}, but the SYCL GPU backend serves only cpu and xpu tensors: move the "
+                "model to cpu or xpu, or use backend='native' or 'reference'"
+            )
+        return device
 
     def describe(self) -> str:
         if self.name == "reference":
@@ -85,9 +117,7 @@ def _sycl(device: str | None) -> Selection:
             f"SYCL device {rt.device} ({rt.facts.name}) cannot read host memory and this torch build has no XPU "
             "support to allocate on it: install an XPU build of torch, or pick a CPU device"
         )
-    return Selection(
-        "sycl", f"SYCL device {rt.facts.name}", rt.device, rt.facts.name, host_memory=rt.facts.usm_system_allocations
-    )
+    return Selection("sycl", f"SYCL device {rt.facts.name}", rt.device, rt.facts.name)
 
 
 def select(backend: str | None = None, device: str | None = None) -> Selection:

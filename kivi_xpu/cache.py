@@ -1,8 +1,8 @@
 """:class:`KiviCache`, the transformers ``Cache`` container: one :class:`~kivi_xpu.layer.KiviLayer` per
 full-attention layer, transformers' own layers for sliding-window and shared-KV layers.
 
-The full-precision residual window stays on the device where the model computes; the packed low-bit
-history lives on the storage device chosen by the backend (the SYCL device when the SYCL kernels are used).
+Each layer's full-precision window stays on the device of the keys that layer receives; its packed low-bit history
+and kernels go where :meth:`kivi_xpu.backend.Selection.storage_device` (the device-placement rule) puts them.
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ class KiviCache(Cache):
         backend: ``"auto"`` (default: ``$KIVI_XPU_BACKEND`` or SYCL kernels when a SYCL device exists, else the
             pure-PyTorch reference with one warning), ``"sycl"`` or ``"reference"``.
         device: SYCL device filter string (e.g. ``"opencl:cpu"``, ``"level_zero:gpu"``), default
-            ``$KIVI_XPU_DEVICE`` or the first GPU (with an XPU build of torch), else the first CPU device.
+            ``$KIVI_XPU_DEVICE`` or the first GPU (with an XPU build of torch), else the first CPU device. With a
+            GPU, each layer's history and kernels go to that layer's own ``xpu:<i>`` (``device_map``, tensor
+            parallelism): see :meth:`kivi_xpu.backend.Selection.storage_device`.
         attention: ``"auto"`` (default): the layers hand the packed history to the fused KIVI attention when the
             model runs with ``attn_implementation="kivi"`` (see :func:`kivi_xpu.use_fused_attention`), and return
             dense keys/values to any other attention; ``"dense"`` always returns dense keys/values.

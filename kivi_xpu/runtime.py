@@ -292,11 +292,34 @@ def host_sycl_runtime() -> SyclRuntime:
     )
 
 
+def gpu_filter(device: torch.device) -> str:
+    """The SYCL device holding torch's ``xpu:<i>`` tensors: ``level_zero:gpu:<i>`` (torch numbers its XPU devices
+    as the Level Zero GPUs the SYCL runtime lists; ``kivi_xpu._C`` checks every pointer against its queue's device,
+    so a mismatch is an error, never a silent copy). ``xpu`` without an index is the current XPU device."""
+    if device.type != "xpu":
+        raise ValueError(f"`device` must be an xpu device, got {device}")
+    index = device.index if device.index is not None else torch.xpu.current_device()
+    return f"level_zero:gpu:{index}"
+
+
+@functools.cache
+def _gpu_runtime(filter_string: str, device: str) -> SyclRuntime:
+    try:
+        return sycl_runtime(filter_string)
+    except ValueError:
+        raise ValueError(
+            f"tensors on {device} are served by the SYCL device {filter_string!r}, which does not exist; available: "
+            f"{describe_devices(sycl_devices())}"
+        ) from None
+
+
 def sycl_runtime_for(device: torch.device) -> SyclRuntime:
-    """The SYCL device that serves tensors on ``device``: the host device for CPU tensors, the Level Zero GPU of
-    the same index for ``xpu`` tensors."""
+    """The SYCL device (and so the in-order queue) that serves tensors on ``device``: the host device for CPU
+    tensors (:func:`host_sycl_runtime`), the Level Zero GPU of the same index for ``xpu:<i>`` tensors
+    (:func:`gpu_filter`), each initialised once. Where tensors live is decided by
+    :meth:`kivi_xpu.backend.Selection.storage_device`."""
     if device.type == "cpu":
         return host_sycl_runtime()
     if device.type == "xpu":
-        return sycl_runtime(f"level_zero:gpu:{device.index or 0}")
+        return _gpu_runtime(gpu_filter(device), str(device))
     raise ValueError(f"tensors on {device} cannot be served by a SYCL device (expected cpu or xpu tensors)")

@@ -1,0 +1,110 @@
+"""Tensor parallelism: examples/tensor_parallel.py under ``torch.distributed.run --nproc-per-node 2`` (transformers'
+``tp_plan="auto"``, gloo on CPU) against the same script in one process.
+
+Each rank must hold exactly its half of the KV heads (and of the cache's bytes), generate exactly the single-process
+tokens while the cache holds no quantized token, and, across flushes, the same tokens with the fused KIVI attention
+as with dense keys/values. The backend is the process's (``$KIVI_XPU_BACKEND``: sycl in CI), so two processes also
+share the SYCL runtime's persistent kernel cache.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kivi_xpu import KiviSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tensor_parallel.py"
+TIMEOUT = 300  # seconds for both runs together; they take ~15 s on 2 busy cores
+NEW_TOKENS, RESIDUAL = 40, 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(launcher: list[str], architecture: str, output: Path) -> subprocess.Popen:
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
+    args = ["--tiny", architecture, "--max-new-tokens", str(NEW_TOKENS), "--residual-length", str(RESIDUAL)]
+    command = [sys.executable, *launcher, str(EXAMPLE), *args, "--output-dir", str(output)]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def _finish(processes: list[subprocess.Popen]) -> None:
+    """Waits for every process (all within :data:`TIMEOUT`), then checks their exit codes. Whatever still runs at the
+    deadline is stopped with SIGTERM, which torchrun passes on to its ranks (each runs in a session of its own, out of
+    reach of a kill of torchrun's group), then killed with its process group: no rank outlives the test."""
+    deadline = time.monotonic() + TIMEOUT
+    outputs = []
+    try:
+        for process in processes:
+            try:
+                outputs.append(process.communicate(timeout=max(deadline - time.monotonic(), 0))[0])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{process.args} did not finish in {TIMEOUT} s")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+    for process, out in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, f"{process.args}:\n{out[-4000:]}"
+
+
+def _exact_steps(prompt_tokens: int) -> int:
+    """Generated tokens whose step saw no quantized key or value (the step producing token i holds prompt + i)."""
+    settings = KiviSettings(residual_length=RESIDUAL)
+    held = range(prompt_tokens, prompt_tokens + NEW_TOKENS)
+    return sum(settings.quantized_key_count(n) == 0 and settings.quantized_value_count(n) == 0 for n in held)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_two_ranks_hold_half_the_kv_heads_and_reproduce_one_process(tmp_path, architecture):
+    port = str(_free_port())
+    ranks = _start(
+        ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port],
+        architecture,
+        tmp_path / "tp",
+    )
+    single = _start([], architecture, tmp_path / "single")
+    _finish([single, ranks])
+    one = json.loads((tmp_path / "single" / "rank0.json").read_text())
+    shards = [json.loads((tmp_path / "tp" / f"rank{r}.json").read_text()) for r in range(2)]
+    exact = _exact_steps(one["prompt_tokens"])
+    assert 5 <= exact < NEW_TOKENS  # some steps inside the window, and flushes after them
+
+    for attention in ("sdpa", "kivi"):
+        whole = one[attention]
+        assert whole["kv_heads"] == [2, 2] and whole["quantized_tokens"] > 0
+        for shard in shards:
+            run = shard[attention]
+            assert shard["world_size"] == 2 and run["backend"] == whole["backend"]
+            assert run["kv_heads"] == [1, 1]  # 2 KV heads over 2 ranks
+            assert 2 * run["total_bytes"] == whole["total_bytes"] and 2 * run["code_bytes"] == whole["code_bytes"]
+            assert run["tokens"][:exact] == whole["tokens"][:exact]
+            torch.testing.assert_close(
+                torch.tensor(run["logits"][:exact]), torch.tensor(whole["logits"][:exact]), rtol=1e-4, atol=1e-4
+            )
+        assert shards[0][attention]["tokens"] == shards[1][attention]["tokens"]
+    for run in (one, *shards):  # fused = dense across flushes, in one process and on each rank
+        assert run["kivi"]["tokens"] == run["sdpa"]["tokens"]
+        torch.testing.assert_close(torch.tensor(run["kivi"]["logits"]), torch.tensor(run["sdpa"]["logits"]))
