@@ -215,6 +215,11 @@ def test_continuous_batching_is_refused(model_dir, capsys):
     assert "transformers serve --continuous-batching" in err
 
 
+def test_compile_is_refused(model_dir, capsys):
+    assert main(["serve", "--compile", str(model_dir)]) == 2
+    assert "--compile is not supported by kivi-xpu serve" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -26,7 +26,8 @@ Generation is sequential (one ``generate`` at a time per model, requests queued)
 ``--continuous-batching``. Continuous batching is refused (:data:`CONTINUOUS_BATCHING_ERROR`): transformers' batching
 manager keeps its own paged full-precision cache (``PagedAttentionCache``: the new tokens of all running requests
 packed along one token axis, pages of raw keys/values read by paged attention kernels) and turns the model's cache
-off (``use_cache=False``), so no ``Cache`` object, hence no ``KiviCache``, takes part.
+off (``use_cache=False``), so no ``Cache`` object, hence no ``KiviCache``, takes part. ``--compile`` is refused too
+(:data:`COMPILE_ERROR`): there it only selects a ``StaticCache`` for requests.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ CONTINUOUS_BATCHING_ERROR = (
     "full-precision KV cache and turns the model's cache off, so the KIVI cache cannot take part. kivi-xpu serve runs "
     "sequential generation with the KIVI cache (leave out --continuous-batching); for continuous batching with the "
     "full-precision paged cache, run `transformers serve --continuous-batching`."
+)
+
+COMPILE_ERROR = (
+    "--compile is not supported by kivi-xpu serve: in transformers serve it only switches requests to a StaticCache "
+    "(which generate then compiles), and every request here uses the KIVI cache; leave out --compile."
 )
 
 # KiviCache arguments that have their own flag here: what --kivi-option says instead.
@@ -150,8 +156,8 @@ def _check_serving_dependencies() -> None:
 
 
 def _transformers_serve_command(config: dict):
-    """transformers' ``serve`` click command, its callback wrapped: --continuous-batching refused, the attention
-    defaulting to "kivi", and the KIVI model manager installed around ``Serve`` (which runs the server)."""
+    """transformers' ``serve`` click command, its callback wrapped: --continuous-batching and --compile refused, the
+    attention defaulting to "kivi", and the KIVI model manager installed around ``Serve`` (which runs the server)."""
     import typer
     from transformers.cli.serve import Serve
 
@@ -163,6 +169,8 @@ def _transformers_serve_command(config: dict):
     def callback(**params):
         if params.get("continuous_batching"):
             raise ToolError(CONTINUOUS_BATCHING_ERROR)
+        if params.get("compile"):
+            raise ToolError(COMPILE_ERROR)
         if params.get("attn_implementation") is None:
             params["attn_implementation"] = ATTENTION_NAME
         with _kivi_model_manager_installed(config):
@@ -177,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
         prog="kivi-xpu serve",
         description="transformers serve with the KIVI cache. The KIVI cache options are these; the other options, "
         "below, are transformers serve's. Without --attn-implementation, models are loaded with the fused "
-        "attention (attn_implementation=kivi); --continuous-batching is not supported.",
+        "attention (attn_implementation=kivi); --continuous-batching and --compile are not supported.",
         add_help=False,
         allow_abbrev=False,  # an abbreviation must not capture one of transformers' options
     )
