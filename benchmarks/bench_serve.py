@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -88,7 +89,12 @@ class Server:
             started.set()
 
         threading.Thread(target=drain, daemon=True).start()
-        if not started.wait(timeout) or self.url is None:
+        try:
+            ready = started.wait(timeout) and self.url is not None
+        except BaseException:  # SIGTERM (SystemExit) or Ctrl-C while the server starts
+            self.stop()
+            raise
+        if not ready:
             self.stop()
             raise RuntimeError(f"{' '.join(command)} did not start within {timeout} s:\n{''.join(self.lines[-40:])}")
 
@@ -178,6 +184,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     add_kivi_arguments(parser)
     args = parser.parse_args(argv)
+    # SIGTERM as an exit, so that the `finally` below stops the server this process started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     kivi = cache_config(args)
     model = resolve_model(args.model)
     texts = prompts(args.requests, args.prompt_words)
