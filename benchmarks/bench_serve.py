@@ -3,7 +3,7 @@ generation with the KIVI cache), `transformers serve` (sequential, DynamicCache)
 --continuous-batching` (its paged full-precision cache), one server at a time.
 
     python benchmarks/bench_serve.py --model smollm2 --servers kivi dynamic dynamic-cb \\
-        --requests 16 --concurrency 4 --max-tokens 64 --prompt-words 400
+        --requests 8 --concurrency 4 --max-tokens 64 --prompt-words 300
 
 Each server is started here (`python -m kivi_xpu serve` / `python -m transformers.cli.transformers serve` on
 127.0.0.1, port 0, the model preloaded, --device cpu), warmed up with one request, sent the N requests (fixed
