@@ -57,12 +57,13 @@ $(VENV)/.torch-installed: $(VENV)/torch-requirement | $(PY)
 	@touch $@
 
 # The install of README.md "Install by hand": torch first, then the build tools, then the project without build
-# isolation, so that the extensions are compiled against this torch. Both extras: test (pytest, ruff, matplotlib)
-# and bench (gguf and accelerate convert the SmolLM2 GGUF file that examples/generate.py runs).
+# isolation, so that the extensions are compiled against this torch. The extras: test (pytest, ruff, matplotlib),
+# bench (gguf and accelerate convert the SmolLM2 GGUF file that examples/generate.py runs) and serve (transformers'
+# server for kivi-xpu serve: fastapi, uvicorn, pydantic, openai; tests/test_serve.py talks to it with openai).
 $(VENV)/.installed: $(VENV)/.torch-installed $(SOURCES)
 	@rm -f $@
 	$(PIP) install -q "setuptools>=77" wheel "pybind11>=2.12" numpy "intel-sycl-rt>=2025.3"
-	$(PIP) install -q --no-build-isolation -e ".[test,bench]"
+	$(PIP) install -q --no-build-isolation -e ".[test,bench,serve]"
 	@touch $@
 
 clean:

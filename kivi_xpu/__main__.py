@@ -1,4 +1,4 @@
-"""Command line: ``python -m kivi_xpu {info,bench,eval-ppl,calibrate}`` (also the ``kivi-xpu`` console script).
+"""Command line: ``python -m kivi_xpu {info,bench,eval-ppl,calibrate,serve}`` (also the ``kivi-xpu`` console script).
 
 * ``info``: versions, SYCL devices, the chosen backend, whether the kernels compile, the kernel cache's variants;
 * ``bench``: prefill time, decode speed, KV memory, peak memory and token match of several caches
@@ -6,7 +6,9 @@
 * ``eval-ppl``: perplexity on a text with the cache in the loop, decode or streaming mode
   (:mod:`kivi_xpu.tools.eval_ppl`, also ``python -m kivi_xpu.tools.eval_ppl``);
 * ``calibrate``: per-layer KIVI settings for a bits/element budget from a short calibration, written as a
-  ``layer_overrides`` JSON file (:mod:`kivi_xpu.tools.calibrate`, also ``python -m kivi_xpu.tools.calibrate``).
+  ``layer_overrides`` JSON file (:mod:`kivi_xpu.tools.calibrate`, also ``python -m kivi_xpu.tools.calibrate``);
+* ``serve``: transformers' OpenAI-compatible server (``transformers serve``) with the KIVI cache
+  (:mod:`kivi_xpu.tools.serve`; its arguments go to that module unparsed, since most are transformers').
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .ops.library import OPS
 from .tools import bench as bench_tool
 from .tools import calibrate as calibrate_tool
 from .tools import eval_ppl as evaluate_tool
+from .tools import serve as serve_tool
 from .tools.cli import run_tool
 
 
@@ -72,6 +75,11 @@ def main(argv=None) -> int:
         )
         tool.add_arguments(sub)
         sub.set_defaults(func=tool.command)
+    # Listed here for --help; its arguments (transformers serve's and the KIVI options) are parsed by the tool.
+    commands.add_parser("serve", help="transformers' OpenAI-compatible server with the KIVI cache", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        return serve_tool.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command != "info":
         return run_tool(args.func, args)

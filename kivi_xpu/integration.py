@@ -68,7 +68,9 @@ def cache_config_keys() -> tuple[str, ...]:
     return tuple(name for name in parameters if name not in ("self", "config"))
 
 
-def _kivi_kwargs(cache_config) -> dict:
+def cache_kwargs(cache_config) -> dict:
+    """The ``KiviCache`` keyword arguments of a ``cache_config`` (``None``: none), ``meta_dtype`` names turned into
+    dtypes; ``TypeError`` / ``ValueError`` naming the allowed keys for anything else than a dict of them."""
     if cache_config is None:
         return {}
     if not isinstance(cache_config, dict):
@@ -112,7 +114,7 @@ def build_cache(model, cache_config: dict | None = None) -> KiviCache:
             f"cache_implementation={CACHE_IMPLEMENTATION!r} cannot serve {name}: it does not keep a standard "
             "key/value cache (transformers builds a model-specific cache or state for it)"
         )
-    return KiviCache(config=model.config.get_text_config(decoder=True), **_kivi_kwargs(cache_config))
+    return KiviCache(config=model.config.get_text_config(decoder=True), **cache_kwargs(cache_config))
 
 
 def _prepare_kivi_cache(original):
@@ -167,6 +169,7 @@ __all__ = [
     "SUPPORTED_TRANSFORMERS",
     "build_cache",
     "cache_config_keys",
+    "cache_kwargs",
     "check_transformers_version",
     "enable",
     "is_enabled",

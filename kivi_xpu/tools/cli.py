@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import sys
 from collections.abc import Callable
 
@@ -73,14 +74,14 @@ OWN_FLAGS = {
 }
 
 
-def kivi_option(text: str) -> tuple[str, object]:
+def kivi_option(text: str, own_flags: dict[str, str] = OWN_FLAGS) -> tuple[str, object]:
     """``NAME=VALUE`` for an extra ``KiviCache`` keyword argument; VALUE is a Python literal (``4``, ``True``),
-    a torch dtype name (``float32``) or else a string."""
+    a torch dtype name (``float32``) or else a string. A NAME in ``own_flags`` is refused with its message."""
     name, sep, raw = text.partition("=")
     if not sep or not name.isidentifier():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE (a KiviCache keyword argument), got {text!r}")
-    if name in OWN_FLAGS:  # one source per setting, so the labels, the JSON and the HF caches agree with the run
-        raise argparse.ArgumentTypeError(f"{name!r} is not a --kivi-option: {OWN_FLAGS[name]}")
+    if name in own_flags:  # one source per setting, so the labels, the JSON and the HF caches agree with the run
+        raise argparse.ArgumentTypeError(f"{name!r} is not a --kivi-option: {own_flags[name]}")
     if raw in DTYPES or raw.removeprefix("torch.") in DTYPES:
         return name, DTYPES[raw.removeprefix("torch.")]
     try:
@@ -121,32 +122,60 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     add_kivi_arguments(p)
 
 
-def add_kivi_arguments(p: argparse.ArgumentParser) -> None:
+def add_kivi_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    device_flag: str = "--device",
+    own_flags: dict[str, str] = OWN_FLAGS,
+    defaults: bool = True,
+) -> None:
     """The KIVI settings besides the bit width: --group-size, --residual-length, --meta-dtype, --kivi-option,
-    --backend, --device."""
+    --backend and the SYCL device filter (``device_flag``; ``kivi-xpu serve`` calls it --kivi-device because
+    transformers' --device is the model's device). ``own_flags``: the ``KiviCache`` arguments --kivi-option refuses,
+    with the flag to use instead. ``defaults=False``: a setting not given is absent from the namespace (so that
+    ``KiviCache``'s own default applies) instead of taking the tools' default."""
+
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+
+    def shown(text: str) -> str:
+        return f" ({text})" if defaults else f" (default: KiviCache's, {text})"
+
     p.add_argument(
-        "--group-size", type=positive_int, default=DEFAULTS.group_size, help="G: elements per scale/zero group (32)"
+        "--group-size",
+        type=positive_int,
+        default=default(DEFAULTS.group_size),
+        help="G: elements per scale/zero group" + shown("32"),
     )
     p.add_argument(
         "--residual-length",
         type=positive_int,
-        default=DEFAULTS.residual_length,
-        help="R: newest tokens kept in full precision (128)",
+        default=default(DEFAULTS.residual_length),
+        help="R: newest tokens kept in full precision" + shown("128"),
     )
     p.add_argument(
-        "--meta-dtype", choices=tuple(DTYPES), default=DEFAULTS.meta_dtype, help="KIVI scales/zeros dtype (float16)"
+        "--meta-dtype",
+        choices=tuple(DTYPES),
+        default=default(DEFAULTS.meta_dtype),
+        help="KIVI scales/zeros dtype"
+        + (" (float16)" if defaults else " (default: KiviCache's, bfloat16 for a bfloat16 model, else float16)"),
     )
     p.add_argument(
         "--kivi-option",
         dest="kivi_options",
-        type=kivi_option,
+        type=functools.partial(kivi_option, own_flags=own_flags),
         action="append",
         default=[],
         metavar="NAME=VALUE",
         help="extra KiviCache keyword argument (repeatable), passed through unchanged",
     )
-    p.add_argument("--backend", choices=BACKENDS, help="KIVI kernels (default: auto)")
-    p.add_argument("--device", help="SYCL device filter for KIVI, e.g. opencl:cpu (default: automatic)")
+    p.add_argument("--backend", choices=BACKENDS, default=default(None), help="KIVI kernels (default: auto)")
+    p.add_argument(
+        device_flag,
+        dest="device",
+        default=default(None),
+        help="SYCL device filter for KIVI, e.g. opencl:cpu (default: automatic)",
+    )
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:

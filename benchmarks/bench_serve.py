@@ -1,0 +1,225 @@
+"""Load generator for the OpenAI-compatible servers: the same N chat requests against `kivi-xpu serve` (sequential
+generation with the KIVI cache), `transformers serve` (sequential, DynamicCache) and `transformers serve
+--continuous-batching` (its paged full-precision cache), one server at a time.
+
+    python benchmarks/bench_serve.py --model smollm2 --servers kivi dynamic dynamic-cb \\
+        --requests 8 --concurrency 4 --max-tokens 64 --prompt-words 300
+
+Each server is started here (`python -m kivi_xpu serve` / `python -m transformers.cli.transformers serve` on
+127.0.0.1, port 0, the model preloaded, --device cpu), warmed up with one request, sent the N requests (fixed
+prompts: the first --prompt-words words of news articles from kivi_xpu.assets.news_text(), greedy, --max-tokens
+each) from --concurrency client threads with the official `openai` client, and stopped. Printed per server:
+requests/s, completion tokens/s (from the responses' `usage`) and the mean request latency; `--url` measures an
+already running server instead.
+
+KV memory, not asked of the servers (they have no such endpoint): the last request is generated once more here, in
+process, with the same chat template and token count, into a KiviCache with the same settings and into a
+DynamicCache, and their bytes are counted with kivi-xpu's own accounting (kivi_xpu.tools.memory.accounted_bytes).
+A sequential server holds one request's cache at a time; continuous batching holds a paged pool for all running
+requests (sized by its --cb-* options, not measured here).
+
+The KIVI options are kivi-xpu serve's (--bits, --group-size, --residual-length, --meta-dtype, --kivi-option, ...):
+they configure the kivi server and the memory count alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from kivi_xpu.integration import cache_kwargs
+from kivi_xpu.tools.cli import positive_int
+from kivi_xpu.tools.loading import resolve_model
+from kivi_xpu.tools.memory import MIB, accounted_bytes
+from kivi_xpu.tools.serve import add_arguments as add_kivi_arguments
+from kivi_xpu.tools.serve import cache_config
+
+SERVERS = ("kivi", "dynamic", "dynamic-cb")
+# cache_config key -> kivi-xpu serve flag (the rest go through --kivi-option NAME=VALUE).
+FLAGS = {
+    "bits": "--bits",
+    "group_size": "--group-size",
+    "residual_length": "--residual-length",
+    "meta_dtype": "--meta-dtype",
+    "backend": "--backend",
+    "device": "--kivi-device",
+}
+
+
+def server_command(name: str, model: str, dtype: str, kivi: dict) -> list[str]:
+    """The command line that starts server ``name`` (one of SERVERS) with ``model`` preloaded on 127.0.0.1:0."""
+    common = [model, "--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", "0"]
+    if name == "kivi":
+        flags = []
+        for key, value in kivi.items():
+            flags += [FLAGS[key], str(value)] if key in FLAGS else ["--kivi-option", f"{key}={value!r}"]
+        return [sys.executable, "-m", "kivi_xpu", "serve", *flags, *common]
+    transformers_serve = [sys.executable, "-m", "transformers.cli.transformers", "serve", *common]
+    return transformers_serve + (["--continuous-batching"] if name == "dynamic-cb" else [])
+
+
+class Server:
+    """A server subprocess; its URL is read from uvicorn's start line; stopped by :meth:`stop`."""
+
+    def __init__(self, command: list[str], timeout: float):
+        env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        started = threading.Event()
+
+        def drain():
+            for line in self.process.stdout:
+                self.lines.append(line)
+                found = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", line)
+                if found:
+                    self.url = found.group(1)
+                    started.set()
+            started.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        try:
+            ready = started.wait(timeout) and self.url is not None
+        except BaseException:  # SIGTERM (SystemExit) or Ctrl-C while the server starts
+            self.stop()
+            raise
+        if not ready:
+            self.stop()
+            raise RuntimeError(f"{' '.join(command)} did not start within {timeout} s:\n{''.join(self.lines[-40:])}")
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def prompts(count: int, words: int) -> list[str]:
+    """``count`` fixed prompts: "Summarize this article:" and the first ``words`` words of one news article each."""
+    from kivi_xpu.assets import news_text
+
+    articles = [a.split() for a in news_text().read_text(encoding="utf-8").split("\n\n") if len(a.split()) >= words]
+    if len(articles) < count:
+        raise ValueError(f"--requests {count}: only {len(articles)} articles have {words} words (--prompt-words)")
+    return [f"Summarize this article: {' '.join(article[:words])}" for article in articles[:count]]
+
+
+def load(url: str, model: str, texts: list[str], concurrency: int, max_tokens: int) -> dict:
+    """Sends one warm-up request, then ``texts`` from ``concurrency`` threads; the throughput and the last usage."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=3600, max_retries=0)
+
+    def ask(text: str):
+        start = time.perf_counter()
+        response = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": text}], temperature=0, max_tokens=max_tokens
+        )
+        return response.usage, time.perf_counter() - start
+
+    ask(texts[0])
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(ask, texts))
+    wall = time.perf_counter() - start
+    tokens = sum(usage.completion_tokens for usage, _ in results)
+    return {
+        "requests_per_s": len(texts) / wall,
+        "completion_tokens_per_s": tokens / wall,
+        "mean_latency_s": sum(seconds for _, seconds in results) / len(results),
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "last_usage": results[-1][0].model_dump(),
+    }
+
+
+def kv_bytes(model_path: str, dtype: str, text: str, new_tokens: int, kivi: dict) -> dict:
+    """KV bytes of one request (the chat turn ``text``, ``new_tokens`` greedy tokens) in a KiviCache with ``kivi``
+    and in a DynamicCache, generated in this process."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    from kivi_xpu import KiviCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), attn_implementation="kivi")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
+    result = {"prompt_tokens": inputs["input_ids"].shape[1], "new_tokens": new_tokens}
+    for name, cache in (
+        ("kivi", KiviCache(config=model.config, **cache_kwargs(kivi))),
+        ("dynamic", DynamicCache(config=model.config)),
+    ):
+        model.generate(
+            **inputs, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+        )
+        result[f"{name}_bytes"] = accounted_bytes(cache)[0]
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="local model directory, or smollm2 (default)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="servers to start")
+    parser.add_argument("--url", help="measure this running server instead of starting --servers")
+    parser.add_argument("--requests", type=positive_int, default=16, help="N requests (default 16)")
+    parser.add_argument("--concurrency", type=positive_int, default=4, help="client threads (default 4)")
+    parser.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per request (default 64)")
+    parser.add_argument("--prompt-words", type=positive_int, default=400, help="article words per prompt (400)")
+    parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for a server (300)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    add_kivi_arguments(parser)
+    args = parser.parse_args(argv)
+    # SIGTERM as an exit, so that the `finally` below stops the server this process started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    kivi = cache_config(args)
+    model = resolve_model(args.model)
+    texts = prompts(args.requests, args.prompt_words)
+
+    runs = {}
+    targets = [(name, server_command(name, model, args.dtype, kivi)) for name in args.servers]
+    if args.url:
+        targets = [("url", None)]
+    for name, command in targets:
+        server = Server(command, args.startup_timeout) if command else None
+        try:
+            runs[name] = load(server.url if server else args.url, model, texts, args.concurrency, args.max_tokens)
+        finally:
+            if server:
+                server.stop()
+        run = runs[name]
+        print(
+            f"{name:<11} {run['requests_per_s']:.3f} requests/s  {run['completion_tokens_per_s']:.1f} tokens/s  "
+            f"mean latency {run['mean_latency_s']:.1f} s  ({args.requests} requests, concurrency {args.concurrency}, "
+            f"{run['completion_tokens']} tokens in {run['wall_s']:.1f} s)",
+            flush=True,
+        )
+    last_tokens = next(iter(runs.values()))["last_usage"]["completion_tokens"]
+    memory = kv_bytes(model, args.dtype, texts[-1], last_tokens, kivi)
+    kivi_mib, dynamic_mib = memory["kivi_bytes"] / MIB, memory["dynamic_bytes"] / MIB
+    print(
+        f"KV of the last request ({memory['prompt_tokens']} prompt + {memory['new_tokens']} new tokens): KiviCache "
+        f"{kivi_mib:.2f} MiB ({kivi or 'defaults'}), DynamicCache {dynamic_mib:.2f} MiB ({dynamic_mib / kivi_mib:.2f}x)"
+    )
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k != "kivi_options"} | {"kivi": kivi}
+        Path(args.json).write_text(json.dumps({"settings": settings, "runs": runs, "kv": memory}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""``kivi-xpu serve``: transformers' own OpenAI-compatible server (``transformers serve``) with the KIVI cache.
+
+Usage: ``kivi-xpu serve [KIVI options] [transformers serve options] [FORCE_MODEL]``. Everything but the KIVI cache
+options is ``transformers serve``'s own command line (its ``Serve`` command, parsed by its own typer/click
+definition, so every option and default is the installed transformers'), and requests mean what they mean there: a
+request's ``model`` names a hub id or a local model directory, loaded on first use (unless FORCE_MODEL pins one).
+
+The KIVI options (``--bits``, ``--group-size``, ``--residual-length``, ``--meta-dtype``, ``--backend``,
+``--kivi-device``, ``--kivi-option NAME=VALUE`` for any other ``KiviCache`` argument) are the other tools' (from
+:func:`kivi_xpu.tools.cli.add_kivi_arguments`); one not given keeps ``KiviCache``'s default. They become the
+``cache_config`` of ``generate(cache_implementation="kivi")`` (:mod:`kivi_xpu.integration`).
+
+How the cache gets in: for the lifetime of the server, transformers' ``ModelManager`` class (looked up by ``Serve``
+when it starts) is replaced by a subclass (:func:`kivi_model_manager`) whose ``_load_model`` sets, on every model it
+loads, ``generation_config.cache_implementation = "kivi"`` and ``generation_config.cache_config``. The server
+deep-copies the model's generation config for each request (``BaseHandler._build_generation_config``), so every
+request generates with a fresh ``KiviCache``, and a model unloaded after ``--model-timeout`` and loaded again goes
+through the same ``_load_model``. A request that sends its own ``generation_config`` JSON replaces the model's, as in
+``transformers serve``: it gets the KIVI cache only if it names it.
+
+Attention: without ``--attn-implementation`` the models are loaded with ``attn_implementation="kivi"`` (the fused
+attention reading the packed history in place, kivi-xpu's fast path; prefill runs SDPA); ``--attn-implementation
+sdpa`` (or ``eager``, ...) gives the dense path (the history dequantized for the attention).
+
+Generation is sequential (one ``generate`` at a time per model, requests queued), as ``transformers serve`` without
+``--continuous-batching``. Continuous batching is refused (:data:`CONTINUOUS_BATCHING_ERROR`): transformers' batching
+manager keeps its own paged full-precision cache (``PagedAttentionCache``: the new tokens of all running requests
+packed along one token axis, pages of raw keys/values read by paged attention kernels) and turns the model's cache
+off (``use_cache=False``), so no ``Cache`` object, hence no ``KiviCache``, takes part. ``--compile`` is refused too
+(:data:`COMPILE_ERROR`): there it only selects a ``StaticCache`` for requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+from ..attention import ATTENTION_NAME
+from ..cache import KiviCache
+from ..integration import CACHE_IMPLEMENTATION, build_cache, cache_kwargs
+from ..overrides import settings_json
+from .cli import add_kivi_arguments, positive_int
+from .options import ToolError
+
+EXTRA_INSTALL = 'pip install "kivi-xpu[serve]"  (or: pip install "transformers[serving]")'
+
+CONTINUOUS_BATCHING_ERROR = (
+    "--continuous-batching is not supported by kivi-xpu serve: transformers' continuous batching keeps its own paged "
+    "full-precision KV cache and turns the model's cache off, so the KIVI cache cannot take part. kivi-xpu serve runs "
+    "sequential generation with the KIVI cache (leave out --continuous-batching); for continuous batching with the "
+    "full-precision paged cache, run `transformers serve --continuous-batching`."
+)
+
+COMPILE_ERROR = (
+    "--compile is not supported by kivi-xpu serve: in transformers serve it only switches requests to a StaticCache "
+    "(which generate then compiles), and every request here uses the KIVI cache; leave out --compile."
+)
+
+# KiviCache arguments that have their own flag here: what --kivi-option says instead.
+SERVE_OWN_FLAGS = {
+    "bits": "use --bits",
+    "group_size": "use --group-size",
+    "residual_length": "use --residual-length",
+    "meta_dtype": "use --meta-dtype",
+    "backend": "use --backend",
+    "device": "use --kivi-device",
+    "attention": "use --attn-implementation (kivi: fused, the default; sdpa or eager: dense)",
+    "config": "the server passes each model's config",
+}
+
+# The KIVI options' argparse destinations that are KiviCache arguments of the same name.
+_CACHE_ARGUMENTS = ("bits", "group_size", "residual_length", "meta_dtype", "backend", "device")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The KIVI cache options of ``kivi-xpu serve`` (transformers' own options are parsed by transformers)."""
+    p.add_argument(
+        "--bits",
+        type=positive_int,
+        default=argparse.SUPPRESS,
+        help="KIVI bit width of keys and values: 2, 4 or 8 (default: KiviCache's, 2)",
+    )
+    add_kivi_arguments(p, device_flag="--kivi-device", own_flags=SERVE_OWN_FLAGS, defaults=False)
+
+
+def cache_config(options: argparse.Namespace) -> dict:
+    """The ``cache_config`` (JSON-serialisable: dtypes by name) of the parsed KIVI options, checked by building a
+    ``KiviCache`` from it; :class:`ToolError` naming the bad option otherwise."""
+    config = {name: getattr(options, name) for name in _CACHE_ARGUMENTS if hasattr(options, name)}
+    config.update(options.kivi_options)
+    config = settings_json(config)
+    try:
+        KiviCache(**cache_kwargs(config))
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise ToolError(f"KIVI cache options {config}: {err}") from None
+    return config
+
+
+def use_kivi_cache(model, config: dict) -> None:
+    """Makes every later ``model.generate`` without its own cache settings use ``KiviCache(**config)``: sets
+    ``model.generation_config.cache_implementation`` and ``cache_config`` (a copy). ``ValueError`` for a model the
+    KIVI cache cannot serve (encoder-decoder, a model-specific cache), raised when the model is loaded."""
+    build_cache(model, config)  # the model's own checks, before the first request
+    model.generation_config.cache_implementation = CACHE_IMPLEMENTATION
+    model.generation_config.cache_config = dict(config)
+
+
+def kivi_model_manager(base: type, config: dict) -> type:
+    """A subclass of transformers' serving ``ModelManager`` (``base``) whose every loaded model generates with the
+    KIVI cache (:func:`use_kivi_cache`), and which accepts ``attn_implementation="kivi"``."""
+
+    class KiviModelManager(base):
+        """transformers' ModelManager; each model it loads (again after an idle unload too) gets the KIVI cache."""
+
+        def _validate_args(self):
+            if self.attn_implementation != ATTENTION_NAME:
+                return super()._validate_args()
+            # transformers' check knows only its own attention names and hub kernels; "kivi" is registered with
+            # transformers' AttentionInterface by `import kivi_xpu`, which from_pretrained consults.
+            self.attn_implementation = None
+            try:
+                return super()._validate_args()
+            finally:
+                self.attn_implementation = ATTENTION_NAME
+
+        def _load_model(self, *args, **kwargs):
+            model = super()._load_model(*args, **kwargs)
+            use_kivi_cache(model, config)
+            return model
+
+    return KiviModelManager
+
+
+@contextlib.contextmanager
+def _kivi_model_manager_installed(config: dict):
+    """transformers' serving ``ModelManager`` replaced by :func:`kivi_model_manager`'s while the server runs."""
+    from transformers.cli.serving import model_manager
+
+    original = model_manager.ModelManager
+    model_manager.ModelManager = kivi_model_manager(original, config)
+    try:
+        yield
+    finally:
+        model_manager.ModelManager = original
+
+
+def _check_serving_dependencies() -> None:
+    from transformers.utils import import_utils
+
+    if not import_utils.is_serve_available():
+        raise ToolError(
+            "kivi-xpu serve needs transformers' serving dependencies (fastapi, uvicorn, pydantic, openai), which are "
+            f"not installed: {EXTRA_INSTALL}"
+        )
+
+
+def _transformers_serve_command(config: dict):
+    """transformers' ``serve`` click command, its callback wrapped: --continuous-batching and --compile refused, the
+    attention defaulting to "kivi", and the KIVI model manager installed around ``Serve`` (which runs the server)."""
+    import typer
+    from transformers.cli.serve import Serve
+
+    app = typer.Typer(add_completion=False)
+    app.command(name="serve")(Serve)
+    command = typer.main.get_command(app)
+    serve = command.callback
+
+    def callback(**params):
+        if params.get("continuous_batching"):
+            raise ToolError(CONTINUOUS_BATCHING_ERROR)
+        if params.get("compile"):
+            raise ToolError(COMPILE_ERROR)
+        if params.get("attn_implementation") is None:
+            params["attn_implementation"] = ATTENTION_NAME
+        with _kivi_model_manager_installed(config):
+            return serve(**params)
+
+    command.callback = callback
+    return command
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kivi-xpu serve",
+        description="transformers serve with the KIVI cache. The KIVI cache options are these; the other options, "
+        "below, are transformers serve's. Without --attn-implementation, models are loaded with the fused "
+        "attention (attn_implementation=kivi); --continuous-batching and --compile are not supported.",
+        add_help=False,
+        allow_abbrev=False,  # an abbreviation must not capture one of transformers' options
+    )
+    add_arguments(p)
+    return p
+
+
+def serve(argv: list[str]) -> int:
+    """``kivi-xpu serve ARGV``: runs the server until it is stopped (SIGINT/SIGTERM); returns the exit code.
+    :class:`ToolError` for a missing serving dependency, bad KIVI options or --continuous-batching."""
+    kivi_parser = parser()
+    try:
+        options, rest = kivi_parser.parse_known_args(argv)
+    except SystemExit as done:  # argparse has printed the usage and the bad KIVI option
+        return done.code if isinstance(done.code, int) else 2
+    wants_help = "-h" in rest or "--help" in rest
+    if wants_help:
+        print(kivi_parser.format_help())
+        rest = ["--help" if arg == "-h" else arg for arg in rest]
+    _check_serving_dependencies()
+    config = cache_config(options)
+    try:
+        _transformers_serve_command(config).main(args=rest, prog_name="kivi-xpu serve")
+    except SystemExit as done:  # click ends with sys.exit; a usage error has printed its message
+        return done.code if isinstance(done.code, int) else 0
+    return 0
+
+
+def main(argv=None) -> int:
+    """``kivi-xpu serve``; a :class:`ToolError` is one ``error:`` line and exit code 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return serve(argv)
+    except ToolError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,251 @@
+"""`kivi-xpu serve`: the real server (a `python -m kivi_xpu serve` subprocess on a loopback port) with a tiny random
+Llama saved as a local model directory, asked through the official `openai` client; every answer must equal a
+direct greedy `generate` with the same KIVI cache settings, attention and chat template. Plus the errors that stop
+the command before it serves."""
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from kivi_xpu.__main__ import main
+from kivi_xpu.tools import serve as serve_tool
+
+try:  # not skipped when missing: `make test` (and CI) installs the serve extra
+    import openai
+except ImportError as err:
+    raise ImportError(f'tests/test_serve.py needs the serve extra: pip install -e ".[serve]" ({err})') from None
+
+ROOT = Path(__file__).resolve().parents[1]
+# G=8, R=8: with ~12-token prompts and 24 new tokens, every request flushes into the packed history several times.
+KIVI = {"bits": 2, "group_size": 8, "residual_length": 8}
+KIVI_FLAGS = ["--bits", "2", "--group-size", "8", "--residual-length", "8"]
+MAX_TOKENS = 24
+STARTUP_SECONDS = 90
+REQUEST_SECONDS = 60
+WORDS = [f"w{i}" for i in range(120)]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+PROMPTS = [
+    "w1 w2 w3 w4 w5 w6",
+    "w10 w20 w30 w40",
+    "w7 w7 w8 w9 w11 w12 w13 w14",
+    "w100 w101",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (no EOS, so every answer has MAX_TOKENS tokens) with a word-level tokenizer and a chat
+    template, saved as a local model directory."""
+    path = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    vocab = {token: i for i, token in enumerate(["[UNK]", ".", ":", "user", "assistant", "system", *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        initializer_range=0.1,  # larger weights than the default 0.02: varied answers, which the KIVI cache changes
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> dict[str, str]:
+    """prompt -> the direct greedy `generate` of that chat turn with the same KIVI settings and the fused attention,
+    decoded as the server decodes. Each must differ from DynamicCache's answer, so that a server that lost the KIVI
+    cache fails the test."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="kivi").eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    answers = {}
+    for prompt in PROMPTS:
+        inputs = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+        prompt_length = inputs["input_ids"].shape[1]
+        kivi, dense = (
+            model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, **cache)[0, prompt_length:]
+            for cache in ({"cache_implementation": "kivi", "cache_config": KIVI}, {})
+        )
+        assert kivi.numel() == MAX_TOKENS
+        assert not torch.equal(kivi, dense), prompt
+        answers[prompt] = tokenizer.decode(kivi, skip_special_tokens=True)
+    assert len(set(answers.values())) == len(PROMPTS)
+    return answers
+
+
+class Server:
+    """`python -m kivi_xpu serve` on 127.0.0.1, port 0 (the port it reports from uvicorn's log); its output is
+    drained by a thread so that it cannot block, and kept for the failure message."""
+
+    def __init__(self, args: list[str]):
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kivi_xpu", "serve", "--host", "127.0.0.1", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self._started = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+            found = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            if found:
+                self.port = int(found.group(1))
+                self._started.set()
+        self._started.set()  # the process ended
+
+    def wait_started(self, timeout: float) -> str:
+        if not self._started.wait(timeout) or self.port is None:
+            raise AssertionError(f"the server did not start within {timeout} s:\n{self.log()}")
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return "".join(self.lines[-60:])
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """(base URL, Server) of a running `kivi-xpu serve` with the test's KIVI settings; stopped afterwards."""
+    server = Server(["--device", "cpu", "--dtype", "float32", *KIVI_FLAGS])
+    try:
+        url = server.wait_started(STARTUP_SECONDS)
+        yield url, server
+    finally:
+        server.stop()
+
+
+def client(url: str):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
+
+
+def chat(url: str, model_dir: Path, prompt: str, stream: bool = False) -> str:
+    """One chat turn, greedy, MAX_TOKENS new tokens; the answer's text (the deltas concatenated when streaming)."""
+    request = dict(
+        model=str(model_dir),
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+    )
+    if not stream:
+        response = client(url).chat.completions.create(**request)
+        assert response.choices[0].finish_reason == "length"
+        assert response.usage.completion_tokens == MAX_TOKENS
+        return response.choices[0].message.content
+    parts = []
+    for chunk in client(url).chat.completions.create(**request, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+    return "".join(parts)
+
+
+def test_chat_completions_equal_direct_generate(server, model_dir, expected):
+    """Non-streaming, streaming and four concurrent requests (queued by the sequential server) all answer exactly
+    what `generate` with the same KiviCache settings gives; the request's `model` is the local directory."""
+    url, process = server
+    deadline = time.monotonic() + 3 * REQUEST_SECONDS
+    try:
+        assert chat(url, model_dir, PROMPTS[0]) == expected[PROMPTS[0]]
+        assert chat(url, model_dir, PROMPTS[1], stream=True) == expected[PROMPTS[1]]
+        with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda p: chat(url, model_dir, p, stream=p == PROMPTS[3]), PROMPTS))
+        assert answers == [expected[p] for p in PROMPTS]
+    except AssertionError as err:
+        raise AssertionError(f"{err}\nserver log:\n{process.log()}") from None
+    assert time.monotonic() < deadline
+
+
+def test_server_models_use_kivi(model_dir):
+    """The model manager installed by `kivi-xpu serve` gives every model it loads the KIVI cache and the fused
+    attention (in-process, without starting a server)."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    manager_class = serve_tool.kivi_model_manager(ModelManager, KIVI)
+    manager = manager_class(device="cpu", dtype="float32", attn_implementation="kivi", model_timeout=-1)
+    model, _ = manager.load_model_and_processor(manager.process_model_name(str(model_dir)))
+    try:
+        assert model.generation_config.cache_implementation == "kivi"
+        assert model.generation_config.cache_config == KIVI
+        assert model.config._attn_implementation == "kivi"
+    finally:
+        manager.shutdown()
+
+
+def test_continuous_batching_is_refused(model_dir, capsys):
+    assert main(["serve", "--continuous-batching", str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "--continuous-batching is not supported" in err
+    assert "sequential generation with the KIVI cache" in err
+    assert "transformers serve --continuous-batching" in err
+
+
+def test_compile_is_refused(model_dir, capsys):
+    assert main(["serve", "--compile", str(model_dir)]) == 2
+    assert "--compile is not supported by kivi-xpu serve" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bits", "3"], "`bits` must be one of (2, 4, 8), got 3"),
+        (["--kivi-option", "attention=dense"], "use --attn-implementation"),
+        (["--kivi-option", "no_such_option=1"], "no_such_option"),
+        (["--meta-dtype", "int8"], "invalid choice: 'int8'"),
+    ],
+)
+def test_bad_kivi_options(args, message, capsys):
+    assert main(["serve", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_serving_dependencies(monkeypatch, capsys):
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
+    assert main(["serve"]) == 2
+    assert 'pip install "kivi-xpu[serve]"' in capsys.readouterr().err
+
+
+def test_transformers_options_are_parsed_by_transformers(capsys):
+    """A transformers serve option with a bad value is transformers' usage error (exit 2), before any model loads."""
+    assert main(["serve", "--port", "not-a-port"]) == 2
+    assert "Usage: kivi-xpu serve [OPTIONS] [force_model]" in capsys.readouterr().err
