@@ -4,7 +4,7 @@ mapping to SYCL devices is checked with the runtime lookup replaced."""
 
 import pytest
 import torch
-from conftest import require_sycl
+from conftest import require_backend, require_sycl
 from tiny_models import tiny_llama
 from transformers import AutoModelForCausalLM
 
@@ -105,9 +105,9 @@ def test_each_layer_keeps_its_history_on_its_own_device():
         assert stream.window.data.device == torch.device(device)
 
 
+@pytest.mark.parametrize("backend_name", ["sycl", "native"])  # the reference runs on every device, meta included
 def test_kernels_refuse_tensors_they_cannot_read_instead_of_moving_them(backend_name):
-    if backend_name == "reference":
-        pytest.skip("the reference runs on every device")
+    require_backend(backend_name)
     layer = KiviLayer(backend=backend_name)
     keys = torch.randn(1, 2, 40, 32, device="meta")
     with pytest.raises(ValueError, match="`layer_device` is meta"):

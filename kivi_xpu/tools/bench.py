@@ -321,6 +321,19 @@ def measure(
     return rows, failed
 
 
+def prepare(options: BenchOptions) -> tuple:
+    """The process options applied, the model loaded and checked for the longest run, the KIVI options checked:
+    ``(model, model_path, runnable cache specs, skipped entries for the caches that cannot run here)``."""
+    apply_process_options(options)
+    model, model_path = load_model(options.model, options.dtype)
+    check_positions(model, max(options.contexts) + options.new_tokens, "context + new tokens")
+    specs = cache_specs(options)
+    check_cache_options(specs, model.config, options)
+    unavailable = {spec: reason for spec in specs if (reason := unavailable_reason(spec))}
+    skipped = [{"cache": s.label, "context": None, "batch": None, "reason": r} for s, r in unavailable.items()]
+    return model, model_path, [s for s in specs if s not in unavailable], skipped
+
+
 def benchmark(options: BenchOptions) -> dict:
     """Runs the benchmark the options describe (``--curve``: :func:`kivi_xpu.tools.curve.curve`) and returns the
     JSON payload (``rows``, ``skipped``, ...)."""
@@ -337,14 +350,7 @@ def benchmark(options: BenchOptions) -> dict:
         return budget(options)
     if options.curve:
         return curve(options)
-    apply_process_options(options)
-    model, model_path = load_model(options.model, options.dtype)
-    check_positions(model, max(options.contexts) + options.new_tokens, "context + new tokens")
-    specs = cache_specs(options)
-    check_cache_options(specs, model.config, options)
-    unavailable = {spec: reason for spec in specs if (reason := unavailable_reason(spec))}
-    skipped = [{"cache": s.label, "context": None, "batch": None, "reason": r} for s, r in unavailable.items()]
-    runnable = [s for s in specs if s not in unavailable]
+    model, model_path, runnable, skipped = prepare(options)
     make_prompt = prompts(options, model, model_path, max(c * b for c in options.contexts for b in options.batch_sizes))
     meter = PeakMemory()
     # The model and the libraries live until the end: frozen, they are not rescanned by the collection before

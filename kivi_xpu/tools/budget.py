@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cli import apply_process_options, progress
-from .loading import check_positions, load_model
+from .cli import progress
 from .machine import report_header
 from .memory import MIB, KvBytes, accounted_bytes, kv_bytes, release_freed_memory
 from .options import ToolError
-from .specs import CacheSpec, cache_specs, check_cache_options, make_cache, unavailable_reason
+from .specs import CacheSpec, make_cache
 from .timing import competitors, timed_decode
 
 if TYPE_CHECKING:
@@ -197,16 +196,9 @@ def budget(options: BenchOptions, make_prompt: Callable[[int, int], torch.Tensor
         raise ToolError(f"--kv-budget must be a positive number of MiB; got {options.kv_budget}")
     if options.curve:
         raise ToolError("--kv-budget and --curve are different benchmarks: pass one of them")
-    from .bench import prompts
+    from .bench import prepare, prompts  # bench dispatches here: imported late
 
-    apply_process_options(options)
-    model, model_path = load_model(options.model, options.dtype)
-    check_positions(model, max(options.contexts) + options.new_tokens, "context + new tokens")
-    specs = cache_specs(options)
-    check_cache_options(specs, model.config, options)
-    unavailable = {spec: reason for spec in specs if (reason := unavailable_reason(spec))}
-    skipped = [{"cache": s.label, "context": None, "batch": None, "reason": r} for s, r in unavailable.items()]
-    specs = [s for s in specs if s not in unavailable]
+    model, model_path, specs, skipped = prepare(options)
     make_prompt = make_prompt or prompts(options, model, model_path, max(options.contexts))
     steps = options.new_tokens - 1
     rows = []
