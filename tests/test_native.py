@@ -12,8 +12,10 @@ import sys
 import pytest
 import torch
 from native_module import native
+from rotated_values import assert_rotated_storage_close, random_orthogonal
 
 from kivi_xpu.ops import reference
+from kivi_xpu.rotation import rotation_matrix
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BITS = (2, 4, 8)
@@ -278,6 +280,86 @@ def test_quantize_values_into_matches_reference(isa, shape):
                     assert_identical(
                         a, e, f"quantize_values_into {name} [{isa}] bits={bits} x={dtype} meta={meta_dtype}"
                     )
+
+
+# (batch, heads, tokens, head_dim, value group): head_dims whose Hadamard blocks are 16, 64, 8 and 32 channels.
+ROTATED_SHAPES = ((2, 3, 37, 48, 16), (1, 2, 9, 64, 32), (3, 1, 21, 72, 24), (2, 2, 1, 96, 32), (1, 1, 0, 64, 8))
+
+
+@pytest.mark.parametrize("shape", ROTATED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kind", ("hadamard", "orthogonal"))
+def test_quantize_values_into_with_rotation_matches_reference(isa, shape, kind):
+    """x @ Q quantized in the kernel (its own fp32 matmul, then the quantizer) against the reference (torch's matmul,
+    then the quantizer), for x of every dtype and awkward values (NaN / Inf groups, beyond fp16...)."""
+    b, h, t, d, value_group = shape
+    rotation = rotation_matrix("hadamard", d) if kind == "hadamard" else random_orthogonal(d)
+    for bits in BITS:
+        for dtype in DTYPES:
+            for meta_dtype in DTYPES:
+                x = awkward_input((b, h, t, d), dtype, value_group, axis=3)
+                capacity, offset = t + 5, 2
+                ours = (
+                    torch.zeros(b, h, capacity, d * bits // 8, dtype=torch.uint8),
+                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
+                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
+                )
+                theirs = tuple(part.clone() for part in ours)
+                native.quantize_values_into(x, *ours, offset, value_group, bits, rotation)
+                reference.quantize_values_into(x, *theirs, offset, value_group, bits, rotation)
+                what = f"quantize_values_into [{isa}] {kind} bits={bits} x={dtype} meta={meta_dtype}"
+                assert_rotated_storage_close(ours, theirs, bits, what, x, rotation, offset)
+                if t and bits == 8 and meta_dtype == torch.float32:  # fine enough to tell a rotation from none
+                    plain = tuple(part.clone() for part in theirs)
+                    reference.quantize_values_into(x, *plain, offset, value_group, bits)
+                    assert not torch.equal(plain[0], ours[0]), what
+
+
+@pytest.mark.parametrize("head_dim", (48, 64))
+def test_quantize_values_into_with_an_exact_rotation_is_bit_identical(isa, head_dim):
+    """Where x @ Q is exact in float32 whatever the order of the sums (small integers times the Hadamard entries
+    1/4 or 1/8), the kernel's codes and metadata equal the reference's bit for bit (rounding ties included)."""
+    rotation = rotation_matrix("hadamard", head_dim)
+    for bits in BITS:
+        for dtype in DTYPES:
+            x = torch.randint(-16, 17, (2, 3, 19, head_dim)).to(dtype)
+            ours = (
+                torch.zeros(2, 3, 23, head_dim * bits // 8, dtype=torch.uint8),
+                torch.zeros(2, 3, 23, head_dim // 16, dtype=torch.float32),
+                torch.zeros(2, 3, 23, head_dim // 16, dtype=torch.float32),
+            )
+            theirs = tuple(part.clone() for part in ours)
+            native.quantize_values_into(x, *ours, 4, 16, bits, rotation)
+            reference.quantize_values_into(x, *theirs, 4, 16, bits, rotation)
+            for name, a, e in zip(("codes", "scales", "zeros"), ours, theirs, strict=True):
+                assert_identical(a, e, f"quantize_values_into {name} [{isa}] bits={bits} x={dtype} exact rotation")
+
+
+def test_quantize_values_into_rotation_wider_than_the_row_buffers(isa):
+    """head_dim 1024 exceeds the kernels' stack rows: the extension rotates with torch, still x @ Q."""
+    rotation = rotation_matrix("hadamard", 1024)
+    x = torch.randn(1, 2, 3, 1024, dtype=torch.bfloat16)
+    ours = (
+        torch.zeros(1, 2, 4, 1024 // 4, dtype=torch.uint8),
+        torch.zeros(1, 2, 4, 32, dtype=torch.float16),
+        torch.zeros(1, 2, 4, 32, dtype=torch.float16),
+    )
+    theirs = tuple(part.clone() for part in ours)
+    native.quantize_values_into(x, *ours, 1, 32, 2, rotation)
+    reference.quantize_values_into(x, *theirs, 1, 32, 2, rotation)
+    assert_rotated_storage_close(ours, theirs, 2, f"quantize_values_into [{isa}] head_dim 1024", x, rotation, 1)
+
+
+def test_native_quantize_values_into_rejects_a_bad_rotation():
+    x, storage = torch.randn(1, 2, 3, 64), quantized_storage(1, 2, 4, 64)
+    for bad in (torch.eye(32), torch.eye(64, dtype=torch.float64), torch.eye(64).view(1, 64, 64)):
+        with pytest.raises(ValueError, match="`rotation` must be a float32 \\[64, 64\\] CPU tensor"):
+            native.quantize_values_into(x, *storage, 0, 32, 2, bad)
+
+
+def quantized_storage(batch, heads, capacity, head_dim, bits=2, group=32):
+    codes = torch.zeros(batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8)
+    scales = torch.zeros(batch, heads, capacity, head_dim // group, dtype=torch.float16)
+    return codes, scales, scales.clone()
 
 
 # Packed codes placed so that they end exactly where a PROT_NONE page begins: a kernel reading one byte past them

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from rotated_values import assert_rotated_storage_close, random_orthogonal
 
 from kivi_xpu import ops
 from kivi_xpu.ops import reference
@@ -169,6 +170,53 @@ def test_quantize_values_into_checks_name_the_argument():
         ops.call("quantize_values_into", "reference", x, *value_storage(1, 2, 6, 64), -1, 32, 2)
     with pytest.raises(ValueError, match="`codes` must have shape"):
         ops.call("quantize_values_into", "reference", x, *value_storage(1, 3, 6, 64), 0, 32, 2)
+
+
+def test_opcheck_quantize_values_into_with_a_rotation():
+    x = torch.randn(2, 3, 5, 96)
+    storage = value_storage(2, 3, 11, 96)
+    torch.library.opcheck(
+        torch.ops.kivi_xpu.quantize_values_into, (x, *storage, 4, 32, 2, rotation_matrix("hadamard", 96))
+    )
+
+
+@pytest.mark.parametrize("backend", ("reference", "sycl", "native"))
+@pytest.mark.parametrize("head_dim", (48, 64, 72, 96))
+def test_quantize_values_into_with_a_rotation_matches_the_reference(backend, head_dim):
+    """Every backend stores x @ Q (Hadamard over the largest power-of-two block, and a non-symmetric orthogonal Q) as
+    the reference does: rotate, then quantize."""
+    skip_unless_available(backend)
+    group = 8 if head_dim == 72 else 16
+    for rotation in (rotation_matrix("hadamard", head_dim), random_orthogonal(head_dim)):
+        for dtype, bits, meta_dtype in ((torch.bfloat16, 2, torch.float16), (torch.float32, 4, torch.float32)):
+            x = torch.randn(2, 3, 7, head_dim, dtype=dtype) * 3
+            x[0, 1, 2, 5] = 40  # an outlier channel: what the rotation is for
+            ours = value_storage(2, 3, 12, head_dim, bits=bits, group=group, meta_dtype=meta_dtype)
+            theirs = tuple(part.clone() for part in ours)
+            ops.for_backend(backend).quantize_values_into(x, *ours, 3, group, bits, rotation=rotation)
+            reference.quantize_values_into(x, *theirs, 3, group, bits, rotation)
+            what = f"{backend} head_dim={head_dim} x={dtype} bits={bits}"
+            assert_rotated_storage_close(ours, theirs, bits, what, x, rotation, 3)
+
+
+def test_quantize_values_into_rotation_is_checked_by_name():
+    x = torch.randn(1, 2, 4, 64)
+    for bad, error, message in (
+        (torch.eye(32), ValueError, "`rotation` must be a float32 \\[64, 64\\] matrix, got torch.float32 \\(32, 32\\)"),
+        (
+            torch.eye(64, dtype=torch.float16),
+            ValueError,
+            "`rotation` must be a float32 \\[64, 64\\] matrix, got torch.float16",
+        ),
+        (torch.eye(64, device="meta"), ValueError, "`rotation` is on meta but `x` is on cpu"),
+        (torch.eye(64).tolist(), TypeError, "`rotation` must be None or a torch.Tensor, got list"),
+    ):
+        for backend in ("reference", "native", "sycl"):
+            with pytest.raises(error, match=message):
+                ops.call("quantize_values_into", backend, x, *value_storage(1, 2, 6, 64), 0, 32, 2, bad)
+        if isinstance(bad, torch.Tensor):  # torch's dispatcher itself refuses a list for a Tensor? argument
+            with pytest.raises(error, match=message):
+                torch.ops.kivi_xpu.quantize_values_into(x, *value_storage(1, 2, 6, 64), 0, 32, 2, bad)
 
 
 def test_every_declared_op_is_covered_by_opcheck():

@@ -341,4 +341,14 @@ void register_decode_attention(pybind11::module& m) {
         pybind11::arg("key_rotation") = pybind11::none(), pybind11::arg("value_rotation") = pybind11::none());
 }
 
+namespace decode {
+void rotate_rows(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out) {
+  switch (current_isa()) {
+    case Isa::kAvx512: return rotate_rows_avx512(x, dtype, rows, dim, m, out);
+    case Isa::kAvx2: return rotate_rows_avx2(x, dtype, rows, dim, m, out);
+    default: return rotate_rows_baseline(x, dtype, rows, dim, m, out);
+  }
+}
+}  // namespace decode
+
 }  // namespace kivi::cpu

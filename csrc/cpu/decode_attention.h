@@ -73,4 +73,11 @@ void rows_times_avx512(const float* x, const float* m, int64_t rows, int64_t dim
 void rows_times_avx2(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
 void rows_times_baseline(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
 
+// out[r] = x[r] @ m in fp32 for `rows` contiguous rows of `dim` (<= kMaxDim) elements of `dtype`: the rotation of the
+// value tokens that quantize_values_into stores (quantize.cpp). rotate_rows picks the CPU's ISA.
+void rotate_rows_avx512(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
+void rotate_rows_avx2(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
+void rotate_rows_baseline(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
+void rotate_rows(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
+
 }  // namespace kivi::cpu::decode

@@ -12,5 +12,6 @@
 #define KIVI_SIMD_AVX2 1
 #define KIVI_DA_ENTRY chunk_avx2
 #define KIVI_DA_ROWS_TIMES rows_times_avx2
+#define KIVI_DA_ROTATE_ROWS rotate_rows_avx2
 #include "decode_attention_impl.h"
 #pragma GCC pop_options

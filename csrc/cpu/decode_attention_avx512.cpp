@@ -14,5 +14,6 @@
 #define KIVI_SIMD_AVX512 1
 #define KIVI_DA_ENTRY chunk_avx512
 #define KIVI_DA_ROWS_TIMES rows_times_avx512
+#define KIVI_DA_ROTATE_ROWS rotate_rows_avx512
 #include "decode_attention_impl.h"
 #pragma GCC pop_options

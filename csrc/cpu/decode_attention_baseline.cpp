@@ -10,4 +10,5 @@
 
 #define KIVI_DA_ENTRY chunk_baseline
 #define KIVI_DA_ROWS_TIMES rows_times_baseline
+#define KIVI_DA_ROTATE_ROWS rotate_rows_baseline
 #include "decode_attention_impl.h"

@@ -11,8 +11,8 @@
 //   out_d  += p_t * (s_tg * c_td)  and  zsum_g += p_t * z_tg     (vectorised along channels; zsum added at the end)
 // The chunk's scores become exp(score - chunk max) in place; the chunk max, sum and unnormalised output go to its
 // partial, merged in order by the dispatcher.
-#if !defined(KIVI_DA_ENTRY) || !defined(KIVI_DA_ROWS_TIMES)
-#error "define KIVI_DA_ENTRY and KIVI_DA_ROWS_TIMES (the <name>_<isa> functions) before including decode_attention_impl.h"
+#if !defined(KIVI_DA_ENTRY) || !defined(KIVI_DA_ROWS_TIMES) || !defined(KIVI_DA_ROTATE_ROWS)
+#error "define KIVI_DA_ENTRY, KIVI_DA_ROWS_TIMES, KIVI_DA_ROTATE_ROWS (<name>_<isa>) before including this file"
 #endif
 
 namespace kivi::cpu::decode {
@@ -644,6 +644,14 @@ void KIVI_DA_ROWS_TIMES(const float* x, const float* m, int64_t rows, int64_t di
     if (!accumulate)
       for (int64_t j = 0; j < dim; ++j) o[j] = 0.0f;
     for (int64_t d = 0; d < dim; ++d) axpy(x[r * dim + d], m + d * dim, o, dim);  // o += x_d * (row d of m)
+  }
+}
+
+void KIVI_DA_ROTATE_ROWS(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out) {
+  float row[kMaxDim];
+  for (int64_t r = 0; r < rows; ++r) {
+    load_row(x, dtype, r * dim, dim, row);
+    KIVI_DA_ROWS_TIMES(row, m, 1, dim, out + r * dim, false);
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "decode_attention.h"  // rotate_rows
 #include "isa.h"
 #include "kernels.h"
 #include "quantize_job.h"
@@ -108,11 +109,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& input,
   return {codes, scales, zeros};
 }
 
+// Rows a rotated block holds: blocks of rotated rows live in a stack buffer of kRotatedFloats floats.
+constexpr int64_t kRotatedFloats = 4096;
+
 // Values quantized straight into token rows [offset, offset + n) of packed value storage: codes [B,H,capacity,
 // D*bits/8], scales/zeros [B,H,capacity,D/G] (their dtype is the metadata dtype). One kernel range per (batch, head),
 // whose n rows are contiguous in the storage: a decode step's departing token needs no temporaries and no copies.
+// With a `rotation` Q [D, D] (float32), the rows stored are x @ Q, rotated a block of rows at a time into a stack
+// buffer (a decode step's token costs no torch call for its rotation).
 void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& zeros, int64_t offset, int64_t group_size, int64_t bits) {
+                          const at::Tensor& zeros, int64_t offset, int64_t group_size, int64_t bits,
+                          const c10::optional<at::Tensor>& rotation) {
   check_tensor(input, "x");
   check_tensor(codes, "codes");
   check_tensor(scales, "scales");
@@ -138,6 +145,18 @@ void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, cons
                     "`codes`, `scales` and `zeros` must be contiguous (packed storage is laid out densely)");
   TORCH_CHECK_VALUE(offset >= 0 && offset + n <= capacity, "`offset` + tokens (", offset, " + ", n,
                     ") must lie within the storage capacity (", capacity, ")");
+  at::Tensor q;
+  if (rotation.has_value()) {
+    q = rotation->contiguous();
+    TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(0) == d &&
+                          q.size(1) == d,
+                      "`rotation` must be a float32 [", d, ", ", d, "] CPU tensor, got ", q.scalar_type(), " ",
+                      q.sizes(), " on ", q.device());
+    if (d > decode::kMaxDim) {  // wider than the kernels' row buffers: rotate with torch, then as without rotation
+      return quantize_values_into(at::matmul(x.to(at::kFloat), q), codes, scales, zeros, offset, group_size, bits,
+                                  c10::nullopt);
+    }
+  }
   if (n == 0 || b * h == 0) return;
   const auto* x_bytes = static_cast<const char*>(x.data_ptr());
   auto* scale_bytes = static_cast<char*>(scales.data_ptr());
@@ -153,7 +172,23 @@ void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, cons
       rows.codes = codes.data_ptr<uint8_t>() + first_row * row_bytes;
       rows.scales = scale_bytes + first_row * meta_row;
       rows.zeros = zero_bytes + first_row * meta_row;
-      k.quantize_values(rows, 0, n);
+      if (!q.defined()) {
+        k.quantize_values(rows, 0, n);
+        continue;
+      }
+      alignas(64) float rotated[kRotatedFloats];
+      const int64_t block = kRotatedFloats / d;  // >= 8 rows (d <= kMaxDim)
+      for (int64_t r0 = 0; r0 < n; r0 += block) {
+        QuantizeJob part = rows;
+        part.tokens = std::min(block, n - r0);
+        decode::rotate_rows(static_cast<const char*>(rows.x) + r0 * x_row, job.x_dtype, part.tokens, d,
+                            q.data_ptr<float>(), rotated);
+        part.x = rotated, part.x_dtype = kF32;
+        part.codes += r0 * row_bytes;
+        part.scales = static_cast<char*>(rows.scales) + r0 * meta_row;
+        part.zeros = static_cast<char*>(rows.zeros) + r0 * meta_row;
+        k.quantize_values(part, 0, part.tokens);
+      }
     }
   });
 }
@@ -232,9 +267,9 @@ void register_quantize(pybind11::module& m) {
       py::arg("group_size"), py::arg("bits"), py::arg("meta_dtype") = at::kHalf);
   m.def("quantize_values_into", &quantize_values_into,
         "x [B,H,n,D] quantized per token into rows [offset, offset+n) of value storage codes [B,H,capacity,D*bits/8] "
-        "and scales, zeros [B,H,capacity,D/G] (metadata in their dtype).",
+        "and scales, zeros [B,H,capacity,D/G] (metadata in their dtype); with a rotation Q [D,D] fp32, x @ Q is stored.",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("offset"), py::arg("group_size"),
-        py::arg("bits"));
+        py::arg("bits"), py::arg("rotation") = py::none());
   m.def(
       "dequantize_keys",
       [](const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t num_tokens,

@@ -152,10 +152,11 @@ def check_quantize_into_args(
     offset: int,
     group_size: int,
     bits: int,
+    rotation: torch.Tensor | None = None,
 ) -> None:
-    """Checks for ``quantize_values_into``: ``x [B, H, n, D]`` goes to token rows ``[offset, offset + n)`` of packed
-    value storage ``codes [B, H, capacity, D/P]``, ``scales``/``zeros [B, H, capacity, D/G]`` (their dtype is the
-    metadata dtype)."""
+    """Checks for ``quantize_values_into``: ``x [B, H, n, D]`` (or ``x @ rotation``, ``rotation`` ``None`` or float32
+    ``[D, D]`` on ``x``'s device) goes to token rows ``[offset, offset + n)`` of packed value storage ``codes [B, H,
+    capacity, D/P]``, ``scales``/``zeros [B, H, capacity, D/G]`` (their dtype is the metadata dtype)."""
     check_quantize_args(x, group_size, bits, scales.dtype if isinstance(scales, torch.Tensor) else None, "channels")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"`offset` must be a non-negative integer, got {offset!r}")
@@ -173,6 +174,7 @@ def check_quantize_into_args(
         raise ValueError(f"`x` is on {x.device} but `codes` is on {codes.device}: all must share a device")
     if offset + n > codes.shape[2]:
         raise ValueError(f"`offset` + tokens ({offset} + {n}) exceeds the storage capacity ({codes.shape[2]})")
+    check_rotation(rotation, "rotation", d, x.device, owner="x")
 
 
 def check_attention_args(
@@ -235,8 +237,8 @@ def split_decode_args(args: tuple) -> tuple:
     return keys, values, *args[16:19]
 
 
-def check_rotation(rotation, name: str, head_dim: int, device) -> None:
-    """``None``, or a float32 ``[head_dim, head_dim]`` tensor on ``device`` (the query's)."""
+def check_rotation(rotation, name: str, head_dim: int, device, owner: str = "query") -> None:
+    """``None``, or a float32 ``[head_dim, head_dim]`` tensor on ``device`` (that of the argument ``owner``)."""
     if rotation is None:
         return
     if not isinstance(rotation, torch.Tensor):
@@ -246,7 +248,7 @@ def check_rotation(rotation, name: str, head_dim: int, device) -> None:
             f"`{name}` must be a float32 [{head_dim}, {head_dim}] matrix, got {rotation.dtype} {tuple(rotation.shape)}"
         )
     if rotation.device != device:
-        raise ValueError(f"`{name}` is on {rotation.device} but `query` is on {device}")
+        raise ValueError(f"`{name}` is on {rotation.device} but `{owner}` is on {device}")
 
 
 def check_decode_args(query, *args) -> None:

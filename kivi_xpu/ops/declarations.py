@@ -7,7 +7,7 @@ byte; see :mod:`.reference` for the exact semantics):
 * values, per token: codes ``uint8 [B, H, T, D/P]``, scales/zeros ``[B, H, T, D/G]``.
 
 ``quantize_values_into`` is ``quantize_values`` writing into rows of existing value storage (a decode step's token
-leaving the window, without temporaries).
+leaving the window, without temporaries); with a ``rotation`` ``Q``, of ``x @ Q`` (the rotation folded into the op).
 
 Packed buffers may be longer along their token axis than the count of valid tokens (over-allocated storage).
 """
@@ -30,7 +30,8 @@ from .library import define
 
 _QUANTIZE = "(Tensor x, int group_size, int bits, ScalarType meta_dtype) -> (Tensor, Tensor, Tensor)"
 _QUANTIZE_INTO = (
-    "(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) zeros, int offset, int group_size, int bits) -> ()"
+    "(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) zeros, int offset, int group_size, int bits, "
+    "Tensor? rotation=None) -> ()"
 )
 _DEQUANTIZE = (
     "(Tensor codes, Tensor scales, Tensor zeros, int num_tokens, int group_size, int bits, ScalarType out_dtype)"

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rotation import unrotate
+from ..rotation import rotate, unrotate
 from .checks import codes_per_byte
 from .library import register_kernel
 
@@ -124,10 +124,13 @@ def quantize_values_into(
     offset: int,
     group_size: int,
     bits: int,
+    rotation: torch.Tensor | None = None,
 ) -> None:
-    """:func:`quantize_values` of ``x [B, H, n, D]`` written into token rows ``[offset, offset + n)`` of packed value
-    storage ``codes [B, H, capacity, D * bits / 8]``, ``scales``/``zeros [B, H, capacity, D / G]`` (metadata in
-    their dtype): how a decode step stores the token leaving the window, without temporaries in the fast kernels."""
+    """:func:`quantize_values` of ``x [B, H, n, D]``, or of ``x @ rotation`` in float32 (``rotation`` ``[D, D]``
+    float32, see :mod:`kivi_xpu.rotation`), written into token rows ``[offset, offset + n)`` of packed value storage
+    ``codes [B, H, capacity, D * bits / 8]``, ``scales``/``zeros [B, H, capacity, D / G]`` (metadata in their dtype):
+    how a decode step stores the token leaving the window, without temporaries in the fast kernels."""
+    x = rotate(x, rotation)
     store_value_rows(quantize_values(x, group_size, bits, scales.dtype), (codes, scales, zeros), offset)
 
 

@@ -73,8 +73,11 @@ for _kind in ("keys", "values"):
 
 
 @register_kernel("quantize_values_into", "sycl")
-def quantize_values_into(x, codes, scales, zeros, offset, group_size, bits):
-    """The SYCL value quantizer, then copies into the storage rows (no in-place SYCL kernel yet)."""
+def quantize_values_into(x, codes, scales, zeros, offset, group_size, bits, rotation=None):
+    """The SYCL value quantizer, then copies into the storage rows (no in-place SYCL kernel yet). A rotation is
+    applied with torch first: the SYCL quantize kernel reads x as it is, and this path already costs several torch
+    calls per token, so one more matmul is no regression."""
+    x = rotate(x, rotation)
     parts = _quantize("quantize_values")(x, group_size, bits, scales.dtype)
     store_value_rows(parts, (codes, scales, zeros), offset)
 
