@@ -29,13 +29,17 @@ MIN_GROWTH_TOKENS = 1024
 _overflow_warned = False
 
 
-def warn_on_metadata_overflow(x: torch.Tensor, scales: torch.Tensor, kind: str) -> None:
-    """Warns once per process when finite ``x [B, H, n, D]`` exceeded the float16 range of its scales/zero points
-    (their groups then hold NaN, by the quantizer's rule: a loud result, but the cause deserves a message). Cheap:
-    ``scales`` is small, and ``x`` is only looked at when some scale is NaN."""
+def warn_on_metadata_overflow(
+    x: torch.Tensor, scales: torch.Tensor, kind: str, rotation: torch.Tensor | None = None
+) -> None:
+    """Warns once per process when finite ``x [B, H, n, D]`` (quantized as ``x @ rotation`` with a rotation)
+    exceeded the float16 range of its scales/zero points (their groups then hold NaN, by the quantizer's rule: a loud
+    result, but the cause deserves a message). Cheap: ``scales`` is small, and ``x`` is only looked at when some
+    scale is NaN."""
     global _overflow_warned
     if _overflow_warned or scales.device.type == "meta" or not scales.isnan().any():
         return
+    x = rotate(x, rotation)
     largest = x.abs().masked_fill(~x.isfinite(), 0).max()
     if largest > torch.finfo(torch.float16).max:
         _overflow_warned = True
@@ -238,27 +242,31 @@ class PackedHistory:
 
     def append(self, x: torch.Tensor) -> None:
         """Quantizes and appends ``x [B, H, n, D]`` (for keys, ``n`` is a multiple of the group size)."""
-        x, n = rotate(x, self.rotation(x.device)).to(self.device), x.shape[2]
+        n, rotation = x.shape[2], None
         if self.kind == "values":
-            # Straight into the storage rows: one op call and no temporaries for a decode step's departing token.
+            # Straight into the storage rows, rotated by the op itself: one op call and no temporaries for a decode
+            # step's departing token.
+            x, rotation = x.to(self.device), self.rotation(self.device)
             for buf in self.buffers():
                 buf.reserve(n)
             codes, scales, zeros = (buf.data for buf in self.buffers())
             quantize = kernel("quantize_values_into", self.backend)
-            quantize(x, codes, scales, zeros, self.codes.end, self.group_size, self.bits)
+            quantize(x, codes, scales, zeros, self.codes.end, self.group_size, self.bits, rotation)
             for buf in self.buffers():
                 buf.commit(n)
             # Checked for blocks only (prefill, appends of several tokens): a per-token check would cost a
             # reduction per layer and step, and keys, from the same activations, are checked every R tokens.
             written_scales = self.scales.rows(self.scales.end - n, self.scales.end) if n > 1 else None
         else:
+            x = rotate(x, self.rotation(x.device)).to(self.device)  # once per G tokens: not worth folding
             quantize = kernel("quantize_keys", self.backend)
             parts = quantize(x, self.group_size, self.bits, self.settings.meta_dtype)
             for buf, part in zip(self.buffers(), parts, strict=True):
                 buf.append(part)
             written_scales = parts[1]
-        if written_scales is not None and self.settings.meta_dtype == torch.float16 and x.dtype != torch.float16:
-            warn_on_metadata_overflow(x, written_scales, self.kind)  # only then can it overflow
+        quantized = x.dtype if rotation is None else torch.float32  # values quantize x @ Q in float32
+        if written_scales is not None and self.settings.meta_dtype == torch.float16 and quantized != torch.float16:
+            warn_on_metadata_overflow(x, written_scales, self.kind, rotation)  # only then can it overflow
         self.num_tokens += n
 
     def dequantize(self, out_dtype: torch.dtype, start: int = 0, count: int | None = None) -> torch.Tensor:
