@@ -109,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& input,
   return {codes, scales, zeros};
 }
 
-// Rows a rotated block holds: blocks of rotated rows live in a stack buffer of kRotatedFloats floats.
+// Floats of the stack buffer that holds a block of rotated rows (kRotatedFloats / D rows at a time).
 constexpr int64_t kRotatedFloats = 4096;
 
 // Values quantized straight into token rows [offset, offset + n) of packed value storage: codes [B,H,capacity,
