@@ -260,6 +260,13 @@ def test_quantize_near_rounding_ties_matches_reference(isa, bits):
             assert_identical(a, e, f"{quantize} {part} [{isa}] bits={bits} near ties ({name})")
 
 
+def value_storage(b: int, h: int, capacity: int, d: int, group: int, bits: int, meta_dtype: torch.dtype) -> tuple:
+    """Zeroed packed value storage: codes [b, h, capacity, d * bits / 8], scales, zeros [b, h, capacity, d / group]."""
+    meta = (b, h, capacity, d // group)
+    codes = torch.zeros(b, h, capacity, d * bits // 8, dtype=torch.uint8)
+    return codes, torch.zeros(meta, dtype=meta_dtype), torch.zeros(meta, dtype=meta_dtype)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_quantize_values_into_matches_reference(isa, shape):
     b, h, t, d, _, value_group = shape
@@ -268,11 +275,7 @@ def test_quantize_values_into_matches_reference(isa, shape):
             for meta_dtype in DTYPES:
                 x = awkward_input((b, h, t, d), dtype, value_group, axis=3)
                 capacity, offset = t + 7, 3
-                ours = (
-                    torch.zeros(b, h, capacity, d * bits // 8, dtype=torch.uint8),
-                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
-                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
-                )
+                ours = value_storage(b, h, capacity, d, value_group, bits, meta_dtype)
                 theirs = tuple(part.clone() for part in ours)
                 native.quantize_values_into(x, *ours, offset, value_group, bits)
                 reference.quantize_values_into(x, *theirs, offset, value_group, bits)
@@ -298,11 +301,7 @@ def test_quantize_values_into_with_rotation_matches_reference(isa, shape, kind):
             for meta_dtype in DTYPES:
                 x = awkward_input((b, h, t, d), dtype, value_group, axis=3)
                 capacity, offset = t + 5, 2
-                ours = (
-                    torch.zeros(b, h, capacity, d * bits // 8, dtype=torch.uint8),
-                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
-                    torch.zeros(b, h, capacity, d // value_group, dtype=meta_dtype),
-                )
+                ours = value_storage(b, h, capacity, d, value_group, bits, meta_dtype)
                 theirs = tuple(part.clone() for part in ours)
                 native.quantize_values_into(x, *ours, offset, value_group, bits, rotation)
                 reference.quantize_values_into(x, *theirs, offset, value_group, bits, rotation)
