@@ -90,9 +90,8 @@ def run(path: str, tokenizer, args) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
-        if (
-            args.tiny is not None
-        ):  # every rank saves the same seeded model for from_pretrained (a directory per rank: no race)
+        # Every rank saves the same seeded model for from_pretrained (a directory per rank: no race).
+        if args.tiny is not None:
             tiny_model(args.tiny).save_pretrained(scratch)
             result = run(scratch, byte_tokenizer(), args)
         else:
