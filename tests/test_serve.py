@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from kivi_xpu.__main__ import main
 from kivi_xpu.tools import serve as serve_tool
@@ -56,21 +57,17 @@ def model_dir(tmp_path_factory) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    model = tiny_llama(
         vocab_size=len(vocab),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
         initializer_range=0.1,  # larger weights than the default 0.02: varied answers, which the KIVI cache changes
     )
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    model.save_pretrained(path)
     return path
 
 
