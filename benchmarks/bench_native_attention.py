@@ -5,10 +5,12 @@ metadata, fp32 model: for each batch and context ``n`` the op attends over ``n``
 values, the packed keys in whole groups, the rest exact), and ``torch.nn.functional.scaled_dot_product_attention``
 attends over the same ``n`` tokens of dense fp32 K/V preallocated at the maximum length (what a StaticCache costs).
 Columns: best ms of each over ``--repeats`` calls in each of 3 interleaved rounds (the least disturbed call: on a
-shared machine a descheduled pool thread adds whole time slices to the others), ``dense/native`` (above 1: the fused
-op is faster), and GB/s of packed bytes read (codes + scales + zeros of the packed tokens) by the native op.
+shared machine a descheduled pool thread adds whole time slices to the others), for each arithmetic of ``--dot``
+(``int8``: integer dot products, the default; ``fp32``: codes converted to floats), ``dense/native`` (above 1: the
+fused op is faster), and GB/s of packed bytes read (codes + scales + zeros of the packed tokens) by the native op.
 
     python benchmarks/bench_native_attention.py [--batch 1 4] [--context 1024 4096 8192] [--isa avx2]
+        [--dot int8 fp32]
 
 Prints the CPU model, its SIMD flags and the ISA used. Not a test: numbers depend on the machine and its load.
 """
@@ -70,14 +72,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--isa", choices=["avx512", "avx2", "baseline"], help="force an ISA (default: the best)")
+    parser.add_argument("--dot", choices=["int8", "fp32"], nargs="+", default=["int8", "fp32"], help="arithmetics")
     args = parser.parse_args()
     if args.isa:
         native.set_isa(args.isa)
     torch.manual_seed(0)
     print(f"CPU: {cpu_description()}")
     print(f"ISA: {native.isa()}  threads: {torch.get_num_threads()}  torch {torch.__version__}")
-    print("| batch | context | native ms | dense SDPA ms | dense/native | native GB/s (packed) |")
-    print("|---|---|---|---|---|---|")
+    print("| batch | context | arithmetic | native ms | dense SDPA ms | dense/native | native GB/s (packed) |")
+    print("|---|---|---|---|---|---|---|")
     capacity = max(args.context)
     for batch in args.batch:
         keys = torch.randn(batch, KV_HEADS, capacity, HEAD_DIM)
@@ -93,12 +96,19 @@ def main() -> None:
             def dense(query=query, k=k, v=v):
                 return torch.nn.functional.scaled_dot_product_attention(query, k, v, enable_gqa=True)
 
-            fused_s, dense_s = [], []
-            for _ in range(3):  # interleaved rounds, so a burst of load from elsewhere hits both
-                fused_s.append(best_seconds(fused, args.repeats))
+            fused_s, dense_s = {dot: [] for dot in args.dot}, []
+            for _ in range(3):  # interleaved rounds, so a burst of load from elsewhere hits every column
+                for dot in args.dot:
+                    native.set_dot(dot)
+                    fused_s[dot].append(best_seconds(fused, args.repeats))
                 dense_s.append(best_seconds(dense, args.repeats))
-            f, d = min(fused_s), min(dense_s)
-            print(f"| {batch} | {n} | {f * 1e3:.3f} | {d * 1e3:.3f} | {d / f:.2f}x | {packed_bytes / f / 1e9:.1f} |")
+            d = min(dense_s)
+            for dot in args.dot:
+                f = min(fused_s[dot])
+                print(
+                    f"| {batch} | {n} | {dot} | {f * 1e3:.3f} | {d * 1e3:.3f} | {d / f:.2f}x "
+                    f"| {packed_bytes / f / 1e9:.1f} |"
+                )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ def _print_info(facts: dict) -> None:
     print("SYCL devices:")
     for device in facts["devices"] or [{"filter": "-", "name": "none found"}]:
         print(f"  {device['filter']:<20} {device['name']}")
-    print(f"native CPU kernels: {facts['native_isa'] or 'not built: ' + facts.get('native_reason', '')}")
+    if facts["native_isa"]:
+        print(f"native CPU kernels: {facts['native_isa']} (decode attention: {facts['native_attention_arithmetic']})")
+    else:
+        print(f"native CPU kernels: not built: {facts.get('native_reason', '')}")
     print(f"backend: {facts['backend']} ({facts['reason']})")
     if facts["backend"] == "sycl":
         d = facts["device_facts"]

@@ -106,8 +106,11 @@ def _warn_fallback_once(reason: str) -> None:
 
 
 def _native() -> Selection:
-    isa = runtime.load_native_extension().isa()
-    return Selection("native", f"native CPU kernels ({isa})", device_name=isa)
+    module = runtime.load_native_extension()
+    isa = module.isa()
+    # the decode attention's arithmetic on packed codes: int8 where the ISA has integer dot products
+    arithmetic = "fp32" if isa == "baseline" else module.dot()
+    return Selection("native", f"native CPU kernels ({isa}, {arithmetic} attention)", device_name=isa)
 
 
 def _sycl(device: str | None) -> Selection:
@@ -176,7 +179,9 @@ def info(backend: str | None = None, device: str | None = None) -> dict:
         "devices": runtime.sycl_devices(),
     }
     try:
-        facts["native_isa"] = runtime.load_native_extension().isa()
+        module = runtime.load_native_extension()
+        facts["native_isa"] = module.isa()
+        facts["native_attention_arithmetic"] = "fp32" if module.isa() == "baseline" else module.dot()
     except RuntimeError as error:
         facts["native_isa"] = None
         facts["native_reason"] = str(error)

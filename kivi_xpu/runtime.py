@@ -36,6 +36,7 @@ from .validation import device_filter, environment_variable, file_variable
 DEVICE_ENV = "KIVI_XPU_DEVICE"
 KERNEL_SOURCE_ENV = "KIVI_XPU_KERNEL_SOURCE"
 CPU_ISA_ENV = "KIVI_XPU_CPU_ISA"
+CPU_DOT_ENV = "KIVI_XPU_CPU_DOT"
 
 
 def _library_dirs() -> list[Path]:
@@ -227,7 +228,7 @@ def load_sycl_extension() -> ModuleType:
 def load_native_extension() -> ModuleType:
     """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason and the fixing command if it was
     not built (or built for another torch), ValueError if ``$KIVI_XPU_CPU_ISA`` names an instruction set this CPU
-    lacks."""
+    lacks or ``$KIVI_XPU_CPU_DOT`` an unknown arithmetic."""
     module = _import_extension("_cpu", "native CPU extension")
     isa = environment_variable(CPU_ISA_ENV)
     if isa is not None and isa not in module.available_isas():
@@ -235,6 +236,9 @@ def load_native_extension() -> ModuleType:
             f"`${CPU_ISA_ENV}` must be one of the instruction sets of this CPU {tuple(module.available_isas())} "
             f"(known: avx512, avx2, baseline), got {isa!r}"
         )
+    dot = environment_variable(CPU_DOT_ENV)
+    if dot is not None and dot not in ("int8", "fp32"):
+        raise ValueError(f"`${CPU_DOT_ENV}` must be one of ('int8', 'fp32'), got {dot!r}")
     return module
 
 

@@ -1,5 +1,6 @@
-"""kivi_xpu._cpu.decode_attention against its pure-PyTorch twin (kivi_xpu.ops.reference.decode_attention) on
-awkward shapes, on every ISA of this CPU.
+"""kivi_xpu._cpu.decode_attention against its pure-PyTorch twins on awkward shapes, on every ISA of this CPU and
+both arithmetics: ``fp32`` (and the baseline ISA) against kivi_xpu.ops.reference.decode_attention, ``int8`` (the
+integer dot products of AVX2 / AVX-512) against kivi_xpu.ops.integer_twin.decode_attention.
 
 Skipped when the extension is not built, unless KIVI_XPU_REQUIRE_NATIVE=1 (then a missing build fails).
 """
@@ -15,6 +16,7 @@ import pytest
 import torch
 from native_module import native
 
+from kivi_xpu.ops import integer_twin
 from kivi_xpu.ops.reference import decode_attention as decode_attention_reference
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
 from kivi_xpu.rotation import rotation_matrix
@@ -136,8 +138,23 @@ def build(case: Case, seed: int = 0):
     )
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Same NaN positions; elsewhere within ~1e-4 of the output scale (fp32) or about one rounding (fp16/bf16)."""
+def integer_arithmetic() -> bool:
+    """Whether the native op runs the integer path now (the int8 arithmetic on an ISA that has it)."""
+    return native.dot() == "int8" and native.isa() != "baseline"
+
+
+def twin(**args) -> torch.Tensor:
+    """What the native op must compute with the current ISA and arithmetic."""
+    if integer_arithmetic():
+        return integer_twin.decode_attention(**args)
+    return decode_attention_reference(**args)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, integer: bool = False) -> None:
+    """Same NaN positions; elsewhere within ~1e-4 of the output scale (fp32) or about one rounding (fp16/bf16).
+    ``integer``: against the integer twin, whose 8-bit factors can round the other way where the twin's fp32
+    product lands within an ulp of a tie (one factor step: up to ~1e-3 of the scale in a row), so the worst error may
+    reach 2e-3 of the scale while the median stays at fp32 rounding."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     assert torch.equal(actual.isnan(), expected.isnan()), "NaN rows differ"
     finite = ~expected.isnan()
@@ -145,7 +162,20 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     scale = max(1.0, e.abs().max().item()) if e.numel() else 1.0
     tolerance = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[expected.dtype] * scale
     worst = (a - e).abs().max().item() if e.numel() else 0.0
+    if integer:
+        typical = (a - e).abs().median().item() if e.numel() else 0.0
+        assert typical <= tolerance / 10, f"median error {typical:.3g} > {tolerance / 10:.3g}"
+        tolerance = max(tolerance, 2e-3 * scale)
     assert worst <= tolerance, f"max error {worst:.3g} > {tolerance:.3g}"
+
+
+@pytest.fixture(params=["int8", "fp32"])
+def dot(request):
+    """Runs a native-kernel test with one arithmetic, restoring the process's default afterwards."""
+    previous = native.dot()
+    native.set_dot(request.param)
+    yield request.param
+    native.set_dot(previous)
 
 
 @pytest.mark.parametrize(
@@ -153,19 +183,18 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     CASES,
     ids=lambda c: f"n{c.n}-s{c.sinks}-r{c.ratio}-L{c.length}-{c.mask}" + (f"-rot{c.rotated}" * bool(c.rotated)),
 )
-def test_matches_reference(isa, case):
+def test_matches_twin(isa, dot, case):
     args = build(case)
     out = native.decode_attention(**args)
-    expected = decode_attention_reference(**args)
     assert out.shape == (case.batch, case.kv_heads * case.ratio, case.length, case.value_dim)
-    assert_close(out, expected)
+    assert_close(out, twin(**args), integer_arithmetic())
     if case.mask != "none":  # the fully masked row gives zeros, never NaN
         assert torch.equal(out[0, :, -1], torch.zeros_like(out[0, :, -1]))
 
 
 @pytest.mark.parametrize("where", ["tail", "sink", "packed"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_key_makes_the_row_nan(isa, where, bad):
+def test_non_finite_key_makes_the_row_nan(isa, dot, where, bad):
     case = Case(sinks=2, length=3, ratio=1, mask="bool")
     args = build(case)
     args["query"][..., 0] = 1.0  # every score meets the bad channel with a positive weight: +inf, not -inf
@@ -178,19 +207,19 @@ def test_non_finite_key_makes_the_row_nan(isa, where, bad):
     else:
         args["key_scales"][0, 1, 0, 1] = bad
     out = native.decode_attention(**args)
-    assert_close(out, decode_attention_reference(**args))
+    assert_close(out, twin(**args), integer_arithmetic())
     assert out[0, 1].isnan().all() and not out[0, 0].isnan().any() and not out[1].isnan().any()
     assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
 
 
-def test_masked_nan_key_is_ignored(isa):
+def test_masked_nan_key_is_ignored(isa, dot):
     args = build(Case(mask="bool"))
     args["mask"][:] = True
     args["key_tail"][:, :, 5, :] = float("nan")
     args["mask"][..., args["mask"].shape[-1] - args["key_tail"].shape[2] + 5] = False
     out = native.decode_attention(**args)
     assert not out.isnan().any()
-    assert_close(out, decode_attention_reference(**args))
+    assert_close(out, twin(**args), integer_arithmetic())
 
 
 def test_deterministic_across_thread_counts():
@@ -209,25 +238,52 @@ def test_deterministic_across_thread_counts():
 SCRIPT = """
 import torch
 from kivi_xpu import _cpu as native
-from kivi_xpu.ops.reference import decode_attention as decode_attention_reference
-from tests.test_native_attention import CASES, assert_close, build
+from tests.test_native_attention import CASES, assert_close, build, integer_arithmetic, twin
 assert native.isa() == {isa!r}, native.isa()
+assert native.dot() == {dot!r}, native.dot()
 for case in CASES[:6]:
     args = build(case)
-    assert_close(native.decode_attention(**args), decode_attention_reference(**args))
+    assert_close(native.decode_attention(**args), twin(**args), integer_arithmetic())
 print("ok")
 """
 
 
-@pytest.mark.parametrize("requested", native.available_isas())
-def test_environment_selects_the_isa(requested):
+def run_script(script: str, **environment: str) -> subprocess.CompletedProcess:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tests_dir = os.path.join(root, "tests")  # this module imports tests/native_module.py
-    env = dict(os.environ, KIVI_XPU_CPU_ISA=requested, PYTHONPATH=os.pathsep.join([root, tests_dir]))
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(isa=requested)], env=env, cwd=root, capture_output=True, text=True
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, tests_dir]), **environment)
+    env.pop("KIVI_XPU_CPU_DOT", None) if "KIVI_XPU_CPU_DOT" not in environment else None
+    return subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("requested", native.available_isas())
+@pytest.mark.parametrize("arithmetic", ["int8", "fp32", ""])
+def test_environment_selects_the_isa_and_arithmetic(requested, arithmetic):
+    result = run_script(
+        SCRIPT.format(isa=requested, dot=arithmetic or "int8"), KIVI_XPU_CPU_ISA=requested, KIVI_XPU_CPU_DOT=arithmetic
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_environment_rejects_an_unknown_arithmetic():
+    result = run_script(SCRIPT.format(isa=native.isa(), dot="int8"), KIVI_XPU_CPU_DOT="int4")
+    assert result.returncode != 0 and "KIVI_XPU_CPU_DOT" in result.stderr and "int8, fp32" in result.stderr
+
+
+def test_integer_path_is_taken_where_the_isa_has_it(isa):
+    """int8 and fp32 differ by the 8-bit rounding on AVX2 / AVX-512 (so the twin tests above test two paths), and
+    not at all on the baseline ISA, which has no integer path."""
+    args = build(CASES[0])
+    native.set_dot("int8")
+    try:
+        integer = native.decode_attention(**args)
+    finally:
+        native.set_dot("fp32")
+    try:
+        floats = native.decode_attention(**args)
+    finally:
+        native.set_dot("int8")
+    assert torch.equal(integer, floats) == (isa == "baseline")
 
 
 def bad_inputs():
@@ -266,7 +322,12 @@ def test_isa_override_rejects_unknown_names():
         native.set_isa("sse9")
 
 
-def test_fp16_model_with_fp16_tails():
+def test_arithmetic_override_rejects_unknown_names():
+    with pytest.raises(ValueError, match="expected one of int8, fp32"):
+        native.set_dot("int4")
+
+
+def test_fp16_model_with_fp16_tails(dot):
     case = replace(CASES[0], dtype=torch.float16, sinks=3, mask="bool")
     args = build(case)
-    assert_close(native.decode_attention(**args), decode_attention_reference(**args))
+    assert_close(native.decode_attention(**args), twin(**args), integer_arithmetic())

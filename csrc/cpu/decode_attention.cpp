@@ -266,6 +266,7 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
               " + value_count ", value_count, " + value_tail ", p.value_tail.tokens, ")");
   TORCH_CHECK(p.n > 0, "decode_attention: the layer holds no token to attend to");
   p.softcap = (float)cap;
+  p.integer = current_dot() == Dot::kInt8;
 
   at::Tensor mask_keep;
   describe_mask(mask, p, mask_keep, q_heads);

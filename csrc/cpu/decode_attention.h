@@ -43,6 +43,8 @@ struct Problem {
   const void* mask;  // uint8 (bool) or fp32 [mb, mh, L, >= n], read by strides (0 where broadcast)
   int64_t mask_sb, mask_sh, mask_sl, mask_sc, mask_col0;  // mask_col0: the column of position 0
   float softcap;           // 0: none
+  // Packed 2/4-bit codes on integer arithmetic (int8 factors, see decode_int8.h) where the ISA has it, else fp32.
+  bool integer;
   int64_t chunk, chunks;   // tokens per chunk past the sinks (a multiple of the key group); chunk 0 adds the sinks
   // Workspace of scores, then probabilities: position t of row r of (b, h) at scores[(bh * rows + r) * score_row + t].
   // score_row is a multiple of 16 floats and `scores` is shifted so that position `sinks` (where the packed keys and

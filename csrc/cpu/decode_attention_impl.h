@@ -243,8 +243,13 @@ inline void load_row(const void* base, Dtype dtype, int64_t offset, int64_t coun
 }
 
 inline float dot(const float* a, const float* b, int64_t count) {
-  vf acc = vset(0.0f);
+  vf acc = vset(0.0f), acc1 = vset(0.0f);  // two chains: a head_dim of 64 is only 4-8 vectors
   int64_t i = 0;
+  for (; i + 2 * VW <= count; i += 2 * VW) {
+    acc = vfma(vload(a + i), vload(b + i), acc);
+    acc1 = vfma(vload(a + i + VW), vload(b + i + VW), acc1);
+  }
+  acc = vadd(acc, acc1);
   for (; i + VW <= count; i += VW) acc = vfma(vload(a + i), vload(b + i), acc);
   float s = vsum(acc);
   for (; i < count; ++i) s += a[i] * b[i];
@@ -258,6 +263,11 @@ inline void axpy(float p, const float* x, float* acc, int64_t count) {
   for (; i + VW <= count; i += VW) vstore(acc + i, vfma(pv, vload(x + i), vload(acc + i)));
   for (; i < count; ++i) acc[i] += p * x[i];
 }
+
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+#define KIVI_DA_INTEGER 1
+#include "decode_int8.h"  // the integer dot products (KIVI_XPU_CPU_DOT=int8)
+#endif
 
 // ---- keys ---------------------------------------------------------------------------------------------------------
 
@@ -323,7 +333,40 @@ inline void key_group(const float (*qs)[kMaxDim], const float* bias, const uint8
 constexpr int64_t kMetaGroups = 8;
 template <Dtype DT>
 inline void load_key_meta_rows(const void* base, int64_t offset, int64_t row, int64_t D, int64_t count, float* out) {
-  for (int64_t d = 0; d < D; ++d)
+  int64_t d0 = 0;
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+  if (count == 8) {  // a whole block: 8 channels x 8 groups at a time, converted as rows and transposed in registers
+    for (; d0 + 8 <= D; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t at = offset + (d0 + i) * row;
+        if (DT == kF32)
+          r[i] = _mm256_loadu_ps(static_cast<const float*>(base) + at);
+        else if (DT == kF16)
+          r[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(base) + at)));
+        else
+          r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(base) + at))), 16));
+      }
+      __m256 t[8], u[8];
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {  // group i from channels d0..d0+3 (u[i]) and d0+4..d0+7 (u[i + 4])
+        _mm256_storeu_ps(out + i * kMaxDim + d0, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(out + (i + 4) * kMaxDim + d0, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+      }
+    }
+  }
+#endif
+  for (int64_t d = d0; d < D; ++d)
     for (int64_t i = 0; i < count; ++i) out[i * kMaxDim + d] = load_scalar(base, DT, offset + d * row + i);
 }
 inline void load_key_meta(const void* base, Dtype dtype, int64_t offset, int64_t row, int64_t D, int64_t count,
@@ -335,6 +378,19 @@ inline void load_key_meta(const void* base, Dtype dtype, int64_t offset, int64_t
   }
 }
 
+#if defined(KIVI_DA_INTEGER)
+// One packed key group for NR rows on integer arithmetic: false (nothing written) when a row of q * s is not finite.
+template <int BITS, int NR>
+inline bool int8_group(const float (*qs)[kMaxDim], const float* bias, const uint8_t* codes, int64_t code_row,
+                       int64_t D, int64_t G, float* const* out) {
+  QueryWords qw[NR];
+  float a[NR];
+  if (!quantize_key_query<NR>(qs, D, qw, a)) return false;
+  int8_key_group<(BITS < 8 ? BITS : 2), NR>(qw, a, bias, codes, code_row, D, G, out);
+  return true;
+}
+#endif
+
 template <int BITS>
 void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const float* q, float* scores,
                    int64_t pos0) {
@@ -343,6 +399,9 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
   const uint8_t* codes = K.codes + bh * K.code_head;
   float scales[kMaxDim * kMetaGroups], zeros[kMaxDim * kMetaGroups], qs[4][kMaxDim], bias[4];
   float* out[4];
+#if defined(KIVI_DA_INTEGER)
+  const bool integer = P.integer && integer_keys(BITS, G, D);
+#endif
   for (int64_t gb = g0; gb < g1; gb += kMetaGroups) {
     const int64_t block = min64(kMetaGroups, g1 - gb);
     load_key_meta(K.scales, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, scales);
@@ -360,6 +419,18 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
           bias[j] = dot(qr, zero, D);
           out[j] = scores + (r0 + j) * P.score_row + pos;
         }
+#if defined(KIVI_DA_INTEGER)
+        if (integer && BITS != 8) {
+          bool done = false;
+          switch (nr) {
+            case 1: done = int8_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;
+            case 2: done = int8_group<BITS, 2>(qs, bias, group_codes, K.code_row, D, G, out); break;
+            case 3: done = int8_group<BITS, 3>(qs, bias, group_codes, K.code_row, D, G, out); break;
+            default: done = int8_group<BITS, 4>(qs, bias, group_codes, K.code_row, D, G, out); break;
+          }
+          if (done) continue;  // else a non-finite q * s: the fp32 path below, as the dense product would
+        }
+#endif
         switch (nr) {
           case 1: key_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;
           case 2: key_group<BITS, 2>(qs, bias, group_codes, K.code_row, D, G, out); break;
@@ -481,6 +552,11 @@ void value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const floa
   float zsum[NR][kMaxDim];
   bool zeros_done = false;
   int64_t ch = 0;
+#if defined(KIVI_DA_INTEGER)
+  if (BITS != 8 && P.integer && integer_values(BITS, G) &&
+      int8_value_rows<(BITS < 8 ? BITS : 2), NR>(V, codes, meta0, t0, t1, Dv, prob, acc))
+    return;
+#endif
   if (G % VW == 0) {  // whole vectors per group; the first block also sums the zeros when they fit a vector
     for (; ch + NV * VW <= Dv; ch += NV * VW) {
       if (!zeros_done && groups <= VW) {
@@ -588,7 +664,7 @@ inline float chunk_softmax(const Problem& P, int64_t b, int64_t h, int64_t r, fl
 
 inline void run_chunk(const Problem& P, int64_t task) {
   const int64_t c = task % P.chunks, bh = task / P.chunks, b = bh / P.kv_heads, h = bh % P.kv_heads;
-  const int64_t S = P.sinks, n = P.n, D = P.head_dim, Dv = P.value_dim;
+  const int64_t S = P.sinks, n = P.n, D = P.head_dim;
   const int64_t p0 = c == 0 ? 0 : S + c * P.chunk, p1 = min64(S + (c + 1) * P.chunk, n);
   const float* q = P.query + bh * P.rows * D;
   const float* packed_q = P.packed_query + bh * P.rows * D;

@@ -13,6 +13,7 @@ namespace {
 
 constexpr int kUnset = -1;
 std::atomic<int> g_isa{kUnset};
+std::atomic<int> g_dot{kUnset};
 
 Isa best_isa() {
   for (Isa isa : {Isa::kAvx512, Isa::kAvx2}) {
@@ -90,6 +91,30 @@ void set_isa(Isa isa) {
   g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
 }
 
+const char* dot_name(Dot dot) { return dot == Dot::kInt8 ? "int8" : "fp32"; }
+
+Dot parse_dot(const std::string& name) {
+  for (Dot dot : {Dot::kInt8, Dot::kFp32}) {
+    if (name == dot_name(dot)) return dot;
+  }
+  TORCH_CHECK_VALUE(false, "unknown decode attention arithmetic '", name, "': expected one of int8, fp32");
+}
+
+Dot current_dot() {
+  int dot = g_dot.load(std::memory_order_relaxed);
+  if (dot == kUnset) {
+    const char* requested = std::getenv("KIVI_XPU_CPU_DOT");
+    const std::string name = requested == nullptr ? "" : requested;
+    TORCH_CHECK_VALUE(name.empty() || name == "int8" || name == "fp32", "KIVI_XPU_CPU_DOT=", name,
+                      " is not an arithmetic of the decode attention: expected one of int8, fp32");
+    dot = static_cast<int>(name.empty() ? Dot::kInt8 : parse_dot(name));
+    g_dot.store(dot, std::memory_order_relaxed);
+  }
+  return static_cast<Dot>(dot);
+}
+
+void set_dot(Dot dot) { g_dot.store(static_cast<int>(dot), std::memory_order_relaxed); }
+
 void register_isa(pybind11::module& m) {
   m.def(
       "isa", [] { return std::string(isa_name(current_isa())); },
@@ -98,6 +123,13 @@ void register_isa(pybind11::module& m) {
   m.def(
       "set_isa", [](const std::string& name) { set_isa(parse_isa(name)); },
       "Forces the instruction set of every later call (tests; KIVI_XPU_CPU_ISA sets it for a whole process).");
+  m.def(
+      "dot", [] { return std::string(dot_name(current_dot())); },
+      "The decode attention's arithmetic on packed 2/4-bit codes: 'int8' (integer dot products; not on the baseline "
+      "ISA) or 'fp32'.");
+  m.def(
+      "set_dot", [](const std::string& name) { set_dot(parse_dot(name)); },
+      "Sets the arithmetic of every later decode attention call (KIVI_XPU_CPU_DOT sets it for a whole process).");
 }
 
 }  // namespace kivi::cpu

@@ -21,4 +21,13 @@ std::vector<std::string> available_isas();  // best first
 Isa current_isa();
 void set_isa(Isa isa);  // throws if the CPU lacks it
 
+// Arithmetic of the fused decode attention on packed 2/4-bit codes: int8 (integer dot products with 8-bit query and
+// probability factors; the default) or fp32 (codes converted to floats: the exact twin of the reference). The
+// baseline ISA always uses fp32. KIVI_XPU_CPU_DOT (int8 | fp32) sets it for a process, set_dot() for later calls.
+enum class Dot : int { kFp32 = 0, kInt8 = 1 };
+Dot current_dot();
+void set_dot(Dot dot);
+Dot parse_dot(const std::string& name);  // throws (ValueError) naming the allowed values
+const char* dot_name(Dot dot);
+
 }  // namespace kivi::cpu

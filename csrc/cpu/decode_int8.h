@@ -1,0 +1,302 @@
+// Integer dot products of the fused decode attention on packed 2- and 4-bit codes (the `int8` arithmetic of
+// KIVI_XPU_CPU_DOT). Included by decode_attention_impl.h inside its anonymous namespace, after its vector layer, in
+// the AVX2 and AVX-512 translation units (AVX2 instructions on 256-bit vectors; both ISAs run this code).
+// The pure-PyTorch twin is kivi_xpu/ops/integer_twin.py: same rounding, same blocks, same fallbacks.
+//
+// Both products multiply the unsigned codes by 8-bit factors with vpmaddubsw (adjacent pairs summed into int16),
+// add the int16 lanes over a few steps, widen them with vpmaddwd and convert once per key group / value block:
+//   keys, group g, query row r:   score_t = a_rg * sum_d qi_rgd * c_td + sum_d q_rd * z_gd        (zeros in fp32)
+//     qi_rgd = round(q_rd * s_gd * 127 / m_rg) in [-127, 127], a_rg = m_rg / 127, m_rg = max_d |q_rd * s_gd|
+//   values, block B of tokens, channel group g:   out_rd += b_rBg * sum_{t in B} wi_rtg * c_td  (zeros in fp32)
+//     wi_rtg = round(p_rt * s_tg * 255 / m_rBg) in [0, 255], b_rBg = m_rBg / 255, m_rBg = max_{t in B} p_rt * s_tg
+// (round: to nearest, ties to even). Each key group's qi and each value block's wi are computed from fp32 values the
+// fp32 path would use, so the only extra error is their 8-bit rounding: at most half a step per factor.
+//
+// The codes are read in place: a tile is 4 rows of 8 bytes `row` bytes apart (4 key channels of 8P tokens, or 4
+// value tokens of 8P channels; P = 8 / BITS codes per byte), transposed in registers so that int32 lane j holds the
+// 4 rows' byte j; plane k of the tile (bits [k*BITS, (k+1)*BITS) of every byte) then holds in lane j the 4 rows'
+// codes number P*j + k, which vpmaddubsw multiplies by 4 factors of the reduction axis at once.
+#if !defined(KIVI_SIMD_AVX512) && !defined(KIVI_SIMD_AVX2)
+#error "decode_int8.h needs AVX2"
+#endif
+
+// Tokens of a key tile and of a value block; channels of a value tile. Blocks keep the int16 sums exact:
+// 2 bits: 8 steps of at most 2 * 3 * 255 = 1530; 4 bits: 4 steps of at most 2 * 15 * 255 = 7650 (< 32767).
+template <int BITS>
+constexpr int64_t kTileCodes = 64 / BITS;
+template <int BITS>
+constexpr int64_t kValueBlock = BITS == 2 ? 32 : 16;
+// Channel quads of a key tile summed in int16 before widening: 2 * (2^BITS - 1) * 127 per step.
+template <int BITS>
+constexpr int64_t kKeyFlush = BITS == 2 ? 32 : 8;
+
+// Whether the integer path serves the packed keys / values of these settings (else the fp32 path does).
+inline bool integer_keys(int64_t bits, int64_t group, int64_t head_dim) {
+  return (bits == 2 || bits == 4) && head_dim % 4 == 0 && group % (64 / bits) == 0;
+}
+inline bool integer_values(int64_t bits, int64_t group) { return (bits == 2 || bits == 4) && group % (64 / bits) == 0; }
+
+// int32 lane j (< 8) = bytes [p[j], p[row + j], p[2 row + j], p[3 row + j]].
+inline __m256i tile4x8(const uint8_t* p, int64_t row) {
+  const __m128i r0 = _mm_loadl_epi64((const __m128i*)p), r1 = _mm_loadl_epi64((const __m128i*)(p + row));
+  const __m128i r2 = _mm_loadl_epi64((const __m128i*)(p + 2 * row));
+  const __m128i r3 = _mm_loadl_epi64((const __m128i*)(p + 3 * row));
+  const __m128i a = _mm_unpacklo_epi8(r0, r1), b = _mm_unpacklo_epi8(r2, r3);
+  return _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+}
+
+// Plane k of a tile: every byte's code number k (a logical shift of 16-bit lanes moves the next byte's low bits into
+// this byte's high bits; the mask drops them).
+template <int BITS>
+inline __m256i plane(__m256i tile, int k) {
+  const __m256i shifted = k == 0 ? tile : _mm256_srl_epi16(tile, _mm_cvtsi32_si128(k * BITS));
+  return _mm256_and_si256(shifted, _mm256_set1_epi8((char)((1 << BITS) - 1)));
+}
+
+inline __m256i broadcast4(const void* p) {
+  int32_t word;
+  __builtin_memcpy(&word, p, 4);
+  return _mm256_set1_epi32(word);
+}
+
+inline float vsum_256(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+inline float hmax_256(__m256 v) {
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
+}
+
+// Query factors of one row, as the integer key loop reads them: quad q of channels is words[q], its 4 int8 factors
+// repeated in every int32 lane (a memory operand of vpmaddubsw: no broadcast register in the loop).
+struct QueryWords {
+  alignas(32) int32_t words[kMaxDim / 4][8];
+};
+
+// words[q] = round(x[4q .. 4q+3] * inv) as int8 (nearest even), quads q < n / 4; n a multiple of 8. False where a
+// product is NaN (vcvtps2dq gives INT32_MIN, which saturates to -128: a finite |x * inv| <= 127 never does).
+inline bool round_to_words(const float* x, float inv, int64_t n, QueryWords& out) {
+  const __m256 f = _mm256_set1_ps(inv);
+  const __m128i nan_code = _mm_set1_epi8(-128);
+  __m128i bad = _mm_setzero_si128();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), f));  // MXCSR: nearest even
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i bytes = _mm_packs_epi16(w, w);  // 8 factors, twice
+    bad = _mm_or_si128(bad, _mm_cmpeq_epi8(bytes, nan_code));
+    _mm256_store_si256((__m256i*)out.words[i / 4], _mm256_broadcastd_epi32(bytes));
+    _mm256_store_si256((__m256i*)out.words[i / 4 + 1], _mm256_broadcastd_epi32(_mm_srli_si128(bytes, 4)));
+  }
+  return _mm_movemask_epi8(bad) == 0;
+}
+
+// ---- keys -------------------------------------------------------------------------------------------------------
+
+// Quantizes NR rows of q * scale (qs[r][0, D)) to int8 factors qw[r], a[r] = max |qs| / 127. False if one is not
+// finite (Inf or NaN: the group then takes the fp32 path).
+template <int NR>
+inline bool quantize_key_query(const float (*qs)[kMaxDim], int64_t D, QueryWords* qw, float* a) {
+  const int64_t D8 = (D + 7) / 8 * 8;
+  for (int r = 0; r < NR; ++r) {
+    vf m = vset(0.0f);
+    int64_t d = 0;
+    for (; d + VW <= D; d += VW) m = vmax(Vec::abs(vload(qs[r] + d)), m);  // a NaN lane is dropped: see below
+    float mx = vhmax(m);
+    for (; d < D; ++d) mx = __builtin_fabsf(qs[r][d]) > mx ? __builtin_fabsf(qs[r][d]) : mx;
+    if (!(mx <= __FLT_MAX__)) return false;  // Inf
+    a[r] = mx / 127.0f;
+    float padded[kMaxDim];
+    const float* src = qs[r];
+    if (D8 != D) {
+      for (int64_t e = 0; e < D8; ++e) padded[e] = e < D ? qs[r][e] : 0.0f;
+      src = padded;
+    }
+    if (!round_to_words(src, mx > 0.0f ? 127.0f / mx : 0.0f, D8, qw[r])) return false;  // NaN
+  }
+  return true;
+}
+
+// Scores of one key group of G tokens (a multiple of kTileCodes) for NR rows: out[r][t] = a[r] * sum_d qi[r][d] *
+// c_td + bias[r]. codes points at channel 0's first byte of the group, channels `code_row` bytes apart; D % 4 == 0.
+template <int BITS, int NR>
+inline void int8_key_group(const QueryWords* qw, const float* a, const float* bias, const uint8_t* codes,
+                           int64_t code_row, int64_t D, int64_t G, float* const* out) {
+  constexpr int P = 8 / BITS;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t tile = 0; tile * kTileCodes<BITS> < G; ++tile) {
+    const uint8_t* c = codes + tile * 8;
+    __m256i sum[NR][P];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < P; ++k) sum[r][k] = _mm256_setzero_si256();
+    for (int64_t q0 = 0; q0 < D / 4; q0 += kKeyFlush<BITS>) {
+      const int64_t q1 = min64(q0 + kKeyFlush<BITS>, D / 4);
+      __m256i acc[NR][P];
+      for (int r = 0; r < NR; ++r)
+        for (int k = 0; k < P; ++k) acc[r][k] = _mm256_setzero_si256();
+      for (int64_t q = q0; q < q1; ++q) {
+        const __m256i t = tile4x8(c + 4 * q * code_row, code_row);
+#pragma GCC unroll 4
+        for (int k = 0; k < P; ++k) {
+          const __m256i pl = plane<BITS>(t, k);
+          for (int r = 0; r < NR; ++r)
+            acc[r][k] = _mm256_add_epi16(
+                acc[r][k], _mm256_maddubs_epi16(pl, _mm256_load_si256((const __m256i*)qw[r].words[q])));
+        }
+      }
+      for (int r = 0; r < NR; ++r)
+        for (int k = 0; k < P; ++k) sum[r][k] = _mm256_add_epi32(sum[r][k], _mm256_madd_epi16(acc[r][k], ones));
+    }
+    // Lane j of plane k is token P * j + k of the tile: transpose the planes back into token order.
+    for (int r = 0; r < NR; ++r) {
+      const __m256 scale = _mm256_set1_ps(a[r]), b = _mm256_set1_ps(bias[r]);
+      __m256 f[P];
+      for (int k = 0; k < P; ++k) f[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][k]), scale, b);
+      float* o = out[r] + tile * kTileCodes<BITS>;
+      if (P == 4) {  // f[k][j] -> o[4 j + k]
+        const __m256 t0 = _mm256_unpacklo_ps(f[0], f[1]), t1 = _mm256_unpackhi_ps(f[0], f[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(f[2 % P], f[3 % P]), t3 = _mm256_unpackhi_ps(f[2 % P], f[3 % P]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u1, 0x20));
+        _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(u2, u3, 0x20));
+        _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(u0, u1, 0x31));
+        _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(u2, u3, 0x31));
+      } else {  // P == 2: f[k][j] -> o[2 j + k]
+        const __m256 lo = _mm256_unpacklo_ps(f[0], f[1 % P]), hi = _mm256_unpackhi_ps(f[0], f[1 % P]);
+        _mm256_storeu_ps(o, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+      }
+    }
+  }
+}
+
+// ---- values -----------------------------------------------------------------------------------------------------
+
+// Block factors of one row and value group: w[0, TB) = p * s -> wi[0, TB) = round(w * 255 / max w) as bytes in
+// token order, and zsum += p * z (lane-wise); returns max w / 255, or NaN when a weight is not finite.
+template <int64_t TB>
+inline float value_factors(const float* p, const float* s, const float* z, uint8_t* wi, __m256& zsum) {
+  static_assert(TB == 16 || TB == 32, "two or four vectors of 8 factors");
+  __m256 w[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int i = 0; i < TB / 8; ++i) {
+    const __m256 pv = _mm256_loadu_ps(p + 8 * i);
+    w[i] = _mm256_mul_ps(pv, _mm256_loadu_ps(s + 8 * i));
+    bad = _mm256_fmadd_ps(w[i], _mm256_setzero_ps(), bad);  // NaN iff a weight is Inf or NaN
+    m = _mm256_max_ps(w[i], m);
+    zsum = _mm256_fmadd_ps(pv, _mm256_loadu_ps(z + 8 * i), zsum);
+  }
+  if (vsum_256(bad) != 0.0f) return __builtin_nanf("");
+  const float mx = hmax_256(m);
+  const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 255.0f / mx : 0.0f);
+  __m256i v[4];
+  for (int i = 0; i < TB / 8; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(w[i], inv));  // nearest even, <= 255
+  if (TB == 16) v[2] = v[0], v[3] = v[1];
+  // packs interleave 128-bit lanes: the 4-byte units come out as v0lo v1lo v2lo v3lo v0hi v1hi v2hi v3hi
+  const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (TB == 32)
+    _mm256_storeu_si256((__m256i*)wi, ordered);
+  else
+    _mm_storeu_si128((__m128i*)wi, _mm256_castsi256_si128(ordered));
+  return mx / 255.0f;
+}
+
+// Metadata of a block's tokens by group: out[g][0, TB) = meta of tokens [t, t + n) in group g (fp32, zeros past n).
+template <int64_t TB>
+inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n, int64_t groups, float* buffer,
+                       float (*out)[TB]) {
+  load_row(base, dtype, offset, n * groups, buffer);  // [token][group]
+  for (int64_t i = n * groups; i < TB * groups; ++i) buffer[i] = 0.0f;
+  if (groups == 1) {
+    for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[0] + t, _mm256_loadu_ps(buffer + t));
+    return;
+  }
+  const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)groups));
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[g] + t, _mm256_i32gather_ps(buffer + t * groups + g, index, 4));
+}
+
+// acc[r][0, Dv) += the packed values of NR rows over packed tokens [t0, t1): sum_t p_rt * (s_tg * c_td + z_tg), the
+// codes' part in blocks of kValueBlock tokens from t0 (see the top of this file), the zeros' part in fp32; prob[r] is
+// indexed by packed token. False, with `acc` untouched, when a weight p * s is not finite (the caller then takes the
+// fp32 path). Needs integer_values(BITS, V.group).
+template <int BITS, int NR>
+inline bool int8_value_rows(const Packed& V, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, int64_t Dv,
+                            const float* const* prob, float* const* acc) {
+  constexpr int P = 8 / BITS;
+  constexpr int64_t TB = kValueBlock<BITS>;
+  constexpr int64_t kMaxGroups = kMaxDim / 16;  // integer_values: a group holds at least 16 channels
+  const int64_t groups = V.meta_row, G = V.group, tiles = Dv / (8 * P);
+  const __m256i ones = _mm256_set1_epi16(1);
+  // Sums in tile-plane-lane order: channel P * (8 x + j) + k at sums[r][(x * P + k) * 8 + j].
+  float sums[NR][kMaxDim];
+  for (int r = 0; r < NR; ++r)
+    for (int64_t i = 0; i < Dv; ++i) sums[r][i] = 0.0f;
+  float buffer[TB * kMaxGroups], scale[kMaxGroups][TB], zero[kMaxGroups][TB], padded[NR][TB];
+  alignas(32) uint8_t wi[NR][kMaxGroups][TB];  // [row][group][token]: 4 tokens' factors are one int32
+  float b[NR][kMaxGroups];
+  __m256 zsum[NR][kMaxGroups];
+  for (int r = 0; r < NR; ++r)
+    for (int64_t g = 0; g < groups; ++g) zsum[r][g] = _mm256_setzero_ps();
+  uint8_t ragged[4 * kMaxDim / 2];  // the last tokens of a block that is not a whole number of 4 tokens, zero-padded
+  for (int64_t tb = t0; tb < t1; tb += TB) {
+    const int64_t n = min64(TB, t1 - tb), quads = (n + 3) / 4;
+    block_meta<TB>(V.scales, V.meta, meta0 + tb * groups, n, groups, buffer, scale);
+    block_meta<TB>(V.zeros, V.meta, meta0 + tb * groups, n, groups, buffer, zero);
+    for (int r = 0; r < NR; ++r) {
+      const float* p = prob[r] + tb;
+      if (n < TB) {
+        for (int64_t t = 0; t < TB; ++t) padded[r][t] = t < n ? p[t] : 0.0f;
+        p = padded[r];
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        b[r][g] = value_factors<TB>(p, scale[g], zero[g], wi[r][g], zsum[r][g]);
+        if (b[r][g] != b[r][g]) return false;
+      }
+    }
+    const uint8_t* block = codes + tb * V.code_row;
+    const int64_t whole = n / 4;  // quads read in place; a ragged last one from a zero-padded copy
+    if (whole < quads) {
+      for (int64_t i = 0; i < 4 * V.code_row; ++i) ragged[i] = 0;
+      __builtin_memcpy(ragged, block + 4 * whole * V.code_row, (size_t)((n % 4) * V.code_row));
+    }
+    for (int64_t x = 0; x < tiles; ++x) {
+      const int64_t g = x * 8 * P / G;
+      __m256i accum[NR][P];
+      for (int r = 0; r < NR; ++r)
+        for (int k = 0; k < P; ++k) accum[r][k] = _mm256_setzero_si256();
+      for (int64_t q = 0; q < quads; ++q) {
+        const __m256i t = q < whole ? tile4x8(block + 4 * q * V.code_row + 8 * x, V.code_row)
+                                    : tile4x8(ragged + 8 * x, V.code_row);
+        __m256i w[NR];
+        for (int r = 0; r < NR; ++r) w[r] = broadcast4(wi[r][g] + 4 * q);
+#pragma GCC unroll 4
+        for (int k = 0; k < P; ++k) {
+          const __m256i pl = plane<BITS>(t, k);
+          for (int r = 0; r < NR; ++r) accum[r][k] = _mm256_add_epi16(accum[r][k], _mm256_maddubs_epi16(w[r], pl));
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m256 scale_b = _mm256_set1_ps(b[r][g]);
+        for (int k = 0; k < P; ++k) {
+          float* s = sums[r] + (x * P + k) * 8;
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(accum[r][k], ones));
+          _mm256_storeu_ps(s, _mm256_fmadd_ps(f, scale_b, _mm256_loadu_ps(s)));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int64_t x = 0; x < tiles; ++x)
+      for (int k = 0; k < P; ++k)
+        for (int j = 0; j < 8; ++j) acc[r][P * (8 * x + j) + k] += sums[r][(x * P + k) * 8 + j];
+    for (int64_t g = 0; g < groups; ++g) {  // the zeros: sum_t p_t z_tg once per group, added to its channels
+      const float zs = vsum_256(zsum[r][g]);
+      for (int64_t d = g * G; d < (g + 1) * G; ++d) acc[r][d] += zs;
+    }
+  }
+  return true;
+}
