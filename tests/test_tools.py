@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrained
 import kivi_xpu.assets
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import GENSIM_LEE, GENSIM_WHEEL, news_text, strip_wiki_markup, wiki_articles
-from kivi_xpu.tools import bench
+from kivi_xpu.tools import bench, workload
 from kivi_xpu.tools import eval_ppl as evaluate
 from kivi_xpu.tools.loading import resolve_text
 from kivi_xpu.tools.options import ToolError
@@ -185,8 +185,9 @@ def test_a_failing_third_party_cache_is_reported_and_the_others_run(assets, tmp_
     def make_cache(spec, *args):
         return FailingCache() if spec.name == "quanto" else real_make_cache(spec, *args)
 
+    for module in (workload, evaluate):  # as if quanto were installed
+        monkeypatch.setattr(module, "unavailable_reason", lambda spec: None)
     for module in (bench, evaluate):
-        monkeypatch.setattr(module, "unavailable_reason", lambda spec: None)  # as if quanto were installed
         monkeypatch.setattr(module, "make_cache", make_cache)
     args = ["--model", model_dir, "--caches", "dynamic", "quanto", *KIVI]
     if tool == "bench":

@@ -30,7 +30,6 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -41,7 +40,6 @@ from .cli import (
     add_cache_arguments,
     add_model_arguments,
     add_output_arguments,
-    apply_process_options,
     nonnegative_int,
     positive_float,
     positive_int,
@@ -51,32 +49,14 @@ from .cli import (
 )
 from .curve import curve
 from .io import check_output_path, write_json
-from .loading import check_positions, load_model, load_tokenizer, resolve_text, text_tokens
 from .machine import report_header
 from .memory import KvBytes, PeakMemory, kv_bytes, release_freed_memory
-from .options import ToolError, ToolOptions
+from .options import ToolError
 from .plots import bench_plot, budget_plot, check_matplotlib, curve_plot
 from .report import bench_table, budget_table, curve_table, machine_line
-from .specs import CacheSpec, cache_specs, check_cache_options, make_cache, third_party_failure, unavailable_reason
+from .specs import CacheSpec, make_cache, third_party_failure
 from .timing import add_step_ratios, competitors, timed_decode
-
-
-@dataclass(kw_only=True)
-class BenchOptions(ToolOptions):
-    """The settings of ``kivi-xpu bench`` (see the module docstring)."""
-
-    contexts: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096])  # prompt lengths
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 4])
-    new_tokens: int = 64  # greedy tokens per run; the prefill yields the first
-    warmup: int = 2  # untimed decode steps at the start of a run
-    repeats: int = 3  # runs per configuration, medians reported
-    text: str | None = None  # prompts from this text file, "wikipedia" or "news" instead of random ids
-    plot: str | None = None  # PNG path
-    contend: int = 0  # CPU-bound competitor processes running during every measured run
-    curve: bool = False  # the long-context curve on a tiny random Llama (kivi_xpu.tools.curve) instead
-    kv_budget: float | None = None  # MiB: decode throughput at equal KV memory (kivi_xpu.tools.budget) instead
-    max_batch: int = 256  # the largest batch --kv-budget tries
-
+from .workload import BenchOptions, prepare, prompts
 
 DEFAULTS = BenchOptions()
 
@@ -261,22 +241,6 @@ def summarize(spec: CacheSpec, context: int, runs: list[Run]) -> Row:
     )
 
 
-def prompts(options: BenchOptions, model, model_path: str, total: int) -> Callable[[int, int], torch.Tensor]:
-    """A function ``(batch, context) -> ids [batch, context]``: random ids (seeded) or consecutive text slices."""
-    if options.text is None:
-        generator = torch.Generator().manual_seed(0)
-        vocab = model.config.get_text_config(decoder=True).vocab_size
-        return lambda batch, context: torch.randint(0, vocab, (batch, context), generator=generator)
-    path = resolve_text(options.text)
-    ids = text_tokens(load_tokenizer(model_path, options.model), path, total)
-    if len(ids) < total:
-        raise ToolError(
-            f"--text {options.text!r} has {len(ids)} tokens; the largest batch x context needs {total}: use a longer "
-            "text or smaller --contexts/--batch-sizes"
-        )
-    return lambda batch, context: ids[: batch * context].view(batch, context)
-
-
 def measure(
     model, runnable: list[CacheSpec], make_prompt, options: BenchOptions, meter: PeakMemory
 ) -> tuple[list[Row], list[dict]]:
@@ -319,19 +283,6 @@ def measure(
             add_ratios(results, runs)
             rows += results
     return rows, failed
-
-
-def prepare(options: BenchOptions) -> tuple:
-    """The process options applied, the model loaded and checked for the longest run, the KIVI options checked:
-    ``(model, model_path, runnable cache specs, skipped entries for the caches that cannot run here)``."""
-    apply_process_options(options)
-    model, model_path = load_model(options.model, options.dtype)
-    check_positions(model, max(options.contexts) + options.new_tokens, "context + new tokens")
-    specs = cache_specs(options)
-    check_cache_options(specs, model.config, options)
-    unavailable = {spec: reason for spec in specs if (reason := unavailable_reason(spec))}
-    skipped = [{"cache": s.label, "context": None, "batch": None, "reason": r} for s, r in unavailable.items()]
-    return model, model_path, [s for s in specs if s not in unavailable], skipped
 
 
 def benchmark(options: BenchOptions) -> dict:
