@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrained
 import kivi_xpu.assets
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import GENSIM_LEE, GENSIM_WHEEL, news_text, strip_wiki_markup, wiki_articles
-from kivi_xpu.tools import bench, workload
+from kivi_xpu.tools import bench, machine, workload
 from kivi_xpu.tools import eval_ppl as evaluate
 from kivi_xpu.tools.loading import resolve_text
 from kivi_xpu.tools.options import ToolError
@@ -611,3 +611,25 @@ def test_bench_kv_budget_bad_arguments_are_argparse_errors(capsys, args, message
 def test_bench_kv_budget_and_curve_are_different_modes(capsys):
     code, _, err = run(["bench", "--kv-budget", 10, "--curve", "--no-progress"], capsys)
     assert code == 2 and err == "error: --kv-budget and --curve are different benchmarks: pass one of them\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench: the machine's read bandwidth and the fused attention op against it
+
+
+def test_read_bandwidth_streams_a_buffer_beyond_the_last_level_cache():
+    measured = machine.read_bandwidth(repeats=2)
+    assert math.isfinite(measured["gb_per_s"]) and measured["gb_per_s"] > 0
+    assert measured["threads"] == torch.get_num_threads() and measured["repeats"] == 2
+    llc = measured["llc_bytes"]
+    assert llc is None or llc > 0
+    expected = min(max(4 * (llc or 0), machine.MIN_PROBE_BYTES), machine.MAX_PROBE_BYTES)
+    assert measured["buffer_bytes"] == expected // 64 * 64 >= 256 << 20
+
+
+def test_last_level_cache_from_lscpu_without_sysfs(monkeypatch):
+    assert machine._size_bytes("32768K") == 32 << 20 and machine._size_bytes("1M") == 1 << 20
+    lscpu = "L1d cache:  65536 (2 instances)\nL2 cache:  1048576 (2 instances)\nL3 cache:  33554432 (1 instance)\n"
+    monkeypatch.setattr(machine.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(machine.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": lscpu}))
+    assert machine.last_level_cache_bytes() == 32 << 20
