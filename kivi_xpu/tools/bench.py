@@ -21,6 +21,11 @@ hold for the others) and are cross-checked against the distinct tensor storages 
 process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` before each phase; elsewhere
 a 1 ms psutil sampler) above its resident set at the start of the run, after returning freed memory to the OS:
 what this configuration needed on top of the model, during the prefill and during the decode steps.
+
+The limit: for the caches read by the fused attention, each call of the fused op in the timed decode steps is
+timed (:func:`kivi_xpu.tools.timing.fused_op_timer`) with the packed bytes it reads; the row gives one call's time,
+its GB/s of packed bytes and that rate's share of the machine's read bandwidth, measured after the runs with the same
+threads (:func:`kivi_xpu.tools.machine.read_bandwidth`).
 """
 
 from __future__ import annotations
