@@ -11,16 +11,19 @@ import zipfile
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import kivi_xpu.assets
+from kivi_xpu import KiviCache, attention
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import GENSIM_LEE, GENSIM_WHEEL, news_text, strip_wiki_markup, wiki_articles
-from kivi_xpu.tools import bench
+from kivi_xpu.tools import bench, machine, workload
 from kivi_xpu.tools import eval_ppl as evaluate
 from kivi_xpu.tools.loading import resolve_text
 from kivi_xpu.tools.options import ToolError
+from kivi_xpu.tools.timing import fused_op_timer, op_stats
 
 MAX_POSITIONS = 256
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
@@ -185,8 +188,9 @@ def test_a_failing_third_party_cache_is_reported_and_the_others_run(assets, tmp_
     def make_cache(spec, *args):
         return FailingCache() if spec.name == "quanto" else real_make_cache(spec, *args)
 
+    for module in (workload, evaluate):  # as if quanto were installed
+        monkeypatch.setattr(module, "unavailable_reason", lambda spec: None)
     for module in (bench, evaluate):
-        monkeypatch.setattr(module, "unavailable_reason", lambda spec: None)  # as if quanto were installed
         monkeypatch.setattr(module, "make_cache", make_cache)
     args = ["--model", model_dir, "--caches", "dynamic", "quanto", *KIVI]
     if tool == "bench":
@@ -610,3 +614,71 @@ def test_bench_kv_budget_bad_arguments_are_argparse_errors(capsys, args, message
 def test_bench_kv_budget_and_curve_are_different_modes(capsys):
     code, _, err = run(["bench", "--kv-budget", 10, "--curve", "--no-progress"], capsys)
     assert code == 2 and err == "error: --kv-budget and --curve are different benchmarks: pass one of them\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench: the machine's read bandwidth and the fused attention op against it
+
+
+def test_read_bandwidth_streams_a_buffer_beyond_the_last_level_cache():
+    measured = machine.read_bandwidth(repeats=2)
+    assert math.isfinite(measured["gb_per_s"]) and measured["gb_per_s"] > 0
+    assert measured["threads"] == torch.get_num_threads() and measured["repeats"] == 2
+    llc = measured["llc_bytes"]
+    assert llc is None or llc > 0
+    expected = min(max(4 * (llc or 0), machine.MIN_PROBE_BYTES), machine.MAX_PROBE_BYTES)
+    assert measured["buffer_bytes"] == expected // 64 * 64 >= 256 << 20
+
+
+def test_last_level_cache_from_lscpu_without_sysfs(monkeypatch):
+    assert machine._size_bytes("32768K") == 32 << 20 and machine._size_bytes("1M") == 1 << 20
+    lscpu = "L1d cache:  65536 (2 instances)\nL2 cache:  1048576 (2 instances)\nL3 cache:  33554432 (1 instance)\n"
+    monkeypatch.setattr(machine.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(machine.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": lscpu}))
+    assert machine.last_level_cache_bytes() == 32 << 20
+
+
+def test_fused_op_timer_records_each_layer_call_with_the_bytes_the_layer_holds():
+    model = tiny_llama(attn_implementation="kivi")
+    cache = KiviCache(config=model.config, group_size=16, residual_length=16)
+    original = attention.decode_attention
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 70)), past_key_values=cache)
+        # What each layer holds before the decode step: the step's attention reads the history packed so far (its
+        # codes, scales and zeros), and the sinks, the window and the new token exact.
+        streams = [(layer.keys_stream, layer.values_stream) for layer in cache.layers]
+        packed = [sum(sum(s.packed.nbytes()) for s in kinds) for kinds in streams]
+        new_token = 2 * 2 * 32 * 4  # [B, Hkv, 1, D] fp32
+        exact = [sum(s.sinks.nbytes() + s.window.nbytes() + new_token for s in kinds) for kinds in streams]
+        with fused_op_timer() as calls:
+            model(torch.randint(0, 256, (2, 1)), past_key_values=cache)
+    assert attention.decode_attention is original  # unwrapped after the block
+    assert len(calls) == model.config.num_hidden_layers and all(c.seconds > 0 for c in calls)
+    assert [c.packed_bytes for c in calls] == packed and min(packed) > 0
+    assert [c.exact_bytes for c in calls] == exact
+    stats = op_stats(calls, steps=1)
+    assert stats.calls_per_step == len(calls) and stats.gb_per_s > 0
+    assert op_stats([], steps=1) is None
+
+
+def test_bench_reports_the_fused_op_time_and_its_share_of_the_read_bandwidth(assets, tmp_path, capsys):
+    model_dir, _ = assets
+    path = tmp_path / "out.json"
+    args = ["bench", "--model", model_dir, "--contexts", 64, "--batch-sizes", 2, "--new-tokens", 4, "--warmup", 1]
+    args += ["--repeats", 2, "--caches", "dynamic", "kivi-fused", "kivi-dense", *KIVI]
+    code, out, err = run([*args, "--json", path, "--no-progress"], capsys)
+    assert code == 0, err
+    payload = json.loads(path.read_text())
+    bandwidth = payload["environment"]["read_bandwidth"]
+    assert math.isfinite(bandwidth["gb_per_s"]) and bandwidth["gb_per_s"] > 0
+    assert f"read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s" in out and "| attn op GB/s | % of read BW |" in out
+    rows = {r["name"]: r for r in payload["rows"]}
+    fused = rows["kivi-fused"]
+    assert fused["fused_op_calls_per_step"] == LAYERS
+    assert fused["fused_op_ms"] > 0 and fused["fused_op_packed_bytes"] > 0 and fused["fused_op_exact_bytes"] > 0
+    assert fused["fused_op_gb_per_s"] > 0
+    assert fused["fused_op_bandwidth_fraction"] == pytest.approx(fused["fused_op_gb_per_s"] / bandwidth["gb_per_s"])
+    assert all(run["fused_op_ms"] > 0 for run in fused["runs"])
+    fields = [f for f in fused if f.startswith("fused_op_")]
+    for name in ("dynamic", "kivi-dense"):  # no fused attention op: no figures
+        assert all(rows[name][f] is None for f in fields) and all(r["fused_op_ms"] is None for r in rows[name]["runs"])

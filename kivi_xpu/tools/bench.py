@@ -21,6 +21,11 @@ hold for the others) and are cross-checked against the distinct tensor storages 
 process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` before each phase; elsewhere
 a 1 ms psutil sampler) above its resident set at the start of the run, after returning freed memory to the OS:
 what this configuration needed on top of the model, during the prefill and during the decode steps.
+
+The limit: for the caches read by the fused attention, each call of the fused op in the timed decode steps is
+timed (:func:`kivi_xpu.tools.timing.fused_op_timer`) with the packed bytes it reads; the row gives one call's time,
+its GB/s of packed bytes and that rate's share of the machine's read bandwidth, measured after the runs with the same
+threads (:func:`kivi_xpu.tools.machine.read_bandwidth`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -41,7 +45,6 @@ from .cli import (
     add_cache_arguments,
     add_model_arguments,
     add_output_arguments,
-    apply_process_options,
     nonnegative_int,
     positive_float,
     positive_int,
@@ -51,32 +54,14 @@ from .cli import (
 )
 from .curve import curve
 from .io import check_output_path, write_json
-from .loading import check_positions, load_model, load_tokenizer, resolve_text, text_tokens
-from .machine import report_header
+from .machine import read_bandwidth, report_header
 from .memory import KvBytes, PeakMemory, kv_bytes, release_freed_memory
-from .options import ToolError, ToolOptions
+from .options import ToolError
 from .plots import bench_plot, budget_plot, check_matplotlib, curve_plot
 from .report import bench_table, budget_table, curve_table, machine_line
-from .specs import CacheSpec, cache_specs, check_cache_options, make_cache, third_party_failure, unavailable_reason
-from .timing import add_step_ratios, competitors, timed_decode
-
-
-@dataclass(kw_only=True)
-class BenchOptions(ToolOptions):
-    """The settings of ``kivi-xpu bench`` (see the module docstring)."""
-
-    contexts: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096])  # prompt lengths
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 4])
-    new_tokens: int = 64  # greedy tokens per run; the prefill yields the first
-    warmup: int = 2  # untimed decode steps at the start of a run
-    repeats: int = 3  # runs per configuration, medians reported
-    text: str | None = None  # prompts from this text file, "wikipedia" or "news" instead of random ids
-    plot: str | None = None  # PNG path
-    contend: int = 0  # CPU-bound competitor processes running during every measured run
-    curve: bool = False  # the long-context curve on a tiny random Llama (kivi_xpu.tools.curve) instead
-    kv_budget: float | None = None  # MiB: decode throughput at equal KV memory (kivi_xpu.tools.budget) instead
-    max_batch: int = 256  # the largest batch --kv-budget tries
-
+from .specs import CacheSpec, make_cache, third_party_failure
+from .timing import OpStats, add_step_ratios, competitors, fused_op_timer, op_stats, timed_decode
+from .workload import BenchOptions, prepare, prompts
 
 DEFAULTS = BenchOptions()
 
@@ -159,6 +144,7 @@ class Run:
     peak_prefill_bytes: int | None  # peak resident set during the prefill, above the resident set before the run
     peak_decode_bytes: int | None  # same, during the decode steps
     peak_process_bytes: int | None  # the process's absolute peak resident set during the run
+    op: OpStats | None  # the fused attention op's calls during the timed steps (None: no fused attention)
 
     @property
     def tokens_per_s(self) -> float:
@@ -190,6 +176,14 @@ class Row:
     memory_vs_dynamic: float | None = None
     step_speedup_vs_dynamic: float | None = None  # DynamicCache's decode ms/step over this row's (above 1: faster)
     step_speedup_vs_static: float | None = None  # StaticCache's decode ms/step over this row's
+    # The fused attention op (attn_implementation "kivi") in the timed decode steps; None for the other caches.
+    # Each is the median over the runs of one run's median over its calls (one call per fused layer and step).
+    fused_op_ms: float | None = None  # one call's time
+    fused_op_calls_per_step: float | None = None
+    fused_op_packed_bytes: int | None = None  # read per call: packed codes + scales + zeros of keys and values
+    fused_op_exact_bytes: int | None = None  # read per call besides: the exact sinks and tail of keys and values
+    fused_op_gb_per_s: float | None = None  # packed bytes / seconds of a call (1e9 bytes per GB)
+    fused_op_bandwidth_fraction: float | None = None  # fused_op_gb_per_s / the machine's measured read bandwidth
     runs: list[dict] = field(default_factory=list)
 
 
@@ -211,7 +205,8 @@ def run_once(
     del logits
     release_freed_memory()
     meter.reset()
-    decoded, decode_seconds = timed_decode(model, cache, token, new_tokens - 1, warmup, bar)
+    with fused_op_timer() as calls:
+        decoded, decode_seconds = timed_decode(model, cache, token, new_tokens - 1, warmup, bar, calls.clear)
     tokens += decoded
     peak_decode = meter.peak()
     run = Run(
@@ -223,6 +218,7 @@ def run_once(
         None if baseline is None else peak_prefill - baseline,
         None if baseline is None else peak_decode - baseline,
         None if baseline is None else max(peak_prefill, peak_decode),
+        op_stats(calls, new_tokens - 1 - warmup),
     )
     del cache
     model.set_attn_implementation("sdpa")
@@ -257,24 +253,30 @@ def summarize(spec: CacheSpec, context: int, runs: list[Run]) -> Row:
         peak_decode_bytes=None if None in peaks[1] else max(peaks[1]),
         peak_process_bytes=None if None in peaks[2] else max(peaks[2]),
         generated_tokens=first.tokens.shape[1],
-        runs=[{"prefill_seconds": r.prefill_seconds, "decode_tokens_per_s": r.tokens_per_s} for r in runs],
+        **fused_op_fields([r.op for r in runs]),
+        runs=[
+            {
+                "prefill_seconds": r.prefill_seconds,
+                "decode_tokens_per_s": r.tokens_per_s,
+                "fused_op_ms": None if r.op is None else 1000 * r.op.seconds,
+            }
+            for r in runs
+        ],
     )
 
 
-def prompts(options: BenchOptions, model, model_path: str, total: int) -> Callable[[int, int], torch.Tensor]:
-    """A function ``(batch, context) -> ids [batch, context]``: random ids (seeded) or consecutive text slices."""
-    if options.text is None:
-        generator = torch.Generator().manual_seed(0)
-        vocab = model.config.get_text_config(decoder=True).vocab_size
-        return lambda batch, context: torch.randint(0, vocab, (batch, context), generator=generator)
-    path = resolve_text(options.text)
-    ids = text_tokens(load_tokenizer(model_path, options.model), path, total)
-    if len(ids) < total:
-        raise ToolError(
-            f"--text {options.text!r} has {len(ids)} tokens; the largest batch x context needs {total}: use a longer "
-            "text or smaller --contexts/--batch-sizes"
-        )
-    return lambda batch, context: ids[: batch * context].view(batch, context)
+def fused_op_fields(stats: list[OpStats | None]) -> dict:
+    """A row's ``fused_op_*`` fields (but the bandwidth fraction) from its runs' op statistics: the medians over
+    the runs; none when a run had no fused op call."""
+    if not stats or None in stats:
+        return {}
+    return {
+        "fused_op_ms": 1000 * statistics.median(s.seconds for s in stats),
+        "fused_op_calls_per_step": statistics.median(s.calls_per_step for s in stats),
+        "fused_op_packed_bytes": int(statistics.median(s.packed_bytes for s in stats)),
+        "fused_op_exact_bytes": int(statistics.median(s.exact_bytes for s in stats)),
+        "fused_op_gb_per_s": statistics.median(s.gb_per_s for s in stats),
+    }
 
 
 def measure(
@@ -321,22 +323,10 @@ def measure(
     return rows, failed
 
 
-def prepare(options: BenchOptions) -> tuple:
-    """The process options applied, the model loaded and checked for the longest run, the KIVI options checked:
-    ``(model, model_path, runnable cache specs, skipped entries for the caches that cannot run here)``."""
-    apply_process_options(options)
-    model, model_path = load_model(options.model, options.dtype)
-    check_positions(model, max(options.contexts) + options.new_tokens, "context + new tokens")
-    specs = cache_specs(options)
-    check_cache_options(specs, model.config, options)
-    unavailable = {spec: reason for spec in specs if (reason := unavailable_reason(spec))}
-    skipped = [{"cache": s.label, "context": None, "batch": None, "reason": r} for s, r in unavailable.items()]
-    return model, model_path, [s for s in specs if s not in unavailable], skipped
-
-
 def benchmark(options: BenchOptions) -> dict:
-    """Runs the benchmark the options describe (``--curve``: :func:`kivi_xpu.tools.curve.curve`) and returns the
-    JSON payload (``rows``, ``skipped``, ...)."""
+    """Runs the benchmark the options describe (:func:`run_mode`), then measures the machine's read bandwidth with
+    the same threads (:func:`kivi_xpu.tools.machine.read_bandwidth`, under ``environment.read_bandwidth``), and
+    returns the JSON payload (``rows``, ``skipped``, ...) with each fused op's share of that bandwidth."""
     if options.new_tokens < options.warmup + 2:
         raise ToolError(
             f"--new-tokens ({options.new_tokens}) must exceed --warmup ({options.warmup}) + 1: the prefill yields the "
@@ -346,6 +336,17 @@ def benchmark(options: BenchOptions) -> dict:
     check_output_path(options.plot, "--plot")
     if options.plot:
         check_matplotlib("--plot")
+    payload = run_mode(options)  # --threads applied by then
+    bandwidth = payload["environment"]["read_bandwidth"] = read_bandwidth()
+    for row in payload["rows"]:
+        if row.get("fused_op_gb_per_s") is not None:
+            row["fused_op_bandwidth_fraction"] = row["fused_op_gb_per_s"] / bandwidth["gb_per_s"]
+    return payload
+
+
+def run_mode(options: BenchOptions) -> dict:
+    """The JSON payload of the mode the options choose: ``--kv-budget``, ``--curve``, else the caches side by
+    side."""
     if options.kv_budget is not None:
         return budget(options)
     if options.curve:

@@ -24,7 +24,6 @@ import gc
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,9 +33,7 @@ from .memory import MIB, KvBytes, accounted_bytes, kv_bytes, release_freed_memor
 from .options import ToolError
 from .specs import CacheSpec, make_cache
 from .timing import competitors, timed_decode
-
-if TYPE_CHECKING:
-    from .bench import BenchOptions
+from .workload import BenchOptions, prepare, prompts
 
 
 @dataclass
@@ -191,13 +188,11 @@ def measure_context(
 
 def budget(options: BenchOptions, make_prompt: Callable[[int, int], torch.Tensor] | None = None) -> dict:
     """Runs the equal-memory throughput benchmark (options already checked by ``bench.benchmark``); returns the
-    JSON payload. ``make_prompt(batch, context) -> ids`` defaults to ``bench.prompts``."""
+    JSON payload. ``make_prompt(batch, context) -> ids`` defaults to ``workload.prompts``."""
     if options.kv_budget <= 0:
         raise ToolError(f"--kv-budget must be a positive number of MiB; got {options.kv_budget}")
     if options.curve:
         raise ToolError("--kv-budget and --curve are different benchmarks: pass one of them")
-    from .bench import prepare, prompts  # bench dispatches here: imported late
-
     model, model_path, specs, skipped = prepare(options)
     make_prompt = make_prompt or prompts(options, model, model_path, max(options.contexts))
     steps = options.new_tokens - 1

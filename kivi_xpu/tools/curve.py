@@ -17,7 +17,6 @@ import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -28,9 +27,7 @@ from .memory import kv_bytes, release_freed_memory
 from .options import DTYPES, ToolError, ToolOptions
 from .specs import CacheSpec, cache_specs, check_cache_options, make_cache
 from .timing import add_step_ratios, competitors, timed_decode
-
-if TYPE_CHECKING:
-    from .bench import BenchOptions
+from .workload import BenchOptions
 
 CURVE_LLAMA = dict(
     vocab_size=256,

@@ -1,13 +1,16 @@
-"""The environment a result was measured in: library versions, threads, the CPU model and ISA, and which
-implementation ran the KIVI kernels."""
+"""The environment a result was measured in: library versions, threads, the CPU model and ISA, which
+implementation ran the KIVI kernels, and the machine's measured read bandwidth (:func:`read_bandwidth`)."""
 
 from __future__ import annotations
 
 import datetime
+import glob
 import importlib
 import os
 import platform
+import re
 import subprocess
+import time
 
 import torch
 import transformers
@@ -105,3 +108,75 @@ def _native_isa() -> str | None:
         return None
     isa = getattr(module, "isa", None)
     return str(isa()) if callable(isa) else None
+
+
+MIB = 1 << 20
+# The read-bandwidth probe's buffer: 4x the last-level cache, at least MIN_PROBE_BYTES (so that even a cache that
+# keeps part of a streamed buffer cannot serve a noticeable share of it), at most MAX_PROBE_BYTES.
+MIN_PROBE_BYTES = 256 * MIB
+MAX_PROBE_BYTES = 4096 * MIB
+
+
+def read_bandwidth(repeats: int = 10) -> dict:
+    """The machine's streaming read bandwidth with torch's current thread count (``torch.get_num_threads()``, what
+    the benchmark runs with): ``buf.sum()`` over a float32 buffer of 4x the last-level cache (at least 256 MiB, at
+    most 4 GiB; its pages written once first, so that no page fault is timed), one untimed call, then the best of
+    ``repeats`` timed ones. Returns ``{"gb_per_s": buffer bytes / seconds / 1e9, "buffer_bytes", "llc_bytes"
+    (None when unknown), "threads", "repeats", "method"}``.
+
+    A float32 sum is vectorised and split over torch's threads, so it reads as fast as memory delivers (checked
+    against an AVX2 OpenMP loop of loads and adds and against NumPy's single-threaded sum: docs/tools.md); an int32
+    or uint8 ``sum`` is not (it widens every element to int64 first, at a few percent of the bandwidth)."""
+    llc = last_level_cache_bytes()
+    nbytes = min(max(4 * (llc or 0), MIN_PROBE_BYTES), MAX_PROBE_BYTES) // 64 * 64
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    del buf
+    return {
+        "gb_per_s": nbytes / best / 1e9,
+        "buffer_bytes": nbytes,
+        "llc_bytes": llc,
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "method": "torch.sum over a float32 buffer (4x the last-level cache, 256 MiB to 4 GiB), best of the "
+        "repeats after one warm-up call",
+    }
+
+
+def last_level_cache_bytes() -> int | None:
+    """The bytes of the last-level cache over the whole machine: from sysfs, the size of the highest-level data or
+    unified cache times its number of instances (distinct ``shared_cpu_list`` over the CPUs); else ``lscpu -B``'s
+    total for its highest cache level; ``None`` when neither says."""
+    caches: dict[int, dict[str, int]] = {}  # level -> {shared_cpu_list: bytes}
+    for index in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            if _read(f"{index}/type") == "Instruction":
+                continue
+            level, size = int(_read(f"{index}/level")), _size_bytes(_read(f"{index}/size"))
+            caches.setdefault(level, {})[_read(f"{index}/shared_cpu_list")] = size
+        except (OSError, ValueError):
+            continue
+    if caches:
+        return sum(caches[max(caches)].values())
+    try:
+        text = subprocess.run(["lscpu", "-B"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    levels = {int(m[1]): int(m[2]) for m in re.finditer(r"^L(\d)[a-z]* cache:\s*(\d+)", text, re.MULTILINE)}
+    return levels[max(levels)] if levels else None
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _size_bytes(text: str) -> int:
+    """sysfs cache sizes: ``"32768K"``, ``"1M"`` or plain bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)

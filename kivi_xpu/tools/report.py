@@ -21,9 +21,9 @@ def _signed(value: float | None, digits: int = 3, percent: bool = False) -> str:
 
 BENCH_HEADER = (
     "| cache | context | batch | prefill s | prefill vs Dynamic | decode tok/s | speed vs Dynamic | ms/step | "
-    "step speedup vs Dynamic | step speedup vs Static | KV MiB | KV smaller by | decode peak MiB | token match | "
-    "first divergence | notes |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "step speedup vs Dynamic | step speedup vs Static | attn op ms | attn op GB/s | % of read BW | KV MiB | "
+    "KV smaller by | decode peak MiB | token match | first divergence | notes |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -39,13 +39,23 @@ def bench_table(payload: dict) -> str:
         lines.append(
             f"| {r['cache']} | {r['context']} | {r['batch']} | {r['prefill_seconds']:.3f} | "
             f"{_ratio(r['prefill_vs_dynamic'])} | {r['decode_tokens_per_s']:.1f} | {_ratio(r['speed_vs_dynamic'])} | "
-            f"{_steps(r)} | {_mib(r['kv_bytes'])} | {_ratio(r['memory_vs_dynamic'])} | "
+            f"{_steps(r)} | {_fused_op(r)} | {_mib(r['kv_bytes'])} | {_ratio(r['memory_vs_dynamic'])} | "
             f"{_mib(r['peak_decode_bytes'])} | {match} | {divergence} | {notes} |"
         )
     for s in payload["skipped"]:
         where = ["—" if s[k] is None else str(s[k]) for k in ("context", "batch")]
-        lines.append(f"| {s['cache']} | {' | '.join(where)} | {' | '.join(['—'] * 12)} | {s['reason']} |")
+        lines.append(f"| {s['cache']} | {' | '.join(where)} | {' | '.join(['—'] * 15)} | {s['reason']} |")
     return "\n".join(lines)
+
+
+def _fused_op(r: dict) -> str:
+    """``attn op ms | attn op GB/s | % of read BW`` cells of a row: one fused attention op call, its packed bytes
+    per second, and that rate as a share of the machine's read bandwidth."""
+    if r["fused_op_ms"] is None:
+        return "— | — | —"
+    fraction = r["fused_op_bandwidth_fraction"]
+    share = "—" if fraction is None else f"{100 * fraction:.0f}%"
+    return f"{r['fused_op_ms']:.3f} | {r['fused_op_gb_per_s']:.2f} | {share}"
 
 
 def _steps(r: dict) -> str:
@@ -98,14 +108,19 @@ def budget_table(payload: dict) -> str:
 
 
 def machine_line(payload: dict) -> str:
-    """What a table was measured on: CPU model and ISA, the KIVI kernels' implementation, the competitor count."""
+    """What a table was measured on: CPU model and ISA, the KIVI kernels' implementation, the competitor count,
+    and the read bandwidth measured (``kivi-xpu bench``)."""
     env, settings = payload["environment"], payload["settings"]
     kernels = env["kivi_kernels"]
     implementation = "—" if kernels is None else kernels["backend"] + (f" ({kernels['isa']})" if kernels["isa"] else "")
+    measured, bandwidth = "", env.get("read_bandwidth")
+    if bandwidth is not None:
+        measured = f"; read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s (torch.sum over "
+        measured += f"{bandwidth['buffer_bytes'] / MIB:.0f} MiB, {bandwidth['threads']} threads)"
     return (
         f"CPU: {env['cpu']['model']}; ISA: {' '.join(env['cpu']['isa']) or 'none of interest'}; torch threads: "
         f"{env['torch_threads']}; KIVI kernels: {implementation}; competitor processes (--contend): "
-        f"{settings['contend']}"
+        f"{settings['contend']}{measured}"
     )
 
 

@@ -1,15 +1,21 @@
-"""Measuring decode speed: the timed greedy decode loop, CPU-bound competitor processes that load the machine
-during a measurement (``--contend N``), and the decode-step ratios against the full-precision baselines."""
+"""Measuring decode speed: the timed greedy decode loop, the timer of the fused attention op's calls, CPU-bound
+competitor processes that load the machine during a measurement (``--contend N``), and the decode-step ratios
+against the full-precision baselines."""
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from .. import attention
+from ..ops.checks import KindOperands
 from .options import ToolError
 
 # Float work in a loop that ends by itself after MAX_SECONDS, or as soon as its parent is gone (its parent id
@@ -54,17 +60,92 @@ def competitors(count: int, max_seconds: float = MAX_SECONDS):
 
 
 @torch.no_grad()
-def timed_decode(model, cache, token: torch.Tensor, steps: int, warmup: int, bar) -> tuple[list[torch.Tensor], float]:
+def timed_decode(
+    model, cache, token: torch.Tensor, steps: int, warmup: int, bar, on_timed: Callable[[], object] | None = None
+) -> tuple[list[torch.Tensor], float]:
     """Greedy decode of ``steps`` tokens from ``token [B, 1]`` (fed first) through ``cache``; returns the ``[B, 1]``
-    tokens and the seconds of the steps after the first ``warmup`` (``steps - warmup`` timed steps)."""
+    tokens and the seconds of the steps after the first ``warmup`` (``steps - warmup`` timed steps). ``on_timed()``,
+    when given, is called as the timed steps begin (e.g. ``calls.clear`` of a :func:`fused_op_timer`)."""
     tokens, start = [], None
     for step in range(steps):
         if step == warmup:
+            if on_timed is not None:
+                on_timed()
             start = time.perf_counter()
         token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
         bar.update(1)
     return tokens, time.perf_counter() - start
+
+
+class OpCall(NamedTuple):
+    """One call of the fused attention op: its seconds, and the bytes of the layer's KV it had to read."""
+
+    seconds: float
+    packed_bytes: int  # the packed history of keys and values: codes, scales and zeros of the `count` tokens
+    exact_bytes: int  # the exact (full-precision) sinks and tail of keys and values
+
+
+def packed_bytes(kind: KindOperands) -> int:
+    """Bytes of the packed history one kind (keys or values) of a ``decode_attention`` call holds: the codes,
+    scales and zeros of its ``count`` tokens (``bits`` per element, ``2 x D / group`` metadata per token and
+    head, whichever way the kind is grouped), not the spare capacity of its buffers."""
+    batch, heads, dim = kind.codes.shape[0], kind.codes.shape[1], kind.tail.shape[3]
+    per_token = dim * kind.bits // 8 + 2 * (dim // kind.group) * kind.scales.element_size()
+    return batch * heads * kind.count * per_token
+
+
+def exact_bytes(kind: KindOperands) -> int:
+    """Bytes of the exact sinks and tail of one kind of a ``decode_attention`` call."""
+    return sum(t.numel() * t.element_size() for t in (kind.sinks, kind.tail))
+
+
+@contextlib.contextmanager
+def fused_op_timer():
+    """Times every call of the fused KIVI attention within the block: yields a list that receives one
+    :class:`OpCall` per call of ``kivi_xpu.attention.decode_attention`` (what the ``"kivi"`` attention calls for
+    each layer of a decode step; it runs the backend's ``decode_attention`` op, whose CPU and SYCL kernels return
+    when done). The module's function is wrapped for the block and restored after it, also on an error: outside a
+    ``with fused_op_timer()`` nothing is wrapped, so it costs nothing; inside, a few microseconds per call."""
+    original = attention.decode_attention
+    calls: list[OpCall] = []
+
+    def timed(inputs, *args, **kwargs):
+        start = time.perf_counter()
+        out = original(inputs, *args, **kwargs)
+        seconds = time.perf_counter() - start
+        packed = packed_bytes(inputs.keys) + packed_bytes(inputs.values)
+        calls.append(OpCall(seconds, packed, exact_bytes(inputs.keys) + exact_bytes(inputs.values)))
+        return out
+
+    attention.decode_attention = timed
+    try:
+        yield calls
+    finally:
+        attention.decode_attention = original
+
+
+class OpStats(NamedTuple):
+    """The fused op's calls during the timed steps of one run (medians over the calls)."""
+
+    seconds: float  # one call
+    packed_bytes: int
+    exact_bytes: int
+    gb_per_s: float  # packed bytes / seconds of a call, 1e9 bytes per GB
+    calls_per_step: float
+
+
+def op_stats(calls: list[OpCall], steps: int) -> OpStats | None:
+    """The medians of ``calls`` made over ``steps`` decode steps; ``None`` without calls (no fused attention)."""
+    if not calls:
+        return None
+    return OpStats(
+        statistics.median(c.seconds for c in calls),
+        int(statistics.median(c.packed_bytes for c in calls)),
+        int(statistics.median(c.exact_bytes for c in calls)),
+        statistics.median(c.packed_bytes / c.seconds for c in calls) / 1e9,
+        len(calls) / steps,
+    )
 
 
 BASELINES = ("dynamic", "static")
