@@ -8,11 +8,14 @@ KIVI's printed (above 1: KIVI faster). Not a test: numbers depend on the machine
 ``KIVI_XPU_CPU_ISA=avx2`` measures the AVX2 path. ``--contend N`` times every cache twice, quiet and then with N
 CPU-bound competitor processes running (those of ``kivi-xpu bench --contend``), and prints each cache's slowdown and
 KIVI's slowdown over Dynamic's. ``kivi`` is the default KiviCache; ``kivi-paper`` the paper preset (no sinks, no
-rotation), to measure what the default's options cost.
+rotation), to measure what the default's options cost; ``kivi-fp32`` the default KiviCache with the native decode
+attention on fp32 arithmetic (``KIVI_XPU_CPU_DOT=fp32``) instead of the default integer dot products, to measure
+what the int8 path gains in the model (the arithmetic is switched before each of its steps).
 
     python benchmarks/bench_decode_steps.py --ctx 1024 4096 8192 --batch 1
     python benchmarks/bench_decode_steps.py --ctx 4096 --batch 4 --contend 2
     python benchmarks/bench_decode_steps.py --ctx 1024 8192 --caches dynamic kivi kivi-paper
+    python benchmarks/bench_decode_steps.py --ctx 4096 8192 --batch 4 --caches dynamic static kivi kivi-fp32
 """
 
 import argparse
@@ -36,6 +39,12 @@ p.add_argument("--caches", nargs="+", default=["dynamic", "static", "kivi"])
 p.add_argument("--profile", action="store_true")
 p.add_argument("--contend", type=int, default=0, help="also time every cache with N competitor processes")
 args = p.parse_args()
+try:
+    from kivi_xpu import _cpu as native
+
+    default_dot = native.dot()
+except ImportError:
+    native = default_dot = None
 lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
 print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
 print("KIVI kernels:", backend.select(args.backend).describe(), "| torch threads:", torch.get_num_threads())
@@ -56,7 +65,7 @@ def make_cache(kind, kv, ctx):
     elif kind == "static":
         cache = StaticCache(config=cfg, max_cache_len=ctx + args.steps + 4)
     else:
-        preset = kind.removeprefix("kivi-") if kind.startswith("kivi-") else "default"
+        preset = "paper" if kind == "kivi-paper" else "default"
         cache = KiviCache(config=cfg, backend=args.backend, preset=preset)
     fill(cache, kv, ctx)
     return cache
@@ -65,6 +74,8 @@ def make_cache(kind, kv, ctx):
 def step(kind, cache, tok, pos):
     """One timed decode step of `cache`; returns (seconds, next token)."""
     model.set_attn_implementation("kivi" if kind.startswith("kivi") else "sdpa")
+    if native is not None:
+        native.set_dot("fp32" if kind == "kivi-fp32" else default_dot)
     t0 = time.perf_counter()
     out = model(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos.expand(args.batch, 1))
     return time.perf_counter() - t0, out.logits[:, -1:].argmax(-1)
@@ -106,7 +117,7 @@ for ctx in args.ctx:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("ROWS", 25))))
     line = f"ctx {ctx} b{args.batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items())
     if "kivi" in res:
-        for base in ("dynamic", "static", "kivi-paper"):
+        for base in ("dynamic", "static", "kivi-paper", "kivi-fp32"):
             if base in res:
                 line += f"  | {base}/KIVI {res[base] / res['kivi']:.2f}x"
     print(line, flush=True)

@@ -331,3 +331,50 @@ def test_fp16_model_with_fp16_tails(dot):
     case = replace(CASES[0], dtype=torch.float16, sinks=3, mask="bool")
     args = build(case)
     assert_close(native.decode_attention(**args), twin(**args), integer_arithmetic())
+
+
+# Packed key codes, value codes and their metadata each placed so that they end exactly where a PROT_NONE page
+# begins: a kernel reading one byte past them dies with SIGSEGV (in a child process, so the test reports it).
+GUARDED_ATTENTION = """
+import ctypes, mmap, torch
+from kivi_xpu import _cpu as native
+from kivi_xpu.ops.reference import quantize_keys, quantize_values
+page = mmap.PAGESIZE
+libc = ctypes.CDLL(None)
+
+
+def guarded(t):
+    '''A copy of `t` whose last byte is the last before a PROT_NONE page.'''
+    memory = mmap.mmap(-1, 2 * page + t.numel() * t.element_size())
+    start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    end = (start + len(memory)) // page * page - page
+    assert libc.mprotect(ctypes.c_void_p(end), ctypes.c_size_t(page), 0) == 0
+    size = t.numel() * t.element_size()
+    copy = torch.frombuffer(memory, dtype=t.dtype, count=t.numel(), offset=end - start - size).view(t.shape)
+    copy.copy_(t)
+    return copy, memory
+
+
+keep = []
+for bits in (2, 4):
+    for key_count, value_count in ((32, 1), (64, 33), (256, 259), (288, 290)):
+        n = max(key_count, value_count) + 8
+        keys = quantize_keys(torch.randn(1, 2, key_count, 64), 32, bits, torch.float16)
+        values = quantize_values(torch.randn(1, 2, value_count, 64), 32, bits, torch.float16)
+        guarded_keys = [guarded(t) for t in keys]
+        guarded_values = [guarded(t) for t in values]
+        keep += guarded_keys + guarded_values
+        out = native.decode_attention(
+            torch.randn(1, 6, 1, 64), None, *(g[0] for g in guarded_keys), key_count, 32, bits,
+            torch.randn(1, 2, n - key_count, 64), None, *(g[0] for g in guarded_values), value_count, 32, bits,
+            torch.randn(1, 2, n - value_count, 64), None, 0.125, None)
+        assert out.isfinite().all()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("requested", native.available_isas())
+@pytest.mark.parametrize("arithmetic", ["int8", "fp32"])
+def test_reads_no_byte_past_the_packed_storage(requested, arithmetic):
+    result = run_script(GUARDED_ATTENTION, KIVI_XPU_CPU_ISA=requested, KIVI_XPU_CPU_DOT=arithmetic)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])

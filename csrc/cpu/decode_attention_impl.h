@@ -378,19 +378,6 @@ inline void load_key_meta(const void* base, Dtype dtype, int64_t offset, int64_t
   }
 }
 
-#if defined(KIVI_DA_INTEGER)
-// One packed key group for NR rows on integer arithmetic: false (nothing written) when a row of q * s is not finite.
-template <int BITS, int NR>
-inline bool int8_group(const float (*qs)[kMaxDim], const float* bias, const uint8_t* codes, int64_t code_row,
-                       int64_t D, int64_t G, float* const* out) {
-  QueryWords qw[NR];
-  float a[NR];
-  if (!quantize_key_query<NR>(qs, D, qw, a)) return false;
-  int8_key_group<(BITS < 8 ? BITS : 2), NR>(qw, a, bias, codes, code_row, D, G, out);
-  return true;
-}
-#endif
-
 template <int BITS>
 void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const float* q, float* scores,
                    int64_t pos0) {
@@ -400,7 +387,7 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
   float scales[kMaxDim * kMetaGroups], zeros[kMaxDim * kMetaGroups], qs[4][kMaxDim], bias[4];
   float* out[4];
 #if defined(KIVI_DA_INTEGER)
-  const bool integer = P.integer && integer_keys(BITS, G, D);
+  const bool integer = BITS != 8 && P.integer && integer_keys(BITS, G, D);
 #endif
   for (int64_t gb = g0; gb < g1; gb += kMetaGroups) {
     const int64_t block = min64(kMetaGroups, g1 - gb);
@@ -413,24 +400,33 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
       const float *scale = scales + i * kMaxDim, *zero = zeros + i * kMaxDim;
       for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
         const int nr = (int)min64(4, P.rows - r0);
-        for (int j = 0; j < nr; ++j) {
-          const float* qr = q + (r0 + j) * D;
-          for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[d] * scale[d];
-          bias[j] = dot(qr, zero, D);
-          out[j] = scores + (r0 + j) * P.score_row + pos;
-        }
+        for (int j = 0; j < nr; ++j) out[j] = scores + (r0 + j) * P.score_row + pos;
 #if defined(KIVI_DA_INTEGER)
-        if (integer && BITS != 8) {
-          bool done = false;
-          switch (nr) {
-            case 1: done = int8_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;
-            case 2: done = int8_group<BITS, 2>(qs, bias, group_codes, K.code_row, D, G, out); break;
-            case 3: done = int8_group<BITS, 3>(qs, bias, group_codes, K.code_row, D, G, out); break;
-            default: done = int8_group<BITS, 4>(qs, bias, group_codes, K.code_row, D, G, out); break;
-          }
-          if (done) continue;  // else a non-finite q * s: the fp32 path below, as the dense product would
-        }
+        if (integer) {  // the int8 factors (and, for a fallback, qs and bias) of every row in one pass
+          QueryBytes factors[4];
+          float a[4];
+          bool finite = true;
+          for (int j = 0; j < nr; ++j)
+            finite &= key_factors(q + (r0 + j) * D, scale, zero, D, qs[j], &bias[j], &factors[j], &a[j]);
+          if (finite) {
+            constexpr int B = BITS < 8 ? BITS : 2;  // (8-bit codes never take this path)
+            switch (nr) {
+              case 1: int8_key_group<B, 1>(factors, a, bias, group_codes, K.code_row, D, G, out); break;
+              case 2: int8_key_group<B, 2>(factors, a, bias, group_codes, K.code_row, D, G, out); break;
+              case 3: int8_key_group<B, 3>(factors, a, bias, group_codes, K.code_row, D, G, out); break;
+              default: int8_key_group<B, 4>(factors, a, bias, group_codes, K.code_row, D, G, out); break;
+            }
+            continue;
+          }  // else a non-finite q * s: the fp32 path below, as the dense product would
+        } else
 #endif
+        {
+          for (int j = 0; j < nr; ++j) {
+            const float* qr = q + (r0 + j) * D;
+            for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[d] * scale[d];
+            bias[j] = dot(qr, zero, D);
+          }
+        }
         switch (nr) {
           case 1: key_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;
           case 2: key_group<BITS, 2>(qs, bias, group_codes, K.code_row, D, G, out); break;

@@ -70,90 +70,105 @@ inline float hmax_256(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
 }
 
-// Query factors of one row, as the integer key loop reads them: quad q of channels is words[q], its 4 int8 factors
-// repeated in every int32 lane (a memory operand of vpmaddubsw: no broadcast register in the loop).
-struct QueryWords {
-  alignas(32) int32_t words[kMaxDim / 4][8];
-};
-
-// words[q] = round(x[4q .. 4q+3] * inv) as int8 (nearest even), quads q < n / 4; n a multiple of 8. False where a
-// product is NaN (vcvtps2dq gives INT32_MIN, which saturates to -128: a finite |x * inv| <= 127 never does).
-inline bool round_to_words(const float* x, float inv, int64_t n, QueryWords& out) {
-  const __m256 f = _mm256_set1_ps(inv);
-  const __m128i nan_code = _mm_set1_epi8(-128);
-  __m128i bad = _mm_setzero_si128();
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), f));  // MXCSR: nearest even
-    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    const __m128i bytes = _mm_packs_epi16(w, w);  // 8 factors, twice
-    bad = _mm_or_si128(bad, _mm_cmpeq_epi8(bytes, nan_code));
-    _mm256_store_si256((__m256i*)out.words[i / 4], _mm256_broadcastd_epi32(bytes));
-    _mm256_store_si256((__m256i*)out.words[i / 4 + 1], _mm256_broadcastd_epi32(_mm_srli_si128(bytes, 4)));
-  }
-  return _mm_movemask_epi8(bad) == 0;
-}
-
 // ---- keys -------------------------------------------------------------------------------------------------------
 
-// Quantizes NR rows of q * scale (qs[r][0, D)) to int8 factors qw[r], a[r] = max |qs| / 127. False if one is not
-// finite (Inf or NaN: the group then takes the fp32 path).
-template <int NR>
-inline bool quantize_key_query(const float (*qs)[kMaxDim], int64_t D, QueryWords* qw, float* a) {
-  const int64_t D8 = (D + 7) / 8 * 8;
-  for (int r = 0; r < NR; ++r) {
-    vf m = vset(0.0f);
-    int64_t d = 0;
-    for (; d + VW <= D; d += VW) m = vmax(Vec::abs(vload(qs[r] + d)), m);  // a NaN lane is dropped: see below
-    float mx = vhmax(m);
-    for (; d < D; ++d) mx = __builtin_fabsf(qs[r][d]) > mx ? __builtin_fabsf(qs[r][d]) : mx;
-    if (!(mx <= __FLT_MAX__)) return false;  // Inf
-    a[r] = mx / 127.0f;
-    float padded[kMaxDim];
-    const float* src = qs[r];
-    if (D8 != D) {
-      for (int64_t e = 0; e < D8; ++e) padded[e] = e < D ? qs[r][e] : 0.0f;
-      src = padded;
-    }
-    if (!round_to_words(src, mx > 0.0f ? 127.0f / mx : 0.0f, D8, qw[r])) return false;  // NaN
+// The int8 query factors of one row for one key group: 4 consecutive channels' factors are one int32 (the loop
+// broadcasts it), channels past D are zeros (a multiple of 32 bytes is written).
+struct QueryBytes {
+  alignas(32) int8_t q[kMaxDim];
+};
+
+// One query row against one key group, in one pass over the channels: qs = q * scale (kept for an fp32 fallback),
+// bias = q . zero, factors = round(qs * 127 / max |qs|) and a = max |qs| / 127. False when a qs is Inf or NaN (the
+// fp32 path then scores the group, with qs and bias as returned).
+inline bool key_factors(const float* q, const float* scale, const float* zero, int64_t D, float* qs, float* bias,
+                        QueryBytes* factors, float* a) {
+  const int64_t D32 = (D + 31) / 32 * 32;
+  __m256 m = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d), x = _mm256_mul_ps(qv, _mm256_loadu_ps(scale + d));
+    _mm256_storeu_ps(qs + d, x);
+    m = _mm256_max_ps(_mm256_andnot_ps(sign, x), m);  // a NaN lane is dropped: the rounding below catches it
+    if ((d / 8) % 2 == 0)
+      b0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(zero + d), b0);
+    else
+      b1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(zero + d), b1);
   }
-  return true;
+  float mx = hmax_256(m), bs = vsum_256(_mm256_add_ps(b0, b1));
+  for (; d < D; ++d) {
+    qs[d] = q[d] * scale[d];
+    mx = __builtin_fabsf(qs[d]) > mx ? __builtin_fabsf(qs[d]) : mx;
+    bs += q[d] * zero[d];
+  }
+  for (int64_t e = D; e < D32; ++e) qs[e] = 0.0f;  // qs rows hold kMaxDim floats
+  *bias = bs;
+  if (!(mx <= __FLT_MAX__)) return false;  // Inf
+  *a = mx / 127.0f;
+  const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+  __m256i bad = _mm256_setzero_si256();
+  for (int64_t i = 0; i < D32; i += 32) {
+    __m256i v[4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs + i + 8 * k), inv));
+    // packs interleave 128-bit lanes: the 4-byte units come out as v0lo v1lo v2lo v3lo v0hi v1hi v2hi v3hi
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    // vcvtps2dq gives INT32_MIN for NaN, which saturates to -128: a finite |qs * inv| <= 127 never does
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(bytes, _mm256_set1_epi8(-128)));
+    _mm256_store_si256((__m256i*)(factors->q + i),
+                       _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  return _mm256_testz_si256(bad, bad);
 }
 
 // Scores of one key group of G tokens (a multiple of kTileCodes) for NR rows: out[r][t] = a[r] * sum_d qi[r][d] *
 // c_td + bias[r]. codes points at channel 0's first byte of the group, channels `code_row` bytes apart; D % 4 == 0.
 template <int BITS, int NR>
-inline void int8_key_group(const QueryWords* qw, const float* a, const float* bias, const uint8_t* codes,
+inline void int8_key_group(const QueryBytes* qb, const float* a, const float* bias, const uint8_t* codes,
                            int64_t code_row, int64_t D, int64_t G, float* const* out) {
   constexpr int P = 8 / BITS;
+  constexpr int KH = NR * P <= 8 ? P : P / 2;  // planes per pass: NR * KH sums + NR factors in 16 registers
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t tile = 0; tile * kTileCodes<BITS> < G; ++tile) {
     const uint8_t* c = codes + tile * 8;
-    __m256i sum[NR][P];
-    for (int r = 0; r < NR; ++r)
-      for (int k = 0; k < P; ++k) sum[r][k] = _mm256_setzero_si256();
-    for (int64_t q0 = 0; q0 < D / 4; q0 += kKeyFlush<BITS>) {
-      const int64_t q1 = min64(q0 + kKeyFlush<BITS>, D / 4);
-      __m256i acc[NR][P];
-      for (int r = 0; r < NR; ++r)
-        for (int k = 0; k < P; ++k) acc[r][k] = _mm256_setzero_si256();
-      for (int64_t q = q0; q < q1; ++q) {
-        const __m256i t = tile4x8(c + 4 * q * code_row, code_row);
-#pragma GCC unroll 4
-        for (int k = 0; k < P; ++k) {
-          const __m256i pl = plane<BITS>(t, k);
-          for (int r = 0; r < NR; ++r)
-            acc[r][k] = _mm256_add_epi16(
-                acc[r][k], _mm256_maddubs_epi16(pl, _mm256_load_si256((const __m256i*)qw[r].words[q])));
+    alignas(32) int32_t sum[NR][P][8];  // in memory: only the int16 sums of one pass live in registers
+#pragma GCC unroll 2
+    for (int k0 = 0; k0 < P; k0 += KH) {
+      for (int64_t q0 = 0; q0 < D / 4; q0 += kKeyFlush<BITS>) {
+        const int64_t q1 = min64(q0 + kKeyFlush<BITS>, D / 4);
+        __m256i acc[NR][KH];
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 16
+          for (int k = 0; k < KH; ++k) acc[r][k] = _mm256_setzero_si256();
+        for (int64_t q = q0; q < q1; ++q) {
+          const __m256i t = tile4x8(c + 4 * q * code_row, code_row);
+          __m256i w[NR];
+#pragma GCC unroll 16
+          for (int r = 0; r < NR; ++r) w[r] = broadcast4(qb[r].q + 4 * q);
+#pragma GCC unroll 16
+          for (int k = 0; k < KH; ++k) {
+            const __m256i pl = plane<BITS>(t, k0 + k);
+#pragma GCC unroll 16
+            for (int r = 0; r < NR; ++r) acc[r][k] = _mm256_add_epi16(_mm256_maddubs_epi16(pl, w[r]), acc[r][k]);
+          }
         }
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 16
+          for (int k = 0; k < KH; ++k) {
+            __m256i* to = (__m256i*)sum[r][k0 + k];
+            const __m256i widened = _mm256_madd_epi16(acc[r][k], ones);
+            _mm256_store_si256(to, q0 == 0 ? widened : _mm256_add_epi32(_mm256_load_si256(to), widened));
+          }
       }
-      for (int r = 0; r < NR; ++r)
-        for (int k = 0; k < P; ++k) sum[r][k] = _mm256_add_epi32(sum[r][k], _mm256_madd_epi16(acc[r][k], ones));
     }
     // Lane j of plane k is token P * j + k of the tile: transpose the planes back into token order.
     for (int r = 0; r < NR; ++r) {
       const __m256 scale = _mm256_set1_ps(a[r]), b = _mm256_set1_ps(bias[r]);
       __m256 f[P];
-      for (int k = 0; k < P; ++k) f[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][k]), scale, b);
+      for (int k = 0; k < P; ++k)
+        f[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)sum[r][k])), scale, b);
       float* o = out[r] + tile * kTileCodes<BITS>;
       if (P == 4) {  // f[k][j] -> o[4 j + k]
         const __m256 t0 = _mm256_unpacklo_ps(f[0], f[1]), t1 = _mm256_unpackhi_ps(f[0], f[1]);
@@ -227,6 +242,7 @@ template <int BITS, int NR>
 inline bool int8_value_rows(const Packed& V, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, int64_t Dv,
                             const float* const* prob, float* const* acc) {
   constexpr int P = 8 / BITS;
+  constexpr int KH = NR * P <= 8 ? P : P / 2;  // planes per pass: NR * KH sums + NR factors in 16 registers
   constexpr int64_t TB = kValueBlock<BITS>;
   constexpr int64_t kMaxGroups = kMaxDim / 16;  // integer_values: a group holds at least 16 channels
   const int64_t groups = V.meta_row, G = V.group, tiles = Dv / (8 * P);
@@ -265,26 +281,36 @@ inline bool int8_value_rows(const Packed& V, const uint8_t* codes, int64_t meta0
     }
     for (int64_t x = 0; x < tiles; ++x) {
       const int64_t g = x * 8 * P / G;
-      __m256i accum[NR][P];
-      for (int r = 0; r < NR; ++r)
-        for (int k = 0; k < P; ++k) accum[r][k] = _mm256_setzero_si256();
-      for (int64_t q = 0; q < quads; ++q) {
-        const __m256i t = q < whole ? tile4x8(block + 4 * q * V.code_row + 8 * x, V.code_row)
-                                    : tile4x8(ragged + 8 * x, V.code_row);
-        __m256i w[NR];
-        for (int r = 0; r < NR; ++r) w[r] = broadcast4(wi[r][g] + 4 * q);
-#pragma GCC unroll 4
-        for (int k = 0; k < P; ++k) {
-          const __m256i pl = plane<BITS>(t, k);
-          for (int r = 0; r < NR; ++r) accum[r][k] = _mm256_add_epi16(accum[r][k], _mm256_maddubs_epi16(w[r], pl));
+#pragma GCC unroll 2
+      for (int k0 = 0; k0 < P; k0 += KH) {
+        __m256i accum[NR][KH];
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 16
+          for (int k = 0; k < KH; ++k) accum[r][k] = _mm256_setzero_si256();
+        for (int64_t q = 0; q < quads; ++q) {
+          const __m256i t = q < whole ? tile4x8(block + 4 * q * V.code_row + 8 * x, V.code_row)
+                                      : tile4x8(ragged + 8 * x, V.code_row);
+          __m256i w[NR];
+#pragma GCC unroll 16
+          for (int r = 0; r < NR; ++r) w[r] = broadcast4(wi[r][g] + 4 * q);
+#pragma GCC unroll 16
+          for (int k = 0; k < KH; ++k) {
+            const __m256i pl = plane<BITS>(t, k0 + k);
+#pragma GCC unroll 16
+            for (int r = 0; r < NR; ++r)
+              accum[r][k] = _mm256_add_epi16(_mm256_maddubs_epi16(w[r], pl), accum[r][k]);
+          }
         }
-      }
-      for (int r = 0; r < NR; ++r) {
-        const __m256 scale_b = _mm256_set1_ps(b[r][g]);
-        for (int k = 0; k < P; ++k) {
-          float* s = sums[r] + (x * P + k) * 8;
-          const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(accum[r][k], ones));
-          _mm256_storeu_ps(s, _mm256_fmadd_ps(f, scale_b, _mm256_loadu_ps(s)));
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; ++r) {
+          const __m256 scale_b = _mm256_set1_ps(b[r][g]);
+#pragma GCC unroll 16
+          for (int k = 0; k < KH; ++k) {
+            float* s = sums[r] + (x * P + k0 + k) * 8;
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(accum[r][k], ones));
+            _mm256_storeu_ps(s, _mm256_fmadd_ps(f, scale_b, _mm256_loadu_ps(s)));
+          }
         }
       }
     }
