@@ -51,3 +51,20 @@ def isa(request):
     native.set_isa(request.param)
     yield request.param
     native.set_isa(previous)
+
+
+@pytest.fixture
+def exact_arithmetic():
+    """The native decode attention on fp32 arithmetic for the test's duration (``KIVI_XPU_CPU_DOT=fp32``): for tests
+    that compare the fused path with dense attention over the dequantized history to fp32 rounding. The default int8
+    arithmetic rounds the query and the probabilities to 8 bits; tests/test_native_attention.py compares it with its
+    own twin (kivi_xpu/ops/integer_twin.py)."""
+    try:
+        from kivi_xpu import _cpu as native
+    except ImportError:
+        yield
+        return
+    previous = native.dot()
+    native.set_dot("fp32")
+    yield
+    native.set_dot(previous)

@@ -73,7 +73,7 @@ def test_packed_attention_ops_reject_bad_input(backend_name):
 
 @pytest.mark.parametrize("q_len", (1, 5))
 @pytest.mark.parametrize("padded", (False, True))
-def test_softmax_over_history_and_tail_equals_sdpa(backend_name, q_len, padded):
+def test_softmax_over_history_and_tail_equals_sdpa(backend_name, q_len, padded, exact_arithmetic):
     kernels = kernels_for(backend_name)
     b, hq, kv_heads, d, g, bits = 2, 6, 2, 64, 32, 2
     tk, tv, n = 96, 70, 100  # keys and values quantize different counts (blocks vs FIFO)

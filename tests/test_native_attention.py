@@ -378,3 +378,36 @@ print("ok")
 def test_reads_no_byte_past_the_packed_storage(requested, arithmetic):
     result = run_script(GUARDED_ATTENTION, KIVI_XPU_CPU_ISA=requested, KIVI_XPU_CPU_DOT=arithmetic)
     assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])
+
+
+def test_integer_arithmetic_in_a_model_stays_close_to_fp32():
+    """A tiny Llama scoring 160 tokens one at a time after a 100-token prompt (fused attention, 2-bit, G=32, R=32,
+    the history quantized many times over): the int8 arithmetic's logits stay within a few percent of the fp32
+    arithmetic's and pick the same next token almost everywhere (a wrong code order or scale would scatter them)."""
+    from tiny_models import tiny_llama
+
+    from kivi_xpu import KiviCache
+
+    model = tiny_llama(0)
+    model.set_attn_implementation("kivi")
+    tokens = torch.randint(3, 256, (2, 260), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    previous = native.dot()
+    try:
+        for arithmetic in ("fp32", "int8"):
+            native.set_dot(arithmetic)
+            cache = KiviCache(config=model.config, residual_length=32, group_size=32, backend="native")
+            with torch.inference_mode():
+                steps = [model(tokens[:, :100], past_key_values=cache).logits[:, -1]]
+                for t in range(100, 259):
+                    steps.append(model(tokens[:, t : t + 1], past_key_values=cache).logits[:, -1])
+            logits[arithmetic] = torch.stack(steps, dim=1)
+    finally:
+        native.set_dot(previous)
+    assert logits["fp32"].isfinite().all() and logits["int8"].isfinite().all()
+    difference = (logits["int8"] - logits["fp32"]).abs().max() / logits["fp32"].abs().max()
+    same_token = (logits["int8"].argmax(-1) == logits["fp32"].argmax(-1)).float().mean()
+    if native.isa() == "baseline":  # no integer path: the same computation
+        assert difference == 0
+    else:
+        assert 0 < difference < 0.05 and same_token >= 0.95, (difference.item(), same_token.item())

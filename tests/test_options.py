@@ -260,7 +260,7 @@ def test_packed_storage_uses_each_kinds_bits_and_group(backend_name):
 
 @pytest.mark.parametrize("q_len", (1, 4))
 @pytest.mark.parametrize("padded", (False, True))
-def test_softmax_over_sinks_history_and_tail_equals_sdpa(backend_name, q_len, padded):
+def test_softmax_over_sinks_history_and_tail_equals_sdpa(backend_name, q_len, padded, exact_arithmetic):
     b, hq, kv_heads, d = 2, 6, 2, 64
     sinks, tk, tv, n = 4, 64, 50, 90  # positions: [sinks | quantized | exact tail], per side
     kb, kg, vb, vg = 4, 16, 2, 32
@@ -304,7 +304,7 @@ OPTION_SETS = {
 
 
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
-def test_fused_and_dense_paths_agree_with_options(backend_name, options):
+def test_fused_and_dense_paths_agree_with_options(backend_name, options, exact_arithmetic):
     model = tiny_llama()
     tokens = torch.randint(1, 256, (2, 150))
     logits = {}
