@@ -90,24 +90,32 @@ def _field(text: str, names: tuple[str, ...]) -> str | None:
 
 
 def kernel_implementation(cache_or_backend) -> dict | None:
-    """Which implementation runs a KIVI cache's kernels: ``{"backend": name, "description": ..., "isa": ...}``
-    from a ``KiviCache`` (its ``backend``) or a backend selection; ``None`` for anything without one. ``isa`` is
-    what ``kivi_xpu._cpu.isa()`` reports when that native CPU module exists."""
+    """Which implementation runs a KIVI cache's kernels: ``{"backend": name, "description": ..., "isa": ...,
+    "attention_arithmetic": ...}`` from a ``KiviCache`` (its ``backend``) or a backend selection; ``None`` for
+    anything without one. ``isa`` is what ``kivi_xpu._cpu.isa()`` reports when that native CPU module exists, and
+    ``attention_arithmetic`` the native decode attention's arithmetic on packed codes (``int8`` or ``fp32``)."""
     backend = getattr(cache_or_backend, "backend", cache_or_backend)
     name = getattr(backend, "name", None)
     if name is None:
         return None
     describe = getattr(backend, "describe", None)
-    return {"backend": name, "description": describe() if callable(describe) else None, "isa": _native_isa()}
+    isa, arithmetic = _native_facts()
+    return {
+        "backend": name,
+        "description": describe() if callable(describe) else None,
+        "isa": isa,
+        "attention_arithmetic": arithmetic,
+    }
 
 
-def _native_isa() -> str | None:
+def _native_facts() -> tuple[str | None, str | None]:
+    """(ISA, decode-attention arithmetic) of the native CPU module, (None, None) when it is not built."""
     try:
         module = importlib.import_module("kivi_xpu._cpu")
     except ImportError:
-        return None
-    isa = getattr(module, "isa", None)
-    return str(isa()) if callable(isa) else None
+        return None, None
+    isa = str(module.isa())
+    return isa, "fp32" if isa == "baseline" else str(module.dot())
 
 
 MIB = 1 << 20

@@ -112,7 +112,8 @@ def machine_line(payload: dict) -> str:
     and the read bandwidth measured (``kivi-xpu bench``)."""
     env, settings = payload["environment"], payload["settings"]
     kernels = env["kivi_kernels"]
-    implementation = "—" if kernels is None else kernels["backend"] + (f" ({kernels['isa']})" if kernels["isa"] else "")
+    details = ", ".join(kernels.get(k) or "" for k in ("isa", "attention_arithmetic") if kernels and kernels.get(k))
+    implementation = "—" if kernels is None else kernels["backend"] + (f" ({details})" if details else "")
     measured, bandwidth = "", env.get("read_bandwidth")
     if bandwidth is not None:
         measured = f"; read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s (torch.sum over "
