@@ -58,6 +58,25 @@ _FOLLOWING_FIELDS = (*PER_KIND_FIELDS, *PRESET_FIELDS)  # fields that may follow
 MAX_RESIDUAL_LENGTH = 2**24
 
 
+def _group_advice(head_dim: int, bits: int, which: str) -> str:
+    """What a user can do when a group of ``bits``-bit codes does not fit ``head_dim``: the group sizes that work, or,
+    when none does (a group is a whole number of bytes), the bits and group sizes that can quantize this head_dim."""
+
+    def valid(b: int) -> list[int]:
+        return [g for g in range(1, head_dim + 1) if head_dim % g == 0 and g % codes_per_byte(b) == 0]
+
+    if valid(bits):
+        return f"group sizes that work for {bits}-bit codes: {', '.join(map(str, valid(bits)))}"
+    kind = "key" if which == "keys" else "value"
+    options = [f"`{kind}_bits={b}` with `{kind}_group_size` in {valid(b)}" for b in (4, 8) if b != bits and valid(b)]
+    return (
+        f"no group of {bits}-bit codes fits (a group is whole bytes of {codes_per_byte(bits)} codes and divides "
+        f"head_dim), so these {which} cannot be quantized with {bits} bits: use "
+        + " or ".join(options)
+        + " (for one layer: `layer_overrides`)"
+    )
+
+
 @dataclass(frozen=True)
 class KiviSettings:
     """Quantization settings of one cache layer (immutable; derive variants with :meth:`replace`).
@@ -76,7 +95,8 @@ class KiviSettings:
             blocks of ``R`` tokens made of whole groups) and is a multiple of ``8 // key_bits``.
         value_group_size: channels per value group (default: ``group_size``); a multiple of ``8 // value_bits``.
         sink_tokens: ``S``, the first ``S`` tokens of the sequence are kept in full precision forever;
-            ``0 <= S < R``; default: the preset's (4, the paper 0).
+            ``0 <= S < R``; default: the preset's (4, the paper 0), at most ``R - 1`` (so that a small explicit
+            ``residual_length`` is never rejected because of the default).
         rotation: how the packed history is rotated before it is quantized (:mod:`kivi_xpu.rotation`), one of
             ``ROTATIONS`` (``"none"``, ``"hadamard"``); the default for ``key_rotation`` and ``value_rotation``;
             default: the preset's (``"hadamard"``, the paper ``"none"``).
@@ -145,6 +165,10 @@ class KiviSettings:
                 f"`residual_length` ({r}) must be a multiple of `{name}` ({self.key_group_size}): "
                 "keys are quantized in blocks of residual_length tokens, each made of whole groups"
             )
+        if given["sink_tokens"] is None:
+            # The preset's sinks never reject an explicit window: at most R - 1 of them (every setting that accepted
+            # the preset's 4 keeps them; R = 4 gets 3, R = 1 none).
+            object.__setattr__(self, "sink_tokens", min(self.sink_tokens, r - 1))
         s = self.sink_tokens
         if s >= r:
             raise ValueError(
@@ -180,7 +204,7 @@ class KiviSettings:
                 bits = self.key_bits if which == "keys" else self.value_bits
                 raise ValueError(
                     f"`{self._name(field)}` ({group}) for the {which} must divide the model's head_dim ({head_dim}); "
-                    f"choose a divisor of {head_dim} that is a multiple of {codes_per_byte(bits)}"
+                    + _group_advice(head_dim, bits, which)
                 )
 
     def quantized_key_count(self, total_tokens: int) -> int:

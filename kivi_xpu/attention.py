@@ -37,7 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .ops import kernel
 from .ops.checks import KindOperands, decode_args
-from .ops.reference import dense_attention
+from .ops.reference import dense_attention, masked_scores, softmax_rows
 from .storage import dequantized
 
 ATTENTION_NAME = "kivi"
@@ -151,6 +151,21 @@ def decode_attention(
     return op(query, *decode_args(inputs.keys, inputs.values, attention_mask, scaling, softcap))
 
 
+def attention_with_weights(query, key, value, attention_mask, scaling: float, softcap: float, dropout: float = 0.0):
+    """Exact attention that also returns its weights, for ``output_attentions=True``: ``query [B, Hq, L, D]``, dense
+    ``key`` / ``value [B, Hkv, n, D]`` -> (``[B, L, Hq, Dv]``, weights ``[B, Hq, L, n]``), both in query's dtype."""
+    repeat = query.shape[1] // key.shape[1]
+    keys, values = key.float().repeat_interleave(repeat, 1), value.float().repeat_interleave(repeat, 1)
+    scores = (query.float() * scaling) @ keys.transpose(2, 3)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = softmax_rows(masked_scores(scores, attention_mask))
+    if dropout > 0:  # as transformers' eager attention: dropout on the weights (training only; callers pass 0 else)
+        weights = torch.nn.functional.dropout(weights, p=dropout, training=True)
+    out = (weights @ values).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), weights.to(query.dtype)
+
+
 def kivi_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -162,9 +177,17 @@ def kivi_attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Transformers attention interface: ``query [B, Hq, L, D]`` -> ``([B, L, Hq, D], None)``."""
+    """Transformers attention interface: ``query [B, Hq, L, D]`` -> ``([B, L, Hq, D], None)``, or with
+    ``output_attentions=True`` ``([B, L, Hq, D], weights [B, Hq, L, n])``: then exact attention over the dense
+    states (the packed history dequantized), as eager attention computes it, instead of the fused kernel."""
     inputs = take_over(module, key, value)
     softcap = kwargs.get("softcap")
+    if kwargs.get("output_attentions"):
+        if inputs is not None:
+            key, value = dense_states(inputs)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        dropout = dropout if module.training else 0.0
+        return attention_with_weights(query, key, value, attention_mask, scaling, softcap or 0.0, dropout)
     if inputs is not None and (dropout > 0 or kwargs.get("sliding_window") is not None):
         key, value = dense_states(inputs)  # the layer returned only its tail: rebuild the dense states
         inputs = None

@@ -294,3 +294,29 @@ def test_one_inf_key_gives_the_same_nan_logits_in_both_paths(backend_name, posit
         assert fused.isnan().all()
     else:  # an exact key: +-inf scores, NaN as in SDPA (none of it hidden as zeros)
         assert fused.isnan().any()
+
+
+def test_output_attentions_returns_the_weights_of_eager_attention(backend_name):
+    """Prefill and decode steps under "kivi" with output_attentions=True give one weight tensor per layer, equal to
+    eager attention on the same (dequantized) keys and values, and the same outputs: while nothing is quantized they
+    equal eager attention with a DynamicCache, and once the history is packed the weights still sum to 1 per row."""
+    model = models.tiny_llama()
+    ids = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for attention, cache in (
+        ("kivi", KiviCache(config=model.config, residual_length=32, group_size=16, backend=backend_name)),
+        ("eager", DynamicCache(config=model.config)),
+    ):
+        model.set_attn_implementation(attention)
+        with torch.inference_mode():
+            steps = [model(ids[:, :20], past_key_values=cache, output_attentions=True)]
+            steps += [model(ids[:, t : t + 1], past_key_values=cache, output_attentions=True) for t in range(20, 70)]
+        runs[attention] = steps
+    for t, (kivi, eager) in enumerate(zip(runs["kivi"], runs["eager"], strict=True)):
+        assert len(kivi.attentions) == model.config.num_hidden_layers
+        for mine, theirs in zip(kivi.attentions, eager.attentions, strict=True):
+            assert mine.shape == theirs.shape
+            torch.testing.assert_close(mine.sum(-1), torch.ones_like(mine.sum(-1)))
+            if t < 13:  # 20 + 12 tokens held: nothing quantized yet (R = 32)
+                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    assert runs["kivi"][-1].attentions[0].shape[-1] == 70

@@ -181,6 +181,42 @@ def test_settings_validation(kwargs, match):
         KiviSettings(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "residual, group, bits", [(1, 1, 8), (4, 2, 4), (4, 4, 2), (8, 4, 2), (16, 16, 2), (128, 32, 2)]
+)
+def test_the_default_sinks_never_reject_an_explicit_window(residual, group, bits):
+    """Every window the paper preset accepts, the default accepts: its 4 sinks shrink to at most R - 1."""
+    paper = KiviSettings(residual_length=residual, group_size=group, bits=bits, preset="paper")
+    default = KiviSettings(residual_length=residual, group_size=group, bits=bits)
+    assert paper.sink_tokens == 0 and default.sink_tokens == min(4, residual - 1)
+    assert default.replace(residual_length=128, group_size=32).sink_tokens == 4  # the clamp follows R, not frozen
+    with pytest.raises(ValueError, match=r"`sink_tokens` \(4\).*`residual_length` \(4\)"):
+        KiviSettings(residual_length=4, group_size=4, sink_tokens=4)  # an explicit conflict is still an error
+
+
+def test_a_small_window_with_the_default_preset_generates():
+    model = models.tiny_llama()
+    cache = KiviCache(config=model.config, residual_length=4, group_size=4)
+    assert cache.layers[0].settings.sink_tokens == 3
+    tokens = model.generate(
+        torch.randint(3, 256, (1, 9)), past_key_values=cache, max_new_tokens=12, do_sample=False, min_new_tokens=12
+    )
+    assert tokens.shape == (1, 21) and cache.get_seq_length() == 20
+
+
+@pytest.mark.parametrize(
+    "head_dim, kwargs, advice",
+    [
+        (48, {"key_group_size": 32, "value_group_size": 16}, "that work for 2-bit codes: 4, 8, 12, 16, 24, 48"),
+        (1, {"group_size": 4}, r"cannot be quantized with 2 bits: use `key_bits=8` with `key_group_size` in \[1\]"),
+        (6, {"group_size": 4}, r"use `key_bits=4` with `key_group_size` in \[2, 6\] or `key_bits=8`"),
+    ],
+)
+def test_head_dim_errors_say_what_can_be_done(head_dim, kwargs, advice):
+    with pytest.raises(ValueError, match=advice):
+        KiviSettings(**kwargs).check_head_dim(head_dim)
+
+
 def test_head_dim_errors_say_which_kind():
     with pytest.raises(ValueError, match="`key_group_size` \\(32\\) for the keys.*head_dim \\(48\\)"):
         KiviSettings(key_group_size=32, value_group_size=16).check_head_dim(48)
