@@ -127,7 +127,9 @@ template <int BITS, int NR>
 inline void int8_key_group(const QueryBytes* qb, const float* a, const float* bias, const uint8_t* codes,
                            int64_t code_row, int64_t D, int64_t G, float* const* out) {
   constexpr int P = 8 / BITS;
-  constexpr int KH = NR * P <= 8 ? P : P / 2;  // planes per pass: NR * KH sums + NR factors in 16 registers
+  // Planes per pass: up to 12 int16 sums in registers (with 3 rows a few spill, which measured faster than a second
+  // pass over the tiles); 4 rows of 2-bit codes take two passes of 2 planes.
+  constexpr int KH = NR * P <= 12 ? P : P / 2;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t tile = 0; tile * kTileCodes<BITS> < G; ++tile) {
     const uint8_t* c = codes + tile * 8;
@@ -242,7 +244,9 @@ template <int BITS, int NR>
 inline bool int8_value_rows(const Packed& V, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, int64_t Dv,
                             const float* const* prob, float* const* acc) {
   constexpr int P = 8 / BITS;
-  constexpr int KH = NR * P <= 8 ? P : P / 2;  // planes per pass: NR * KH sums + NR factors in 16 registers
+  // Planes per pass: up to 12 int16 sums in registers (with 3 rows a few spill, which measured faster than a second
+  // pass over the tiles); 4 rows of 2-bit codes take two passes of 2 planes.
+  constexpr int KH = NR * P <= 12 ? P : P / 2;
   constexpr int64_t TB = kValueBlock<BITS>;
   constexpr int64_t kMaxGroups = kMaxDim / 16;  // integer_values: a group holds at least 16 channels
   const int64_t groups = V.meta_row, G = V.group, tiles = Dv / (8 * P);
