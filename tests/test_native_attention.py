@@ -411,3 +411,17 @@ def test_integer_arithmetic_in_a_model_stays_close_to_fp32():
         assert difference == 0
     else:
         assert 0 < difference < 0.05 and same_token >= 0.95, (difference.item(), same_token.item())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_value_metadata_propagates_as_in_the_twin(isa, dot, bad):
+    """A NaN or Inf value scale makes the weights of its chunk non-finite: the integer path falls back to fp32 for
+    that chunk, so the NaN / Inf outputs are those of the dense product."""
+    args = build(Case(batch=1, kv_heads=2, key_count=288, value_count=300, key_tail=40))
+    args["value_scales"][0, 1, 260, 0] = bad
+    out = native.decode_attention(**args)
+    expected = twin(**args)
+    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
+    assert not out[0, :3].isnan().any() and (out[0, 3:].isnan() | out[0, 3:].isinf()).any()
+    finite = expected.isfinite()
+    torch.testing.assert_close(out[finite], expected[finite], rtol=2e-3, atol=2e-3)

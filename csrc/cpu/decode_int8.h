@@ -197,22 +197,25 @@ inline void int8_key_group(const QueryBytes* qb, const float* a, const float* bi
 template <int64_t TB>
 inline float value_factors(const float* p, const float* s, const float* z, uint8_t* wi, __m256& zsum) {
   static_assert(TB == 16 || TB == 32, "two or four vectors of 8 factors");
-  __m256 w[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  __m256 w[4], m = _mm256_setzero_ps();
   for (int i = 0; i < TB / 8; ++i) {
     const __m256 pv = _mm256_loadu_ps(p + 8 * i);
     w[i] = _mm256_mul_ps(pv, _mm256_loadu_ps(s + 8 * i));
-    bad = _mm256_fmadd_ps(w[i], _mm256_setzero_ps(), bad);  // NaN iff a weight is Inf or NaN
-    m = _mm256_max_ps(w[i], m);
+    m = _mm256_max_ps(w[i], m);  // a NaN weight is dropped here and caught below
     zsum = _mm256_fmadd_ps(pv, _mm256_loadu_ps(z + 8 * i), zsum);
   }
-  if (vsum_256(bad) != 0.0f) return __builtin_nanf("");
   const float mx = hmax_256(m);
-  const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 255.0f / mx : 0.0f);
+  const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 255.0f / mx : 0.0f);  // Inf max: 0, so Inf * 0 is NaN below
   __m256i v[4];
   for (int i = 0; i < TB / 8; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(w[i], inv));  // nearest even, <= 255
   if (TB == 16) v[2] = v[0], v[3] = v[1];
+  const __m256i words01 = _mm256_packs_epi32(v[0], v[1]), words23 = _mm256_packs_epi32(v[2], v[3]);
+  // vcvtps2dq gives INT32_MIN for NaN, saturated to -32768 here; a finite factor is 0..255
+  const __m256i nan_code = _mm256_set1_epi16(-32768);
+  const __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi16(words01, nan_code), _mm256_cmpeq_epi16(words23, nan_code));
+  if (!_mm256_testz_si256(bad, bad)) return __builtin_nanf("");
   // packs interleave 128-bit lanes: the 4-byte units come out as v0lo v1lo v2lo v3lo v0hi v1hi v2hi v3hi
-  const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  const __m256i bytes = _mm256_packus_epi16(words01, words23);
   const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   if (TB == 32)
     _mm256_storeu_si256((__m256i*)wi, ordered);
@@ -229,6 +232,16 @@ inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n,
   for (int64_t i = n * groups; i < TB * groups; ++i) buffer[i] = 0.0f;
   if (groups == 1) {
     for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[0] + t, _mm256_loadu_ps(buffer + t));
+    return;
+  }
+  if (groups == 2) {  // head_dim 64 at G = 32: deinterleave 8 tokens' pairs with shuffles (a gather is ~4x dearer)
+    for (int64_t t = 0; t < TB; t += 8) {
+      const __m256 a = _mm256_loadu_ps(buffer + 2 * t), b = _mm256_loadu_ps(buffer + 2 * t + 8);
+      // shuffle_ps keeps tokens 0 1 4 5 | 2 3 6 7 per 128-bit lane; the 64-bit permute puts them in order
+      const __m256 even = _mm256_shuffle_ps(a, b, 0x88), odd = _mm256_shuffle_ps(a, b, 0xDD);
+      _mm256_storeu_ps(out[0] + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+      _mm256_storeu_ps(out[1] + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+    }
     return;
   }
   const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)groups));
