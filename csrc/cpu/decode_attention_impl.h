@@ -52,9 +52,9 @@ inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline float vsum(vf v) { return Vec::reduce_add(v); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }  // b where either is NaN
-inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+inline float vhmax(vf v) { return Vec::reduce_max(v); }
 // VW codes from VW * BITS / 8 bytes (lane i = code i, little end first).
 template <int BITS>
 inline vf vcodes(const uint8_t* p) {
@@ -111,17 +111,8 @@ inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }  // b where either is NaN
-inline float vhmax(vf v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-inline float vsum(vf v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float vhmax(vf v) { return Vec::reduce_max(v); }
+inline float vsum(vf v) { return Vec::reduce_add(v); }
 template <int BITS>
 inline vf vcodes(const uint8_t* p) {
   return Vec::to_float(Vec::load_codes(p, BITS));

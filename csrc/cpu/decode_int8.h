@@ -59,17 +59,6 @@ inline __m256i broadcast4(const void* p) {
   return _mm256_set1_epi32(word);
 }
 
-inline float vsum_256(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
-inline float hmax_256(__m256 v) {
-  __m128 r = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
-  return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
-}
-
 // ---- keys -------------------------------------------------------------------------------------------------------
 
 // The int8 query factors of one row for one key group: 4 consecutive channels' factors are one int32 (the loop
@@ -96,7 +85,7 @@ inline bool key_factors(const float* q, const float* scale, const float* zero, i
     else
       b1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(zero + d), b1);
   }
-  float mx = hmax_256(m), bs = vsum_256(_mm256_add_ps(b0, b1));
+  float mx = Vec256::reduce_max(m), bs = Vec256::reduce_add(_mm256_add_ps(b0, b1));
   for (; d < D; ++d) {
     qs[d] = q[d] * scale[d];
     mx = __builtin_fabsf(qs[d]) > mx ? __builtin_fabsf(qs[d]) : mx;
@@ -204,7 +193,7 @@ inline float value_factors(const float* p, const float* s, const float* z, uint8
     m = _mm256_max_ps(w[i], m);  // a NaN weight is dropped here and caught below
     zsum = _mm256_fmadd_ps(pv, _mm256_loadu_ps(z + 8 * i), zsum);
   }
-  const float mx = hmax_256(m);
+  const float mx = Vec256::reduce_max(m);
   const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 255.0f / mx : 0.0f);  // Inf max: 0, so Inf * 0 is NaN below
   __m256i v[4];
   for (int i = 0; i < TB / 8; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(w[i], inv));  // nearest even, <= 255
@@ -337,7 +326,7 @@ inline bool int8_value_rows(const Packed& V, const uint8_t* codes, int64_t meta0
       for (int k = 0; k < P; ++k)
         for (int j = 0; j < 8; ++j) acc[r][P * (8 * x + j) + k] += sums[r][(x * P + k) * 8 + j];
     for (int64_t g = 0; g < groups; ++g) {  // the zeros: sum_t p_t z_tg once per group, added to its channels
-      const float zs = vsum_256(zsum[r][g]);
+      const float zs = Vec256::reduce_add(zsum[r][g]);
       for (int64_t d = g * G; d < (g + 1) * G; ++d) acc[r][d] += zs;
     }
   }

@@ -116,86 +116,10 @@ struct Scalar {
   static void store_u8(uint8_t* p, I v) { *p = (uint8_t)v; }            // lanes (< 256) -> kWidth bytes
 };
 
-#if defined(KIVI_SIMD_AVX512)
-struct Vec {
-  static constexpr int kWidth = 16;
-  using F = __m512;
-  using I = __m512i;
-  using M = __mmask16;
-
-  static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static F load(const uint16_t* p, F16) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-  static F load(const uint16_t* p, BF16) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-  }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static void store(uint16_t* p, F v, F16) {
-    // Hardware RNE with overflow to Inf; NaN payloads are replaced first so every NaN becomes sign|0x7E00.
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)),
-                                          _mm512_set1_epi32(0x7FC00000));
-    v = _mm512_mask_blend_ps(nan, v, _mm512_castsi512_ps(quiet));
-    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  static void store(uint16_t* p, F v, BF16) {
-    const __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(r, 16),
-                                _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
-  }
-
-  static F set1(float v) { return _mm512_set1_ps(v); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  static F min(F a, F b) { return _mm512_min_ps(a, b); }
-  static F max(F a, F b) { return _mm512_max_ps(a, b); }
-  static F round_even(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
-  static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
-  static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
-  static M both(M a, M b) { return (M)(a & b); }
-  static bool all(M m) { return m == 0xFFFF; }
-  static F abs(F v) { return _mm512_abs_ps(v); }
-  static F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
-  static float reduce_min(F v) { return _mm512_reduce_min_ps(v); }
-  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
-  static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
-
-  static I set1_i(int32_t v) { return _mm512_set1_epi32(v); }
-  static I to_int(F v) { return _mm512_cvttps_epi32(v); }
-  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
-  static I and_i(I a, I b) { return _mm512_and_si512(a, b); }
-  static I or_i(I a, I b) { return _mm512_or_si512(a, b); }
-  static I shl(I v, int n) { return _mm512_sll_epi32(v, _mm_cvtsi32_si128(n)); }
-  static I shr(I v, int n) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(n)); }
-  static I select_i(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
-  static I load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
-  static void store_i(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
-  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-  // kWidth codes packed little-end first (pack_codes' layout) at p, kWidth * bits / 8 bytes -> lanes.
-  static I load_codes(const uint8_t* p, int bits) {
-    if (bits == 8) return load_u8(p);
-    if (bits == 4) {  // 8 bytes: lanes 0-7 from the low 32-bit word, 8-15 from the high one
-      int64_t qword;
-      __builtin_memcpy(&qword, p, 8);
-      const __m512i word_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-      const __m512i words = _mm512_permutexvar_epi32(word_of_lane, _mm512_castsi128_si512(_mm_cvtsi64_si128(qword)));
-      const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-      return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15));
-    }
-    int32_t word;  // 2 bits: 4 bytes, one 32-bit word for all lanes
-    __builtin_memcpy(&word, p, 4);
-    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(word), shifts), _mm512_set1_epi32(3));
-  }
-  static void store_u8(uint8_t* p, I v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v)); }
-};
-#elif defined(KIVI_SIMD_AVX2)
-struct Vec {
+// The 256-bit policy: the widest of the AVX2 build, and in the AVX-512 build what code written for 8 lanes uses
+// (decode_int8.h's integer dot products).
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+struct Vec256 {
   static constexpr int kWidth = 8;
   using F = __m256;
   using I = __m256i;
@@ -280,6 +204,88 @@ struct Vec {
     _mm_storel_epi64((__m128i*)p, _mm_packus_epi16(words, words));
   }
 };
+#endif
+
+#if defined(KIVI_SIMD_AVX512)
+struct Vec {
+  static constexpr int kWidth = 16;
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const uint16_t* p, F16) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static F load(const uint16_t* p, BF16) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static void store(uint16_t* p, F v, F16) {
+    // Hardware RNE with overflow to Inf; NaN payloads are replaced first so every NaN becomes sign|0x7E00.
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)),
+                                          _mm512_set1_epi32(0x7FC00000));
+    v = _mm512_mask_blend_ps(nan, v, _mm512_castsi512_ps(quiet));
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void store(uint16_t* p, F v, BF16) {
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(r, 16),
+                                _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+  }
+
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F round_even(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static M both(M a, M b) { return (M)(a & b); }
+  static bool all(M m) { return m == 0xFFFF; }
+  static F abs(F v) { return _mm512_abs_ps(v); }
+  static F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
+  static float reduce_min(F v) { return _mm512_reduce_min_ps(v); }
+  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
+
+  static I set1_i(int32_t v) { return _mm512_set1_epi32(v); }
+  static I to_int(F v) { return _mm512_cvttps_epi32(v); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static I and_i(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_i(I a, I b) { return _mm512_or_si512(a, b); }
+  static I shl(I v, int n) { return _mm512_sll_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I shr(I v, int n) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(n)); }
+  static I select_i(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
+  static I load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static void store_i(int32_t* p, I v) { _mm512_storeu_si512(p, v); }
+  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  // kWidth codes packed little-end first (pack_codes' layout) at p, kWidth * bits / 8 bytes -> lanes.
+  static I load_codes(const uint8_t* p, int bits) {
+    if (bits == 8) return load_u8(p);
+    if (bits == 4) {  // 8 bytes: lanes 0-7 from the low 32-bit word, 8-15 from the high one
+      int64_t qword;
+      __builtin_memcpy(&qword, p, 8);
+      const __m512i word_of_lane = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const __m512i words = _mm512_permutexvar_epi32(word_of_lane, _mm512_castsi128_si512(_mm_cvtsi64_si128(qword)));
+      const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+      return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15));
+    }
+    int32_t word;  // 2 bits: 4 bytes, one 32-bit word for all lanes
+    __builtin_memcpy(&word, p, 4);
+    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(word), shifts), _mm512_set1_epi32(3));
+  }
+  static void store_u8(uint8_t* p, I v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v)); }
+};
+#elif defined(KIVI_SIMD_AVX2)
+using Vec = Vec256;
 #else
 using Vec = Scalar;
 #endif
