@@ -71,7 +71,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--isa", choices=["avx512", "avx2", "baseline"], help="force an ISA (default: the best)")
+    parser.add_argument(
+        "--isa", choices=["avx512_vnni", "avx512", "avx2", "baseline"], help="force an ISA (default: the best)"
+    )
     parser.add_argument("--dot", choices=["int8", "fp32"], nargs="+", default=["int8", "fp32"], help="arithmetics")
     args = parser.parse_args()
     if args.isa:

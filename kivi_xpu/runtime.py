@@ -234,7 +234,7 @@ def load_native_extension() -> ModuleType:
     if isa is not None and isa not in module.available_isas():
         raise ValueError(
             f"`${CPU_ISA_ENV}` must be one of the instruction sets of this CPU {tuple(module.available_isas())} "
-            f"(known: avx512, avx2, baseline), got {isa!r}"
+            f"(known: avx512_vnni, avx512, avx2, baseline), got {isa!r}"
         )
     dot = environment_variable(CPU_DOT_ENV)
     if dot is not None and dot not in ("int8", "fp32"):

@@ -22,7 +22,7 @@ import re
 ENVIRONMENT = {
     "KIVI_XPU_BACKEND": "the `backend` of caches built without one: auto, native, sycl, reference",
     "KIVI_XPU_DEVICE": "the SYCL `device` filter of caches built without one, e.g. opencl:cpu:0",
-    "KIVI_XPU_CPU_ISA": "the instruction set of the native kernels: avx512, avx2, baseline (those of this CPU)",
+    "KIVI_XPU_CPU_ISA": "the native kernels' instruction set: avx512_vnni, avx512, avx2, baseline (those of this CPU)",
     "KIVI_XPU_CPU_DOT": "the arithmetic of the native decode attention on 2/4-bit codes: int8 (default), fp32",
     "KIVI_XPU_KERNEL_SOURCE": "a SYCL kernel source file compiled instead of the built-in one (development)",
     "KIVI_XPU_CACHE": "the directory of kivi-xpu's caches (compiled kernels, models, texts)",

@@ -154,7 +154,7 @@ def test_non_contiguous_input_is_quantized_like_its_contiguous_copy():
 def test_isa_reports_and_forcing():
     available = native.available_isas()
     assert available[-1] == "baseline" and native.isa() in available
-    with pytest.raises(ValueError, match="expected one of avx512, avx2, baseline"):
+    with pytest.raises(ValueError, match="expected one of avx512_vnni, avx512, avx2, baseline"):
         native.set_isa("sse9")
 
 
@@ -173,8 +173,8 @@ def test_environment_variable_selects_the_isa(isa_name):
 def test_environment_variable_rejects_unknown_or_missing_isa():
     code = "import torch; from kivi_xpu import _cpu; _cpu.quantize_values(torch.zeros(1, 1, 1, 32), 32, 2)"
     child = run_child(code, "avx1024")
-    assert child.returncode != 0 and "expected one of avx512, avx2, baseline" in child.stderr
-    missing = {"avx512", "avx2"} - set(native.available_isas())
+    assert child.returncode != 0 and "expected one of avx512_vnni, avx512, avx2, baseline" in child.stderr
+    missing = {"avx512_vnni", "avx512", "avx2"} - set(native.available_isas())
     for name in missing:
         child = run_child(code, name)
         assert child.returncode != 0 and f"this CPU lacks {name}" in child.stderr

@@ -131,6 +131,7 @@ const float* rotation(const c10::optional<at::Tensor>& arg, const char* name, in
 // out (+)= x @ m, rows of `dim` floats, with the CPU's ISA (see decode_attention.h).
 void rows_times(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate) {
   switch (current_isa()) {
+    case Isa::kAvx512Vnni: return decode::rows_times_avx512_vnni(x, m, rows, dim, out, accumulate);
     case Isa::kAvx512: return decode::rows_times_avx512(x, m, rows, dim, out, accumulate);
     case Isa::kAvx2: return decode::rows_times_avx2(x, m, rows, dim, out, accumulate);
     default: return decode::rows_times_baseline(x, m, rows, dim, out, accumulate);
@@ -139,6 +140,7 @@ void rows_times(const float* x, const float* m, int64_t rows, int64_t dim, float
 
 void (*chunk_kernel(Isa isa))(const Problem&, int64_t) {
   switch (isa) {
+    case Isa::kAvx512Vnni: return decode::chunk_avx512_vnni;
     case Isa::kAvx512: return decode::chunk_avx512;
     case Isa::kAvx2: return decode::chunk_avx2;
     default: return decode::chunk_baseline;
@@ -345,6 +347,7 @@ void register_decode_attention(pybind11::module& m) {
 namespace decode {
 void rotate_rows(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out) {
   switch (current_isa()) {
+    case Isa::kAvx512Vnni: return rotate_rows_avx512_vnni(x, dtype, rows, dim, m, out);
     case Isa::kAvx512: return rotate_rows_avx512(x, dtype, rows, dim, m, out);
     case Isa::kAvx2: return rotate_rows_avx2(x, dtype, rows, dim, m, out);
     default: return rotate_rows_baseline(x, dtype, rows, dim, m, out);

@@ -65,18 +65,21 @@ constexpr int64_t kAccOffset = 16;
 constexpr int64_t kMaxDim = 512;
 
 // One task = one (batch, kv head, chunk): fills that chunk's scores and partial. task = (b * Hkv + h) * chunks + c.
+void chunk_avx512_vnni(const Problem& p, int64_t task);
 void chunk_avx512(const Problem& p, int64_t task);
 void chunk_avx2(const Problem& p, int64_t task);
 void chunk_baseline(const Problem& p, int64_t task);
 
 // out[r] = x[r] @ m (or out[r] += x[r] @ m with `accumulate`) for `rows` rows of `dim` floats, m [dim, dim]
 // row-major: the rotations of the query and of the packed values' sum (see kivi_xpu/rotation.py).
+void rows_times_avx512_vnni(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
 void rows_times_avx512(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
 void rows_times_avx2(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
 void rows_times_baseline(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
 
 // out[r] = x[r] @ m in fp32 for `rows` contiguous rows of `dim` (<= kMaxDim) elements of `dtype`: the rotation of the
 // value tokens that quantize_values_into stores (quantize.cpp). rotate_rows picks the CPU's ISA.
+void rotate_rows_avx512_vnni(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
 void rotate_rows_avx512(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
 void rotate_rows_avx2(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
 void rotate_rows_baseline(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);

@@ -12,11 +12,12 @@ namespace kivi::cpu {
 namespace {
 
 constexpr int kUnset = -1;
+constexpr Isa kBestFirst[] = {Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2, Isa::kBaseline};
 std::atomic<int> g_isa{kUnset};
 std::atomic<int> g_dot{kUnset};
 
 Isa best_isa() {
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2}) {
+  for (Isa isa : kBestFirst) {
     if (isa_supported(isa)) return isa;
   }
   return Isa::kBaseline;
@@ -37,10 +38,13 @@ bool isa_supported(Isa isa) {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   switch (isa) {
+    case Isa::kAvx512Vnni:
+      return avx512 && __builtin_cpu_supports("avx512vnni");
     case Isa::kAvx512:
-      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+      return avx512;
     case Isa::kAvx2:
       return avx2;
     case Isa::kBaseline:
@@ -51,6 +55,8 @@ bool isa_supported(Isa isa) {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Vnni:
+      return "avx512_vnni";
     case Isa::kAvx512:
       return "avx512";
     case Isa::kAvx2:
@@ -62,15 +68,15 @@ const char* isa_name(Isa isa) {
 }
 
 Isa parse_isa(const std::string& name) {
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
+  for (Isa isa : kBestFirst) {
     if (name == isa_name(isa)) return isa;
   }
-  TORCH_CHECK_VALUE(false, "unknown CPU ISA '", name, "': expected one of avx512, avx2, baseline");
+  TORCH_CHECK_VALUE(false, "unknown CPU ISA '", name, "': expected one of avx512_vnni, avx512, avx2, baseline");
 }
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> names;
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
+  for (Isa isa : kBestFirst) {
     if (isa_supported(isa)) names.emplace_back(isa_name(isa));
   }
   return names;
@@ -118,7 +124,7 @@ void set_dot(Dot dot) { g_dot.store(static_cast<int>(dot), std::memory_order_rel
 void register_isa(pybind11::module& m) {
   m.def(
       "isa", [] { return std::string(isa_name(current_isa())); },
-      "The SIMD instruction set the native kernels use: 'avx512', 'avx2' or 'baseline'.");
+      "The SIMD instruction set the native kernels use: 'avx512_vnni', 'avx512', 'avx2' or 'baseline'.");
   m.def("available_isas", &available_isas, "The instruction sets this CPU supports, best first.");
   m.def(
       "set_isa", [](const std::string& name) { set_isa(parse_isa(name)); },

@@ -1,6 +1,7 @@
 // Run-time choice of the SIMD instruction set the native CPU kernels use.
 //
-// The best ISA this CPU supports, unless the environment variable KIVI_XPU_CPU_ISA (avx512 | avx2 | baseline)
+// The best ISA this CPU supports, unless the environment variable KIVI_XPU_CPU_ISA (avx512_vnni | avx512 | avx2 |
+// baseline)
 // asks for another one (an ISA the CPU lacks is refused with an error). Tests may force one with set_isa().
 #pragma once
 #include <string>
@@ -8,10 +9,12 @@
 
 namespace kivi::cpu {
 
-enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 
 // What the per-ISA translation units are compiled for:
-//   avx512: AVX-512 F/BW/VL/DQ + AVX2, FMA, F16C, BMI2;  avx2: AVX2, FMA, F16C, BMI2;  baseline: x86-64 (SSE2).
+//   avx512_vnni: avx512 + AVX-512 VNNI (only the decode attention's integer dot products differ; quantization runs
+//   the avx512 kernels);  avx512: AVX-512 F/BW/VL/DQ + AVX2, FMA, F16C, BMI2;  avx2: AVX2, FMA, F16C, BMI2;
+//   baseline: x86-64 (SSE2).
 bool isa_supported(Isa isa);
 const char* isa_name(Isa isa);
 Isa parse_isa(const std::string& name);  // throws (c10::Error -> ValueError) naming the allowed values

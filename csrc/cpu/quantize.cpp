@@ -29,6 +29,7 @@ struct Kernels {
 
 Kernels kernels() {
   switch (current_isa()) {
+    case Isa::kAvx512Vnni:  // VNNI serves only the decode attention's integer dot products
     case Isa::kAvx512:
       return {quant::quantize_keys_avx512, quant::quantize_values_avx512, quant::dequantize_keys_avx512,
               quant::dequantize_values_avx512};
