@@ -117,12 +117,20 @@ def build_cache(model, cache_config: dict | None = None) -> KiviCache:
     return KiviCache(config=model.config.get_text_config(decoder=True), **cache_kwargs(cache_config))
 
 
+def generate_cache_key(version: str | None = None) -> str:
+    """The ``model_kwargs`` entry in which ``generate`` keeps its cache: ``"cache"`` from transformers 5.24 (which
+    renamed ``generate(past_key_values=...)`` to ``cache=``), ``"past_key_values"`` before."""
+    version = transformers.__version__ if version is None else version
+    return "cache" if Version(version).release >= (5, 24) else "past_key_values"
+
+
 def _prepare_kivi_cache(original):
     @functools.wraps(original)
     def prepare(self, generation_config, model_kwargs, *args, **kwargs):
         if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
             return original(self, generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        key = generate_cache_key()
+        cache = model_kwargs.get(key)
         if generation_config.is_assistant and isinstance(cache, KiviCache):
             # Assisted decoding calls the assistant's generate again with the KiviCache its first call built.
             generation_config = copy.copy(generation_config)
@@ -138,7 +146,7 @@ def _prepare_kivi_cache(original):
         cache = build_cache(self, generation_config.cache_config)
         if generation_config.is_assistant:  # an assistant's cache is rolled back after each verification
             cache.activate_past_recording()
-        model_kwargs["past_key_values"] = cache
+        model_kwargs[key] = cache
         return None
 
     prepare.__kivi_xpu_original__ = original

@@ -232,6 +232,16 @@ def test_supported_transformers_versions_and_their_pre_releases_are_accepted(ver
     integration.check_transformers_version(version)
 
 
+@pytest.mark.parametrize(
+    "version,key",
+    [("5.23.0", "past_key_values"), ("5.23.9", "past_key_values"), ("5.24.0", "cache"), ("5.30.1", "cache")],
+)
+def test_generate_keeps_its_cache_under_the_version_s_name(version, key):
+    """transformers 5.24 renamed generate's `past_key_values` to `cache`: the kivi cache goes where generate (and
+    assisted decoding, which requires it there) looks."""
+    assert integration.generate_cache_key(version) == key
+
+
 @pytest.mark.parametrize("version", ["not-a-version", "", "5.23-custom build"])
 def test_an_unparsable_transformers_version_is_a_clear_error(version):
     with pytest.raises(RuntimeError, match=r"transformers >=5\.23,<6.*not a PEP 440 version"):
