@@ -29,6 +29,14 @@
 //       probs [B,Hq,L,N] float32, values as for dequantize_values with Hkv heads -> partial [B,Hq,L,C,D] float32,
 //       C = ceil(N / chunk_tokens): the sum over chunk c's tokens, in channel order; the caller sums over C (in
 //       order, see kivi_xpu/ops/sycl.py).
+//   packed_attention(device: str, query, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
+//                    bias, bias_fills: bool, chunk_max, chunk_sum, chunk_acc, num_tokens: int, key_group: int,
+//                    key_bits: int, value_group: int, value_bits: int, chunk_tokens: int, softcap: float) -> None
+//       query [B,Hq,L,D] float32 (scaled), the packed keys and values of N tokens (as above, one metadata dtype),
+//       bias None or float32 [B|1,Hq|1,L,N] (unit stride along N; added, or with bias_fills its -inf entries
+//       replace the scores, as a bool mask does) -> per chunk of chunk_tokens tokens:
+//       chunk_max/chunk_sum [B,Hq,L,C] (max of the softcapped, biased scores; sum of exp(score - max)) and
+//       chunk_acc [B,Hq,L,C,Dv] (sum of exp(score - max) * value); the caller merges the chunks in order.
 // `device` is a filter string previously passed to init(). Metadata dtypes: float16/bfloat16/float32.
 // Every assumption is checked here too (TORCH_CHECK_*), so a direct call with bad tensors raises, never crashes.
 
@@ -77,6 +85,22 @@ void packed_value_combine(const std::string& device, const at::Tensor& probs, co
   launch_packed_value_combine(rt, p);
 }
 
+void packed_attention(const std::string& device, const at::Tensor& query, const at::Tensor& key_codes,
+                      const at::Tensor& key_scales, const at::Tensor& key_zeros, const at::Tensor& value_codes,
+                      const at::Tensor& value_scales, const at::Tensor& value_zeros,
+                      const c10::optional<at::Tensor>& bias, bool bias_fills, const at::Tensor& chunk_max,
+                      const at::Tensor& chunk_sum,
+                      const at::Tensor& chunk_acc, int64_t num_tokens, int64_t key_group, int64_t key_bits,
+                      int64_t value_group, int64_t value_bits, int64_t chunk_tokens, double softcap) {
+  DeviceRuntime& rt = runtime(device);
+  FusedParams p = check_packed_attention(rt, query, key_codes, key_scales, key_zeros, value_codes, value_scales,
+                                         value_zeros, bias, bias_fills, chunk_max, chunk_sum, chunk_acc, num_tokens,
+                                         key_group, key_bits, value_group, value_bits, chunk_tokens, softcap);
+  const at::Tensor scratch = at::empty({scratch_floats(p)}, query.options());  // on the query's device
+  p.scratch = scratch.data_ptr<float>();
+  launch_packed_attention(rt, p);
+}
+
 }  // namespace
 }  // namespace kivi
 
@@ -103,5 +127,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_value_combine", &packed_value_combine, py::arg("device"), py::arg("probs"), py::arg("codes"),
         py::arg("scales"), py::arg("zeros"), py::arg("partial"), py::arg("num_tokens"), py::arg("group_size"),
         py::arg("bits"), py::arg("chunk_tokens"));
+  m.def("packed_attention", &packed_attention, py::arg("device"), py::arg("query"), py::arg("key_codes"),
+        py::arg("key_scales"), py::arg("key_zeros"), py::arg("value_codes"), py::arg("value_scales"),
+        py::arg("value_zeros"), py::arg("bias"), py::arg("bias_fills"), py::arg("chunk_max"), py::arg("chunk_sum"),
+        py::arg("chunk_acc"), py::arg("num_tokens"), py::arg("key_group"), py::arg("key_bits"), py::arg("value_group"),
+        py::arg("value_bits"), py::arg("chunk_tokens"), py::arg("softcap"));
   m.attr("build_options") = kBuildOptions;
 }

@@ -324,16 +324,23 @@ struct LaneGroup {
 
 // `j` is the lane's byte, `groups` the number of groups along the byte axis. The sub-group's first byte is computed
 // from uniform ids (j - lane would be per-lane data to the CPU vectorizer, and so would every index derived from it).
-inline LaneGroup lane_group(const sycl::nd_item<3>& it, const sycl::sub_group& sg, size_t j, size_t bytes_per_group,
-                            size_t groups) {
-  const size_t sg_first = it.get_group(2) * it.get_local_range(2) +
-                          (size_t)sg.get_group_linear_id() * (size_t)sg.get_max_local_range()[0];
+// lane_group_at takes the sub-group's first byte `sg_first` (uniform) explicitly: the fused kernel's lanes walk a
+// chunk in steps of the work-group, so its bytes are not its global ids.
+inline LaneGroup lane_group_at(const sycl::sub_group& sg, size_t j, size_t sg_first, size_t bytes_per_group,
+                               size_t groups) {
   LaneGroup lg;
   lg.first = sg_first / bytes_per_group;
   lg.slot = lg.first + sg.get_local_linear_id();
   lg.loads = lg.slot < groups;
   lg.src = (unsigned)(j / bytes_per_group - lg.first);
   return lg;
+}
+
+inline LaneGroup lane_group(const sycl::nd_item<3>& it, const sycl::sub_group& sg, size_t j, size_t bytes_per_group,
+                            size_t groups) {
+  const size_t sg_first = it.get_group(2) * it.get_local_range(2) +
+                          (size_t)sg.get_group_linear_id() * (size_t)sg.get_max_local_range()[0];
+  return lane_group_at(sg, j, sg_first, bytes_per_group, groups);
 }
 
 // Scale and zero of the lane's group from one metadata row (scales/zeros point at group 0 of the row).
@@ -463,5 +470,136 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packe
     if (row0 + r >= rows) break;  // uniform
     float* o = partial + ((kv * rows + row0 + r) * chunks + chunk) * head_dim + w * P;
     for (int k = 0; k < P; ++k) o[k] = acc[r][k];
+  }
+}
+
+// ---- fused decode attention over the packed history ---------------------------------------------------------------
+//
+// One work-group per (kv head, block of RB query rows, chunk of packed tokens): the split-over-tokens attention of the
+// native CPU kernel (csrc/cpu/decode_attention_impl.h). Phase 1: lanes walk the chunk's key code bytes (P_K tokens
+// each) and score them against the RB rows with the same arithmetic as kivi_packed_key_scores (softcap, then the
+// additive mask bias), into local memory. Phase 2: per row the chunk's max m and sum l of exp(s - m) (group
+// reductions; a fully masked chunk has m = -inf and zero weights). Phase 3: lanes walk the value code bytes (P_V
+// channels each) and accumulate exp(s - m) * value as kivi_packed_value_combine does. The host merges the chunks'
+// (m, l, acc) with the exact sinks and window in order (kivi_xpu/ops/sycl.py).
+//   query [B,Hq,L,D] f32 (scaled, rotated); keys codes [B,Hkv,D,*], scales/zeros [B,Hkv,D,*]; values codes
+//   [B,Hkv,*,Dv/P_V], scales/zeros [B,Hkv,*,Dv/G_V]; bias: nullptr or f32 with strides (bias_b, bias_h, bias_l, 1),
+//   column t = packed token t, added to the scores or, with bias_fills (a bool mask as 0 / -inf), setting -inf
+//   -> chunk_max / chunk_sum [B,Hq,L,chunks], chunk_acc [B,Hq,L,chunks,Dv] f32. scratch [B*Hkv, blocks*chunks, RB,
+//   chunk_tokens] f32 holds each work-group's scores, then weights (global memory: the run-time compiler of the pip DPC++ crashed on group_local_memory in a free-function kernel; a work-group's rows
+//   stay in its cache).
+// nd_range {B*Hkv, blocks*chunks, W} with work-groups {1, 1, W}. Every lane runs every loop iteration (inactive ones
+// load nothing), so the sub-group shuffles and group reductions see the whole group.
+inline float negative_infinity() { return bits_float(0xFF800000u); }
+
+template <typename M, int key_bits, int value_bits, int RB>
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packed_attention(
+    const float* query, const unsigned char* key_codes, const typename M::T* key_scales,
+    const typename M::T* key_zeros, const unsigned char* value_codes, const typename M::T* value_scales,
+    const typename M::T* value_zeros, const float* bias, float* chunk_max, float* chunk_sum, float* chunk_acc,
+    float* scratch,
+    size_t rows, size_t length, size_t heads_per_kv, size_t kv_heads, size_t num_tokens, size_t head_dim,
+    size_t value_dim, size_t key_code_cols, size_t key_meta_cols, size_t value_code_rows, size_t value_meta_rows,
+    size_t key_group, size_t value_group, size_t chunk_tokens, size_t chunks, size_t bias_b, size_t bias_h,
+    size_t bias_l, int bias_fills, float softcap) {
+  const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
+  const sycl::group<3> wg = it.get_group();
+  const sycl::sub_group sg = it.get_sub_group();
+  constexpr int PK = 8 / key_bits, PV = 8 / value_bits;
+  const size_t lane = it.get_local_id(2), width = it.get_local_range(2);
+  const size_t sg_offset = (size_t)sg.get_group_linear_id() * (size_t)sg.get_max_local_range()[0];
+  const size_t kv = it.get_global_id(0);
+  const size_t block = it.get_global_id(1) / chunks, chunk = it.get_global_id(1) % chunks;  // uniform
+  const size_t row0 = block * RB, last = rows - 1 - row0;
+  const size_t t_begin = chunk * chunk_tokens;
+  const size_t t_end = t_begin + chunk_tokens < num_tokens ? t_begin + chunk_tokens : num_tokens;
+  const size_t n = t_end - t_begin;  // a multiple of PK (num_tokens and chunk_tokens are)
+  float* probs = scratch + (kv * it.get_global_range(1) + it.get_global_id(1)) * RB * chunk_tokens;  // [RB][chunk]
+
+  // Phase 1: scores.
+  const float* q0 = query + (kv * rows + row0) * head_dim;
+  const unsigned char* key_rows = key_codes + kv * head_dim * key_code_cols;
+  const typename M::T* kscale_rows = key_scales + kv * head_dim * key_meta_cols;
+  const typename M::T* kzero_rows = key_zeros + kv * head_dim * key_meta_cols;
+  const float* bias_row[RB];
+  for (int r = 0; r < RB; ++r) {
+    const size_t row = row0 + ((size_t)r < last ? (size_t)r : last);  // uniform
+    const size_t b = kv / kv_heads, head = (kv % kv_heads) * heads_per_kv + row / length;
+    bias_row[r] = bias == nullptr ? nullptr : bias + b * bias_b + head * bias_h + (row % length) * bias_l + t_begin;
+  }
+  float mx[RB];
+  for (int r = 0; r < RB; ++r) mx[r] = negative_infinity();
+  for (size_t b0 = 0; b0 < n / PK; b0 += width) {
+    const size_t jl = b0 + lane, j = t_begin / PK + jl;  // lane's byte: in the chunk, in the key code row
+    const bool active = jl < n / PK;
+    const LaneGroup lg = lane_group_at(sg, j, t_begin / PK + b0 + sg_offset, key_group / PK, num_tokens / key_group);
+    float acc[RB][PK];
+    for (int r = 0; r < RB; ++r)
+      for (int k = 0; k < PK; ++k) acc[r][k] = 0.0f;
+    for (size_t d = 0; d < head_dim; ++d) {
+      const unsigned byte = active ? key_rows[d * key_code_cols + j] : 0u;
+      accumulate_byte<M, key_bits, RB>(sg, lg, byte, kscale_rows + d * key_meta_cols, kzero_rows + d * key_meta_cols,
+                                       q0 + d, head_dim, last, acc);
+    }
+    if (active) {
+      for (int r = 0; r < RB; ++r)
+        for (int k = 0; k < PK; ++k) {
+          float s = acc[r][k];
+          if (softcap != 0.0f) s = sycl::tanh(s / softcap) * softcap;
+          if (bias != nullptr) {  // a fill mask sets -inf (a masked NaN is ignored), an additive one adds
+            const float b = bias_row[r][PK * jl + k];
+            s = bias_fills ? (b == negative_infinity() ? b : s) : s + b;
+          }
+          probs[r * chunk_tokens + PK * jl + k] = s;
+          mx[r] = sycl::fmax(mx[r], s);  // a NaN score is dropped here but reaches l below through exp
+        }
+    }
+  }
+  sycl::group_barrier(wg);  // every token's score is written
+  // Phase 2: the chunk's max and sum per row (a row masked out over the whole chunk keeps m = -inf, weights 0).
+  float m[RB], l[RB];
+  for (int r = 0; r < RB; ++r) m[r] = sycl::reduce_over_group(wg, mx[r], sycl::maximum<float>());
+  for (int r = 0; r < RB; ++r) {
+    float sum = 0.0f;
+    for (size_t t = lane; t < n; t += width) {
+      const float p = m[r] == negative_infinity() ? 0.0f : sycl::exp(probs[r * chunk_tokens + t] - m[r]);
+      probs[r * chunk_tokens + t] = p;
+      sum += p;
+    }
+    l[r] = sycl::reduce_over_group(wg, sum, sycl::plus<float>());
+  }
+  sycl::group_barrier(wg);  // every token's weights are written
+  const size_t out_row0 = (kv * rows + row0) * chunks + chunk;
+  if (lane == 0) {
+    for (int r = 0; r < RB; ++r) {
+      if (row0 + r >= rows) break;  // uniform
+      chunk_max[out_row0 + r * chunks] = m[r];
+      chunk_sum[out_row0 + r * chunks] = l[r];
+    }
+  }
+  // Phase 3: the weighted sum of the chunk's values.
+  const size_t row_bytes = value_dim / PV, groups = value_dim / value_group;
+  const unsigned char* value_col = value_codes + kv * value_code_rows * row_bytes;
+  const typename M::T* vscale_rows = value_scales + kv * value_meta_rows * groups;
+  const typename M::T* vzero_rows = value_zeros + kv * value_meta_rows * groups;
+  for (size_t w0 = 0; w0 < row_bytes; w0 += width) {
+    const size_t w = w0 + lane;
+    const bool active = w < row_bytes;
+    const LaneGroup lg = lane_group_at(sg, w, w0 + sg_offset, value_group / PV, groups);
+    float acc[RB][PV];
+    for (int r = 0; r < RB; ++r)
+      for (int k = 0; k < PV; ++k) acc[r][k] = 0.0f;
+    for (size_t t = t_begin; t < t_end; ++t) {
+      const unsigned byte = active ? value_col[t * row_bytes + w] : 0u;
+      accumulate_byte<M, value_bits, RB>(sg, lg, byte, vscale_rows + t * groups, vzero_rows + t * groups,
+                                         probs + (t - t_begin), chunk_tokens, RB - 1, acc);
+    }
+    if (active) {
+      for (int r = 0; r < RB; ++r) {
+        if (row0 + r >= rows) break;  // uniform
+        float* o = chunk_acc + (out_row0 + r * chunks) * value_dim + w * PV;
+        for (int k = 0; k < PV; ++k) o[k] = acc[r][k];
+      }
+    }
   }
 }

@@ -128,4 +128,36 @@ inline void launch_packed_value_combine(DeviceRuntime& rt, const OpParams& p) {
             size_t(q.meta_capacity), size_t(q.group_size), size_t(p.chunk_tokens), size_t(p.chunks));
 }
 
+// Fused decode attention: one work-group of the kernel's local size per (kv head, block of query rows, chunk), its
+// lanes along the last dimension (one group along it: the kernel strides its loops by the group's width).
+// Rows of one kv head's queries, and the work-groups' blocks of rows_per_item of them.
+inline int64_t fused_rows(const FusedParams& p) { return p.query.heads / p.keys.heads * p.query.rows; }
+inline int64_t fused_blocks(const FusedParams& p) {
+  const int rpi = rows_per_item(fused_rows(p));
+  return (fused_rows(p) + rpi - 1) / rpi;
+}
+
+// Floats of the fused kernel's scratch: chunk_tokens per row of every work-group.
+inline int64_t scratch_floats(const FusedParams& p) {
+  return p.keys.batch * p.keys.heads * fused_blocks(p) * p.chunks * rows_per_item(fused_rows(p)) * p.chunk_tokens;
+}
+
+inline void launch_packed_attention(DeviceRuntime& rt, const FusedParams& p) {
+  const PackedParams& k = p.keys;
+  const PackedParams& v = p.values;
+  const int64_t rows = fused_rows(p), blocks = fused_blocks(p);
+  const int rpi = rows_per_item(rows);
+  if (k.batch * k.heads == 0 || rows == 0 || p.chunks == 0) return;
+  const Kernel& kernel = rt.kernel(kPackedAttention, {k.meta, bits_position(k.bits), bits_position(v.bits), rpi - 1});
+  const size_t local = kernel.max_local;
+  launch(rt, kPackedAttention, kernel,
+         sycl::nd_range<3>({size_t(k.batch * k.heads), size_t(blocks * p.chunks), local}, {1, 1, local}),
+         p.query.data, k.codes, k.scales, k.zeros, v.codes, v.scales, v.zeros, p.bias, p.chunk_max, p.chunk_sum,
+         p.chunk_acc, p.scratch, size_t(rows), size_t(p.query.rows), size_t(p.query.heads / k.heads), size_t(k.heads),
+         size_t(k.num_tokens), size_t(k.head_dim), size_t(v.head_dim), size_t(k.code_capacity),
+         size_t(k.meta_capacity), size_t(v.code_capacity), size_t(v.meta_capacity), size_t(k.group_size),
+         size_t(v.group_size), size_t(p.chunk_tokens), size_t(p.chunks), size_t(p.bias_b), size_t(p.bias_h),
+         size_t(p.bias_l), int(p.bias_fills), p.softcap);
+}
+
 }  // namespace kivi

@@ -48,6 +48,22 @@ struct OpParams {
   int64_t chunk_tokens = 0, chunks = 0;  // value combine: tokens per partial sum, and their number
 };
 
+// The fused decode attention over the packed history (kivi_packed_attention): both packed operands, the query, the
+// optional additive mask bias over the packed columns and the per-chunk outputs.
+struct FusedParams {
+  PackedParams keys, values;
+  DenseParams query;             // [B, Hq, L, D] float32, scaled (and rotated) by the caller
+  const float* bias = nullptr;   // [B or 1, Hq or 1, L, num_tokens] float32, last stride 1; nullptr: no mask
+  int64_t bias_b = 0, bias_h = 0, bias_l = 0;  // its strides (0 along a broadcast dim)
+  bool bias_fills = false;       // a bool mask's 0 / -inf: -inf replaces the score (masked NaN ignored), else added
+  float* chunk_max = nullptr;    // [B, Hq, L, chunks]
+  float* chunk_sum = nullptr;    // [B, Hq, L, chunks]
+  float* chunk_acc = nullptr;    // [B, Hq, L, chunks, Dv]
+  float* scratch = nullptr;      // scratch_floats(): each work-group's scores / weights (allocated by the op)
+  int64_t chunk_tokens = 0, chunks = 0;
+  float softcap = 0.0f;
+};
+
 using NamedTensors = std::initializer_list<std::pair<const at::Tensor*, const char*>>;
 
 inline unsigned char* bytes(const at::Tensor& t) { return static_cast<unsigned char*>(t.data_ptr()); }
@@ -226,6 +242,71 @@ inline OpParams check_attention(const DeviceRuntime& rt, Layout layout, const ch
   check_shape(out, "out", out_shape);
   p.result = static_cast<float*>(out.data_ptr());
   check_devices(rt, {{&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}, {&dense, dense_name}, {&out, "out"}});
+  return p;
+}
+
+// kivi_packed_attention: every operand checked once (shapes, dtypes, devices, the chunking).
+inline FusedParams check_packed_attention(const DeviceRuntime& rt, const at::Tensor& query, const at::Tensor& key_codes,
+                                          const at::Tensor& key_scales, const at::Tensor& key_zeros,
+                                          const at::Tensor& value_codes, const at::Tensor& value_scales,
+                                          const at::Tensor& value_zeros, const c10::optional<at::Tensor>& bias,
+                                          bool bias_fills, const at::Tensor& chunk_max, const at::Tensor& chunk_sum,
+                                          const at::Tensor& chunk_acc, int64_t num_tokens, int64_t key_group,
+                                          int64_t key_bits, int64_t value_group, int64_t value_bits,
+                                          int64_t chunk_tokens, double softcap) {
+  FusedParams p;
+  p.keys = check_packed(Layout::kKeys, key_codes, key_scales, key_zeros, num_tokens, key_group, key_bits);
+  p.values = check_packed(Layout::kValues, value_codes, value_scales, value_zeros, num_tokens, value_group, value_bits);
+  p.query = check_dense(query, "query", true);
+  const int64_t B = p.keys.batch, H = p.keys.heads, Hq = query.size(1), L = query.size(2);
+  TORCH_CHECK_VALUE(p.values.batch == B && p.values.heads == H, "value codes batch/heads ",
+                    value_codes.sizes().slice(0, 2), " do not match the key codes' [", B, ", ", H, "]");
+  TORCH_CHECK_VALUE(p.values.meta == p.keys.meta, "key and value scales must share a dtype, got ",
+                    key_scales.scalar_type(), " and ", value_scales.scalar_type());
+  TORCH_CHECK_VALUE(H > 0 && query.size(0) == B && Hq % H == 0 && query.size(3) == p.keys.head_dim, "`query` shape ",
+                    query.sizes(), " must be [batch=", B, ", a multiple of the ", H, " kv heads, length, head_dim=",
+                    p.keys.head_dim, "]");
+  TORCH_CHECK_VALUE(chunk_tokens > 0 && chunk_tokens % 8 == 0, "`chunk_tokens` must be a positive multiple of 8, got ",
+                    chunk_tokens);
+  TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "`softcap` must be finite and >= 0, got ", softcap);
+  p.chunk_tokens = chunk_tokens;
+  p.chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
+  p.softcap = static_cast<float>(softcap);
+  if (bias.has_value()) {
+    const at::Tensor& m = *bias;
+    TORCH_CHECK_TYPE(m.scalar_type() == at::kFloat, "`bias` must be float32, got ", m.scalar_type());
+    TORCH_CHECK_VALUE(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == Hq) &&
+                          m.size(2) == L && m.size(3) == num_tokens && (num_tokens <= 1 || m.stride(3) == 1),
+                      "`bias` must be [1 or ", B, ", 1 or ", Hq, ", ", L, ", ", num_tokens,
+                      "] float32 with unit stride along tokens, got ", m.sizes(), " strides ", m.strides());
+    p.bias = m.data_ptr<float>();
+    p.bias_b = m.size(0) == 1 ? 0 : m.stride(0);
+    p.bias_h = m.size(1) == 1 ? 0 : m.stride(1);
+    p.bias_l = m.stride(2);
+    p.bias_fills = bias_fills;
+    check_devices(rt, {{&query, "query"}, {&m, "bias"}});
+  }
+  for (const auto& [t, name] : {std::pair{&chunk_max, "chunk_max"}, {&chunk_sum, "chunk_sum"}}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->is_contiguous(), "`", name,
+                     "` must be a contiguous float32 tensor");
+    check_shape(*t, name, {B, Hq, L, p.chunks});
+  }
+  TORCH_CHECK_TYPE(chunk_acc.scalar_type() == at::kFloat && chunk_acc.is_contiguous(),
+                   "`chunk_acc` must be a contiguous float32 tensor");
+  check_shape(chunk_acc, "chunk_acc", {B, Hq, L, p.chunks, p.values.head_dim});
+  p.chunk_max = chunk_max.data_ptr<float>();
+  p.chunk_sum = chunk_sum.data_ptr<float>();
+  p.chunk_acc = chunk_acc.data_ptr<float>();
+  check_devices(rt, {{&query, "query"},
+                     {&key_codes, "key_codes"},
+                     {&key_scales, "key_scales"},
+                     {&key_zeros, "key_zeros"},
+                     {&value_codes, "value_codes"},
+                     {&value_scales, "value_scales"},
+                     {&value_zeros, "value_zeros"},
+                     {&chunk_max, "chunk_max"},
+                     {&chunk_sum, "chunk_sum"},
+                     {&chunk_acc, "chunk_acc"}});
   return p;
 }
 

@@ -34,6 +34,9 @@ inline int bits_position(int bits) { return bits == 2 ? 0 : bits == 4 ? 1 : 2; }
 inline const Axis kRowsAxis = {"1", "2", "3", "4"};
 constexpr int kMaxRowsPerItem = 4;
 
+// Work-group size of the fused decode attention: lanes walking a chunk's code bytes (and reducing its rows).
+constexpr size_t kFusedLocal = 16;
+
 // Work-group size of the attention kernels along their code-byte dimension: one CPU vector (16 fp32 lanes), a GPU
 // sub-group of 16. Many small work-groups balance best across cores; 64 measured no faster on the CPU device.
 constexpr size_t kAttentionLocal = 16;
@@ -48,6 +51,7 @@ enum KernelId {
   kDequantizeValues,
   kPackedKeyScores,
   kPackedValueCombine,
+  kPackedAttention,
   kNumKernels
 };
 
@@ -63,7 +67,8 @@ struct KernelTemplate {
 };
 
 // Indexed by KernelId. quantize: <data dtype, metadata dtype>; dequantize: <metadata dtype, output dtype>; attention:
-// <metadata dtype, bits, rows per item> (the dense operands are float32).
+// <metadata dtype, bits, rows per item> (the dense operands are float32); fused attention: <metadata dtype, key bits,
+// value bits, rows per item>.
 inline const std::vector<KernelTemplate> kKernelTemplates = {
     {"kivi_quantize_keys", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal, "quantize"},
     {"kivi_quantize_values", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal, "quantize"},
@@ -71,6 +76,7 @@ inline const std::vector<KernelTemplate> kKernelTemplates = {
     {"kivi_dequantize_values", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal, "dequantize"},
     {"kivi_packed_key_scores", {&kDtypeAxis, &kBitsAxis, &kRowsAxis}, kAttentionLocal, "attention"},
     {"kivi_packed_value_combine", {&kDtypeAxis, &kBitsAxis, &kRowsAxis}, kAttentionLocal, "attention"},
+    {"kivi_packed_attention", {&kDtypeAxis, &kBitsAxis, &kBitsAxis, &kRowsAxis}, kFusedLocal, "fused"},
 };
 
 // Number of variants of a template: the product of its axis lengths.

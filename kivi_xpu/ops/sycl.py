@@ -12,9 +12,9 @@ import torch
 
 from ..rotation import rotate, unrotate
 from ..runtime import SyclRuntime, sycl_runtime_for
-from .checks import codes_per_byte, split_decode_args
+from .checks import KindOperands, codes_per_byte, split_decode_args
 from .library import OPS, register_kernel
-from .reference import group_queries, masked_scores, softmax_rows, store_value_rows
+from .reference import group_queries, masked_scores, store_value_rows
 
 # packed_value_combine splits the token loop into chunks whose partial sums are added afterwards (in order), so that a
 # decode step (few kv heads, one query row) still spreads over all cores / EUs. Each chunk is a work-group with a fixed
@@ -110,43 +110,105 @@ def packed_value_combine(probs, codes, scales, zeros, num_tokens, group_size, bi
     return partial.view(b, hq, length, head_dim) if chunks == 1 else partial.sum(dim=3)
 
 
+# The fused decode attention splits the packed tokens into chunks of at most FUSED_MAX_CHUNK (the kernel's local score
+# rows), as long as possible while leaving FUSED_GROUPS_PER_UNIT work-groups per compute unit.
+FUSED_MAX_CHUNK = 512
+FUSED_MIN_CHUNK = 64
+FUSED_GROUPS_PER_UNIT = 4
+
+
+def fused_chunk_tokens(num_tokens: int, work_rows: int, compute_units: int) -> int:
+    """Chunk length (a multiple of 8 in [64, 512]) for ``work_rows`` (batch x kv heads x row blocks) token loops."""
+    chunks = max(1, -(-FUSED_GROUPS_PER_UNIT * compute_units // max(work_rows, 1)))
+    tokens = -(-num_tokens // chunks)
+    return min(FUSED_MAX_CHUNK, max(FUSED_MIN_CHUNK, -(-tokens // 8) * 8))
+
+
+def _packed_bias(mask: torch.Tensor, device) -> torch.Tensor:
+    """A transformers mask's packed columns as the kernel's float32 bias: a bool mask as 0 / -inf (the kernel then
+    sets, not adds, -inf: a masked NaN score is ignored as in the dense path), a float mask as it is (added)."""
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    else:
+        bias = mask.float()
+    return bias.to(device)
+
+
+def _packed_only(kind: KindOperands, name: str, count: int, device) -> list[torch.Tensor]:
+    """``kind``'s packed tokens past the first ``count`` (those the other kind holds exactly: values leave the window
+    token by token, keys a group at a time), dequantized and rotated back: ``[]`` or ``[B, Hkv, n, D]`` float32."""
+    if kind.count == count:
+        return []
+    if name == "keys":  # channel-major codes: dequantized whole (rare: values normally leave the window first)
+        tokens = _dequantize("dequantize_keys")(
+            kind.codes, kind.scales, kind.zeros, kind.count, kind.group, kind.bits, torch.float32
+        )[:, :, count:]
+    else:
+        rows = (part[:, :, count : kind.count].contiguous() for part in (kind.codes, kind.scales, kind.zeros))
+        tokens = _dequantize("dequantize_values")(*rows, kind.count - count, kind.group, kind.bits, torch.float32)
+    return [unrotate(tokens.to(device), kind.rotation)]
+
+
 @register_kernel("decode_attention", "sycl")
 def decode_attention(query, *args):
-    """The two SYCL attention kernels composed: scores of ``[sinks | packed keys | key tail]``, one softmax, then
-    ``[sinks | packed values | value tail]`` combined. The packed history stays on its (storage) device; the exact
-    parts and the result on the query's device. A rotated history is scored with the rotated query, and its values'
-    weighted sum is rotated back (:mod:`kivi_xpu.rotation`)."""
+    """One fused SYCL kernel over the packed history (``kivi_packed_attention``: scores, softmax statistics and the
+    weighted value sum per chunk of tokens, nothing materialised per token), merged in order with the exact sinks and
+    window (the same split-over-tokens rule as the native CPU kernel). The packed history stays on its (storage)
+    device; the exact parts and the result on the query's device. A rotated history is scored with the rotated
+    query, and its values' weighted sum is rotated back (:mod:`kivi_xpu.rotation`)."""
     keys, values, mask, scaling, softcap = split_decode_args(args)
     b, hq, length, _ = query.shape
     kv_heads = keys.tail.shape[1]
     q = query.float() * scaling
-    grouped = group_queries(q, kv_heads)
-
-    def exact_scores(k):
-        return (grouped @ k.float().transpose(2, 3)).reshape(b, hq, length, -1)
-
-    def exact_sum(p, v):
-        return (group_queries(p, kv_heads) @ v.float()).reshape(b, hq, length, -1)
-
     sinks = keys.sinks.shape[2]
-    parts = [exact_scores(keys.sinks)] if sinks else []
-    if keys.count:
-        q_storage = rotate(q, keys.rotation).to(keys.codes.device)  # q·k = (qQ)·(kQ): score the rotated codes
-        history = packed_key_scores(q_storage, keys.codes, keys.scales, keys.zeros, keys.count, keys.group, keys.bits)
-        parts.append(history.to(query.device))
-    parts.append(exact_scores(keys.tail))
-    scores = torch.cat(parts, dim=-1)
+    # The kernel's tokens: packed in both kinds, whole key groups; the others are exact columns here.
+    count = min(keys.count, values.count // keys.group * keys.group)
+    columns = sinks + keys.count + keys.tail.shape[2]
+    mask = None if mask is None else mask[..., -columns:]
+
+    # The exact columns [sinks | tokens packed in one kind only | window], scored and masked as the dense path does.
+    grouped = group_queries(q, kv_heads)
+    exact_keys = torch.cat([keys.sinks, *_packed_only(keys, "keys", count, query.device), keys.tail], dim=2).float()
+    exact_values = torch.cat(
+        [values.sinks, *_packed_only(values, "values", count, query.device), values.tail], dim=2
+    ).float()
+    scores = (grouped @ exact_keys.transpose(2, 3)).reshape(b, hq, length, -1)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    probs = softmax_rows(masked_scores(scores, mask))
-    history_end = sinks + values.count
-    out = exact_sum(probs[..., history_end:], values.tail)
-    if sinks:
-        out += exact_sum(probs[..., :sinks], values.sinks)
-    if values.count:
-        p = probs[..., sinks:history_end].contiguous().to(values.codes.device)
-        combined = packed_value_combine(
-            p, values.codes, values.scales, values.zeros, values.count, values.group, values.bits
-        )
-        out += unrotate(combined.to(query.device), values.rotation)  # (Σ p vQ) Qᵀ
+    # without a mask: causal within the window (the packed columns are never masked then)
+    exact_mask = None if mask is None else torch.cat([mask[..., :sinks], mask[..., sinks + count :]], dim=-1)
+    scores = masked_scores(scores, exact_mask)
+    top = scores.amax(dim=-1, keepdim=True)
+
+    if count:
+        storage = keys.codes.device
+        rt = _runtime("key_codes", keys.codes)
+        q_storage = rotate(q, keys.rotation).to(storage).contiguous()
+        rows = hq // kv_heads * length
+        chunk = fused_chunk_tokens(count, b * kv_heads * -(-rows // 4), rt.facts.max_compute_units)
+        chunks = -(-count // chunk)
+        value_dim = values.tail.shape[3]
+        chunk_max = torch.empty((b, hq, length, chunks), dtype=torch.float32, device=storage)
+        chunk_sum = torch.empty_like(chunk_max)
+        chunk_acc = torch.empty((b, hq, length, chunks, value_dim), dtype=torch.float32, device=storage)
+        bias = None if mask is None else _packed_bias(mask[..., sinks : sinks + count], storage)
+        rt.module.packed_attention(
+            rt.device, q_storage, keys.codes, keys.scales, keys.zeros, values.codes, values.scales, values.zeros,
+            bias, mask is not None and mask.dtype == torch.bool, chunk_max, chunk_sum, chunk_acc, count, keys.group,
+            keys.bits, values.group, values.bits, chunk, float(softcap or 0.0),
+        )  # fmt: skip
+        chunk_max, chunk_sum, chunk_acc = (t.to(query.device) for t in (chunk_max, chunk_sum, chunk_acc))
+        top = torch.maximum(top, chunk_max.amax(dim=-1, keepdim=True))
+
+    # In-order merge: every part rescaled to the row's overall max (a fully masked row has max -inf and gives zeros).
+    shift = top.masked_fill(top == float("-inf"), 0.0)
+    weights = torch.exp(scores - shift)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = (group_queries(weights, kv_heads) @ exact_values).reshape(b, hq, length, -1)
+    if count:
+        factor = torch.exp(chunk_max - shift)  # [B, Hq, L, C]; a chunk masked out entirely: exp(-inf) = 0
+        total = total + (factor * chunk_sum).sum(dim=-1, keepdim=True)
+        packed = (factor.unsqueeze(-1) * chunk_acc).sum(dim=-2)
+        out = out + unrotate(packed, values.rotation)  # (Σ p vQ) Qᵀ
+    out = (out / total).masked_fill(top == float("-inf"), 0.0)  # NaN stays NaN
     return out.to(query.dtype)
