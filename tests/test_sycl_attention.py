@@ -22,13 +22,20 @@ def _sycl():
     require_sycl()
 
 
-def fused(**args) -> torch.Tensor:
-    """The op as the cache calls it: sinks as empty tensors when there are none, softcap 0 for none."""
+def as_called(args: dict) -> dict:
+    """The op's arguments as the cache passes them: sinks as empty tensors when there are none, softcap 0 for none."""
     for kind, dim in (("key", args["query"].shape[3]), ("value", args["value_tail"].shape[3])):
         if args[f"{kind}_sinks"] is None:
             tail = args[f"{kind}_tail"]
             args = {**args, f"{kind}_sinks": tail.new_zeros(tail.shape[0], tail.shape[1], 0, dim)}
-    return ops.call("decode_attention", "sycl", **{**args, "softcap": args["softcap"] or 0.0})
+    return {**args, "softcap": args["softcap"] or 0.0}
+
+
+def fused(**args) -> torch.Tensor:
+    """The fused kernel (what XPU tensors get), on the CPU device, after the op's argument check."""
+    args = as_called(args)
+    ops.OPS["decode_attention"].check(*args.values())
+    return sycl_ops.fused_decode_attention(*args.values())
 
 
 @pytest.mark.parametrize(
@@ -36,9 +43,11 @@ def fused(**args) -> torch.Tensor:
     CASES,
     ids=lambda c: f"n{c.n}-s{c.sinks}-r{c.ratio}-L{c.length}-{c.mask}" + (f"-rot{c.rotated}" * bool(c.rotated)),
 )
-def test_matches_the_reference(case):
+@pytest.mark.parametrize("path", ["fused", "op"])
+def test_matches_the_reference(case, path):
+    """Both SYCL implementations: the fused kernel and what the op runs for CPU tensors (the composed kernels)."""
     args = build(case)
-    out = fused(**args)
+    out = fused(**args) if path == "fused" else ops.call("decode_attention", "sycl", **as_called(args))
     assert out.shape == (case.batch, case.kv_heads * case.ratio, case.length, case.value_dim)
     assert_close(out, decode_attention_reference(**args))
     if case.mask != "none":  # the fully masked row gives zeros, never NaN
