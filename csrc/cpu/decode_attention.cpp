@@ -138,6 +138,41 @@ void rows_times(const float* x, const float* m, int64_t rows, int64_t dim, float
   }
 }
 
+// Asks for the packed bytes task `task` will read (run_chunk's split): per key channel one run of code bytes and
+// of metadata (D runs code_row bytes apart, which the hardware prefetcher does not follow), the values' rows (one
+// contiguous block per kind of buffer). In the model (Zen 4, batch 4 / 8064) the op took 1.39-1.41 ms per layer with
+// this against 1.50 ms prefetching each chunk at its own start (one run each: within the noise), L1 or L2 alike.
+void prefetch_chunk(const Problem& p, int64_t task) {
+  const int64_t c = task % p.chunks, bh = task / p.chunks, S = p.sinks;
+  const int64_t p0 = c == 0 ? 0 : S + c * p.chunk, p1 = std::min(S + (c + 1) * p.chunk, p.n);
+  const auto lines = [](const void* start, int64_t bytes) {
+    const char* at = static_cast<const char*>(start);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b);
+    if (bytes > 0) __builtin_prefetch(at + bytes - 1);
+  };
+  const Packed& K = p.keys;
+  const int64_t k0 = std::max(p0, S), k1 = std::min(p1, S + K.count);
+  if (k0 < k1) {
+    const int64_t meta_size = K.meta == kF32 ? 4 : 2, g0 = (k0 - S) / K.group, g1 = (k1 - S) / K.group;
+    const int64_t run = (g1 - g0) * K.group * K.bits / 8;
+    for (int64_t d = 0; d < p.head_dim; ++d) {
+      lines(K.codes + bh * K.code_head + d * K.code_row + g0 * (K.group * K.bits / 8), run);
+      const int64_t meta = (bh * K.meta_head + d * K.meta_row + g0) * meta_size;
+      lines(static_cast<const char*>(K.scales) + meta, (g1 - g0) * meta_size);
+      lines(static_cast<const char*>(K.zeros) + meta, (g1 - g0) * meta_size);
+    }
+  }
+  const Packed& V = p.values;
+  const int64_t v0 = std::max(p0, S) - S, v1 = std::min(p1, S + V.count) - S;
+  if (v0 < v1) {
+    const int64_t meta_size = V.meta == kF32 ? 4 : 2;
+    lines(V.codes + bh * V.code_head + v0 * V.code_row, (v1 - v0) * V.code_row);
+    const int64_t meta = (bh * V.meta_head + v0 * V.meta_row) * meta_size;
+    lines(static_cast<const char*>(V.scales) + meta, (v1 - v0) * V.meta_row * meta_size);
+    lines(static_cast<const char*>(V.zeros) + meta, (v1 - v0) * V.meta_row * meta_size);
+  }
+}
+
 void (*chunk_kernel(Isa isa))(const Problem&, int64_t) {
   switch (isa) {
     case Isa::kAvx512Vnni: return decode::chunk_avx512_vnni;
@@ -312,9 +347,18 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   // Tasks are handed out one at a time from a shared counter instead of split evenly up front: when another process
   // takes the core of one of torch's threads mid-step, the other threads run its share instead of waiting for it.
   // Every task writes only its own partial, so the result does not depend on which thread ran it.
+  // Each thread claims its next task before running the current one and prefetches that task's packed bytes, so
+  // their DRAM misses overlap a whole task of arithmetic (in a model the history is cold).
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, (tasks + grain - 1) / grain, 1, [&](int64_t, int64_t) {
-    for (int64_t task = next_task++; task < tasks; task = next_task++) kernel(p, task);
+    int64_t task = next_task++;
+    if (task < tasks) prefetch_chunk(p, task);
+    while (task < tasks) {
+      const int64_t ahead = next_task++;
+      if (ahead < tasks) prefetch_chunk(p, ahead);
+      kernel(p, task);
+      task = ahead;
+    }
   });
 
   at::Tensor out = at::empty({batch, kv_heads, p.rows, p.value_dim}, f32);

@@ -380,22 +380,7 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
 #if defined(KIVI_DA_INTEGER)
   const bool integer = BITS != 8 && P.integer && integer_keys(BITS, G, D);
 #endif
-  // The chunk's codes are D short runs (one per channel, code_row bytes apart) that the hardware prefetcher does not
-  // follow: ask for all of them at once, so that their misses overlap (in a model the history is cold: the weights
-  // and the other layers evict it between steps).
-  // Likewise the scales and zeros of the chunk's groups (a run of g1 - g0 elements per channel).
-  const int64_t run_bytes = (g1 - g0) * G * BITS / 8, meta_bytes = (g1 - g0) * (K.meta == kF32 ? 4 : 2);
-  for (int64_t d = 0; d < D; ++d) {
-    const uint8_t* run = codes + d * K.code_row + g0 * (G * BITS / 8);
-    for (int64_t b = 0; b < run_bytes; b += 64) __builtin_prefetch(run + b);
-    __builtin_prefetch(run + run_bytes - 1);
-    const int64_t meta = (bh * K.meta_head + d * K.meta_row + g0) * (K.meta == kF32 ? 4 : 2);
-    const char *scale = static_cast<const char*>(K.scales) + meta, *zero = static_cast<const char*>(K.zeros) + meta;
-    __builtin_prefetch(scale);
-    __builtin_prefetch(scale + meta_bytes - 1);
-    __builtin_prefetch(zero);
-    __builtin_prefetch(zero + meta_bytes - 1);
-  }
+  // (decode_attention.cpp prefetched this chunk's codes and metadata while the thread ran its previous task)
   for (int64_t gb = g0; gb < g1; gb += kMetaGroups) {
     const int64_t block = min64(kMetaGroups, g1 - gb);
     load_key_meta(K.scales, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, scales);
