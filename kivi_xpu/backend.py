@@ -107,9 +107,7 @@ def _warn_fallback_once(reason: str) -> None:
 
 def _native() -> Selection:
     module = runtime.load_native_extension()
-    isa = module.isa()
-    # the decode attention's arithmetic on packed codes: int8 where the ISA has integer dot products
-    arithmetic = "fp32" if isa == "baseline" else module.dot()
+    isa, arithmetic = module.isa(), runtime.attention_arithmetic(module)
     return Selection("native", f"native CPU kernels ({isa}, {arithmetic} attention)", device_name=isa)
 
 
@@ -181,7 +179,7 @@ def info(backend: str | None = None, device: str | None = None) -> dict:
     try:
         module = runtime.load_native_extension()
         facts["native_isa"] = module.isa()
-        facts["native_attention_arithmetic"] = "fp32" if module.isa() == "baseline" else module.dot()
+        facts["native_attention_arithmetic"] = runtime.attention_arithmetic(module)
     except RuntimeError as error:
         facts["native_isa"] = None
         facts["native_reason"] = str(error)

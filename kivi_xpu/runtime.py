@@ -225,6 +225,12 @@ def load_sycl_extension() -> ModuleType:
     return _import_extension("_C", "SYCL extension")
 
 
+def attention_arithmetic(module: ModuleType) -> str:
+    """The arithmetic of the native decode attention on packed 2/4-bit codes now: ``module.dot()`` ("int8" or
+    "fp32"), except on the baseline ISA, which only has fp32."""
+    return "fp32" if module.isa() == "baseline" else str(module.dot())
+
+
 def load_native_extension() -> ModuleType:
     """Imports ``kivi_xpu._cpu`` (native CPU kernels); RuntimeError with the reason and the fixing command if it was
     not built (or built for another torch), ValueError if ``$KIVI_XPU_CPU_ISA`` names an instruction set this CPU

@@ -19,11 +19,12 @@ from native_module import native
 
 from kivi_xpu.ops import integer_twin
 from kivi_xpu.ops.reference import decode_attention as decode_attention_reference
+from kivi_xpu.runtime import attention_arithmetic
 
 
 def integer_arithmetic() -> bool:
     """Whether the native op runs the integer path now (the int8 arithmetic on an ISA that has it)."""
-    return native.dot() == "int8" and native.isa() != "baseline"
+    return attention_arithmetic(native) == "int8"
 
 
 def twin(**args) -> torch.Tensor:

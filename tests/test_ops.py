@@ -228,8 +228,9 @@ def test_every_declared_op_is_covered_by_opcheck():
 def native_integer_arithmetic() -> bool:
     """Whether the native decode attention runs its int8 arithmetic (the default on AVX2 / AVX-512)."""
     from kivi_xpu import _cpu
+    from kivi_xpu.runtime import attention_arithmetic
 
-    return _cpu.dot() == "int8" and _cpu.isa() != "baseline"
+    return attention_arithmetic(_cpu) == "int8"
 
 
 @pytest.mark.parametrize("backend", ("reference", "sycl", "native"))

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from .. import __version__
+from ..runtime import attention_arithmetic
 from .options import ToolOptions
 
 
@@ -114,8 +115,7 @@ def _native_facts() -> tuple[str | None, str | None]:
         module = importlib.import_module("kivi_xpu._cpu")
     except ImportError:
         return None, None
-    isa = str(module.isa())
-    return isa, "fp32" if isa == "baseline" else str(module.dot())
+    return str(module.isa()), attention_arithmetic(module)
 
 
 MIB = 1 << 20
