@@ -353,23 +353,29 @@ inline void lane_meta(const sycl::sub_group& sg, const LaneGroup& lg, const type
   zero = sycl::select_from_group(sg, z, lg.src);
 }
 
-// Dequantizes the P codes of the lane's `byte` with its group's scale/zero (from the metadata row at scales/zeros),
-// then adds weight(r) * code k into acc[r][k] for the RB rows of uniform weights weights[r * stride] (a partial last
-// block re-reads row `last`).
-template <typename M, int bits, int RB>
-inline void accumulate_byte(const sycl::sub_group& sg, const LaneGroup& lg, unsigned byte, const typename M::T* scales,
-                            const typename M::T* zeros, const float* weights, size_t stride, size_t last,
-                            float (&acc)[RB][8 / bits]) {
+// Dequantizes the P codes of `byte` with `scale`/`zero`, then adds weight(r) * code k into acc[r][k] for the RB rows
+// of uniform weights weights[r * stride] (a partial last block re-reads row `last`).
+template <int bits, int RB>
+inline void accumulate_codes(unsigned byte, float scale, float zero, const float* weights, size_t stride, size_t last,
+                             float (&acc)[RB][8 / bits]) {
   constexpr int P = 8 / bits;
   constexpr unsigned mask = (1u << bits) - 1u;
-  float scale, zero;
-  lane_meta<M>(sg, lg, scales, zeros, scale, zero);
   float code[P];
   for (int k = 0; k < P; ++k) code[k] = sycl::fma((float)((byte >> (k * bits)) & mask), scale, zero);
   for (int r = 0; r < RB; ++r) {
     const float weight = weights[((size_t)r < last ? (size_t)r : last) * stride];
     for (int k = 0; k < P; ++k) acc[r][k] = sycl::fma(weight, code[k], acc[r][k]);
   }
+}
+
+// accumulate_codes with the lane's group's scale/zero from the metadata row at scales/zeros (by sub-group shuffle).
+template <typename M, int bits, int RB>
+inline void accumulate_byte(const sycl::sub_group& sg, const LaneGroup& lg, unsigned byte, const typename M::T* scales,
+                            const typename M::T* zeros, const float* weights, size_t stride, size_t last,
+                            float (&acc)[RB][8 / bits]) {
+  float scale, zero;
+  lane_meta<M>(sg, lg, scales, zeros, scale, zero);
+  accumulate_codes<bits, RB>(byte, scale, zero, weights, stride, last, acc);
 }
 
 }  // namespace
@@ -477,19 +483,21 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packe
 //
 // One work-group per (kv head, block of RB query rows, chunk of packed tokens): the split-over-tokens attention of the
 // native CPU kernel (csrc/cpu/decode_attention_impl.h). Phase 1: lanes walk the chunk's key code bytes (P_K tokens
-// each) and score them against the RB rows with the same arithmetic as kivi_packed_key_scores (softcap, then the
-// additive mask bias), into local memory. Phase 2: per row the chunk's max m and sum l of exp(s - m) (group
+// each) and score them against the RB rows with the same arithmetic as kivi_packed_key_scores (accumulate_codes;
+// then softcap and the mask), into the scratch rows. Phase 2: per row the chunk's max m and sum l of exp(s - m) (group
 // reductions; a fully masked chunk has m = -inf and zero weights). Phase 3: lanes walk the value code bytes (P_V
 // channels each) and accumulate exp(s - m) * value as kivi_packed_value_combine does. The host merges the chunks'
-// (m, l, acc) with the exact sinks and window in order (kivi_xpu/ops/sycl.py).
+// (m, l, acc) with the exact sinks and window in order (kivi_xpu/ops/sycl.py). In the key loop each lane loads its
+// own group's scale/zero (at most two groups per sub-group: a gather of two addresses) instead of the shuffle of the
+// other kernels (see the comment there).
 //   query [B,Hq,L,D] f32 (scaled, rotated); keys codes [B,Hkv,D,*], scales/zeros [B,Hkv,D,*]; values codes
 //   [B,Hkv,*,Dv/P_V], scales/zeros [B,Hkv,*,Dv/G_V]; bias: nullptr or f32 with strides (bias_b, bias_h, bias_l, 1),
 //   column t = packed token t, added to the scores or, with bias_fills (a bool mask as 0 / -inf), setting -inf
 //   -> chunk_max / chunk_sum [B,Hq,L,chunks], chunk_acc [B,Hq,L,chunks,Dv] f32. scratch [B*Hkv, blocks*chunks, RB,
-//   chunk_tokens] f32 holds each work-group's scores, then weights (global memory: the run-time compiler of the pip DPC++ crashed on group_local_memory in a free-function kernel; a work-group's rows
-//   stay in its cache).
+//   chunk_tokens] f32 holds each work-group's scores, then weights (global memory: the run-time compiler of the pip
+//   DPC++ crashed on group_local_memory in a free-function kernel; a work-group's rows stay in its cache).
 // nd_range {B*Hkv, blocks*chunks, W} with work-groups {1, 1, W}. Every lane runs every loop iteration (inactive ones
-// load nothing), so the sub-group shuffles and group reductions see the whole group.
+// load nothing), so the group reductions and barriers see the whole group.
 inline float negative_infinity() { return bits_float(0xFF800000u); }
 
 template <typename M, int key_bits, int value_bits, int RB>
@@ -497,15 +505,15 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packe
     const float* query, const unsigned char* key_codes, const typename M::T* key_scales,
     const typename M::T* key_zeros, const unsigned char* value_codes, const typename M::T* value_scales,
     const typename M::T* value_zeros, const float* bias, float* chunk_max, float* chunk_sum, float* chunk_acc,
-    float* scratch,
-    size_t rows, size_t length, size_t heads_per_kv, size_t kv_heads, size_t num_tokens, size_t head_dim,
-    size_t value_dim, size_t key_code_cols, size_t key_meta_cols, size_t value_code_rows, size_t value_meta_rows,
-    size_t key_group, size_t value_group, size_t chunk_tokens, size_t chunks, size_t bias_b, size_t bias_h,
-    size_t bias_l, int bias_fills, float softcap) {
+    float* scratch, size_t rows, size_t length, size_t heads_per_kv, size_t kv_heads, size_t num_tokens,
+    size_t head_dim, size_t value_dim, size_t key_code_cols, size_t key_meta_cols, size_t value_code_rows,
+    size_t value_meta_rows, size_t key_group, size_t value_group, size_t chunk_tokens, size_t chunks, size_t bias_b,
+    size_t bias_h, size_t bias_l, int bias_fills, float softcap) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
   const sycl::group<3> wg = it.get_group();
   const sycl::sub_group sg = it.get_sub_group();
   constexpr int PK = 8 / key_bits, PV = 8 / value_bits;
+  constexpr unsigned key_mask = (1u << key_bits) - 1u;
   const size_t lane = it.get_local_id(2), width = it.get_local_range(2);
   const size_t sg_offset = (size_t)sg.get_group_linear_id() * (size_t)sg.get_max_local_range()[0];
   const size_t kv = it.get_global_id(0);
@@ -532,14 +540,23 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packe
   for (size_t b0 = 0; b0 < n / PK; b0 += width) {
     const size_t jl = b0 + lane, j = t_begin / PK + jl;  // lane's byte: in the chunk, in the key code row
     const bool active = jl < n / PK;
-    const LaneGroup lg = lane_group_at(sg, j, t_begin / PK + b0 + sg_offset, key_group / PK, num_tokens / key_group);
     float acc[RB][PK];
     for (int r = 0; r < RB; ++r)
       for (int k = 0; k < PK; ++k) acc[r][k] = 0.0f;
     for (size_t d = 0; d < head_dim; ++d) {
       const unsigned byte = active ? key_rows[d * key_code_cols + j] : 0u;
-      accumulate_byte<M, key_bits, RB>(sg, lg, byte, kscale_rows + d * key_meta_cols, kzero_rows + d * key_meta_cols,
-                                       q0 + d, head_dim, last, acc);
+      // The lane's key group's scale and zero loaded directly, no shuffle, and the products written out here: with
+      // accumulate_byte or accumulate_codes in this loop the OpenCL CPU device's vectorizer gave up on the kernel
+      // (4-5x slower); with this form the fused kernel runs at 0.7-0.9x of the composed ones there.
+      const size_t g = active ? j / (key_group / PK) : 0;
+      const float scale = M::load(kscale_rows[d * key_meta_cols + g]);
+      const float zero = M::load(kzero_rows[d * key_meta_cols + g]);
+      float code[PK];
+      for (int k = 0; k < PK; ++k) code[k] = sycl::fma((float)((byte >> (k * key_bits)) & key_mask), scale, zero);
+      for (int r = 0; r < RB; ++r) {
+        const float weight = q0[((size_t)r < last ? (size_t)r : last) * head_dim + d];
+        for (int k = 0; k < PK; ++k) acc[r][k] = sycl::fma(weight, code[k], acc[r][k]);
+      }
     }
     if (active) {
       for (int r = 0; r < RB; ++r)

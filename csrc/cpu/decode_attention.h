@@ -1,6 +1,6 @@
 // Plain-data description of one fused decode attention call, shared by the dispatcher (decode_attention.cpp) and
-// the per-ISA chunk kernels (decode_attention_{avx512,avx2,baseline}.cpp). No templates and no torch types here, so
-// the ISA translation units can include it inside their `#pragma GCC target` region.
+// the per-ISA chunk kernels (decode_attention_{avx512_vnni,avx512,avx2,baseline}.cpp). No templates and no torch
+// types here, so the ISA translation units can include it inside their `#pragma GCC target` region.
 #pragma once
 #include <cstdint>
 
