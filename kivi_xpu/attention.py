@@ -24,11 +24,10 @@ and uses the fused path from its next update on.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import weakref
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -43,14 +42,20 @@ from .storage import dequantized
 ATTENTION_NAME = "kivi"
 
 
-@dataclass(frozen=True)
-class DecodeInputs:
+class DecodeInputs(NamedTuple):
     """What one layer's ``update`` hands to the attention call that follows it: keys, values and the name of
-    the backend whose kernels read the packed codes."""
+    the backend whose kernels read the packed codes. (A named tuple: built three times per layer and step.)"""
 
     keys: KindOperands  # sinks, packed codes/scales/zeros (whole buffers), count, group, bits, tail
     values: KindOperands
     backend: str
+
+    def with_tails(self, key_tail: torch.Tensor | None, value_tail: torch.Tensor | None) -> DecodeInputs:
+        """The same inputs with other tails (``None`` while the step waits in the slot: see :func:`hand_over`)."""
+        k, v = self.keys, self.values
+        keys = KindOperands(k.sinks, k.codes, k.scales, k.zeros, k.count, k.group, k.bits, key_tail, k.rotation)
+        values = KindOperands(v.sinks, v.codes, v.scales, v.zeros, v.count, v.group, v.bits, value_tail, v.rotation)
+        return DecodeInputs(keys, values, self.backend)
 
 
 def dense_kind(inputs: KindOperands, kind: str, backend: str) -> torch.Tensor:
@@ -70,8 +75,17 @@ def dense_states(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return dense_kind(inputs.keys, "keys", inputs.backend), dense_kind(inputs.values, "values", inputs.backend)
 
 
-@dataclass
-class Pending:
+def runs_kivi_attention(config) -> bool:
+    """Whether a model config selects this attention (``config._attn_implementation == "kivi"``). Read where
+    transformers 5 stores it, past the config class's ``__getattribute__`` hooks (~2 us through them, and every
+    layer reads it at every step); a config without that attribute is read the documented way."""
+    try:
+        return object.__getattribute__(config, "_attn_implementation_internal") == ATTENTION_NAME
+    except AttributeError:
+        return getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+
+
+class Pending(NamedTuple):
     """The last ``update`` of a :class:`~kivi_xpu.KiviLayer` on this thread, waiting for its attention call.
 
     ``layer``, ``key`` and ``value`` are weak references (to the layer and to the tensors ``update`` returned);
@@ -99,15 +113,19 @@ def _release(slot: _Slot, key_ref: weakref.ref) -> None:
     tensors the step would have handed over (the record of its shape stays until the next update)."""
     pending = slot.pending
     if pending is not None and pending.key is key_ref:
-        slot.pending = dataclasses.replace(pending, inputs=None)
+        slot.pending = pending._replace(inputs=None)
+
+
+_release_this_slot = functools.partial(_release, _slot)
 
 
 def hand_over(layer, key: torch.Tensor, value: torch.Tensor, inputs: DecodeInputs | None) -> None:
     """Records what ``layer.update`` returned (``key``, ``value``) and, under the fused attention, the rest of the
-    hand-over (``inputs``, whose tails are ``key`` and ``value``) for the attention call that follows."""
-    if inputs is not None:  # the slot must not keep the returned tensors alive
-        inputs = DecodeInputs(inputs.keys._replace(tail=None), inputs.values._replace(tail=None), inputs.backend)
-    key_ref = weakref.ref(key, functools.partial(_release, _slot))
+    hand-over (``inputs``, whose tails are ``key`` and ``value``, or ``None`` already) for the attention call that
+    follows."""
+    if inputs is not None and inputs.keys.tail is not None:  # the slot must not keep the returned tensors alive
+        inputs = inputs.with_tails(None, None)
+    key_ref = weakref.ref(key, _release_this_slot)
     _slot.pending = Pending(weakref.ref(layer), key_ref, weakref.ref(value), inputs is not None, inputs, key.shape)
 
 
@@ -129,8 +147,7 @@ def take_over(module, key: torch.Tensor, value: torch.Tensor) -> DecodeInputs | 
             layer.model_config = config  # the model runs this attention: fuse from the next update on
         if not pending.fused:
             return None
-        keys, values = pending.inputs.keys._replace(tail=key), pending.inputs.values._replace(tail=value)
-        return DecodeInputs(keys, values, pending.inputs.backend)
+        return pending.inputs.with_tails(key, value)
     if pending.fused and (pending.key() is key or pending.value() is value or key.shape == pending.tail_shape):
         # The model changed the keys or values between `update` and attention: the tail alone would be wrong.
         raise RuntimeError(

@@ -7,9 +7,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .algorithm import KiviSettings
-from .attention import ATTENTION_NAME, DecodeInputs, dense_kind, dense_states, hand_over
+from .attention import DecodeInputs, dense_kind, dense_states, hand_over, runs_kivi_attention
 from .backend import Selection, select
 from .memory import KiviMemoryReport
+from .ops import kernel
 from .ops.checks import check_float_tensor
 from .stream import KindStream
 from .validation import integer, name_choice
@@ -67,6 +68,7 @@ class KiviLayer(CacheLayerMixin):
         self.keys_stream: KindStream | None = None
         self.values_stream: KindStream | None = None
         self._record_past = False
+        self._checked_states = None  # see _check_states
 
     def __repr__(self) -> str:
         s = self.settings
@@ -142,7 +144,7 @@ class KiviLayer(CacheLayerMixin):
         """Whether the model reads this layer through the fused KIVI attention (``attn_implementation="kivi"``):
         read from ``model_config``, which the kivi attention sets to the model's own config at its first call when
         the cache was built without it (or with another config object)."""
-        return self.attention == "auto" and getattr(self.model_config, "_attn_implementation", None) == ATTENTION_NAME
+        return self.attention == "auto" and runs_kivi_attention(self.model_config)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -158,22 +160,61 @@ class KiviLayer(CacheLayerMixin):
             self.values_stream.append(value_states, self.record_past)
             keys_out, values_out, inputs = key_states, value_states, None
         else:
-            inputs = DecodeInputs(
-                self.keys_stream.append_and_read(key_states, self.record_past),
-                self.values_stream.append_and_read(value_states, self.record_past),
-                self.backend.name,
-            )
-            if self.fused:
-                keys_out, values_out = inputs.keys.tail, inputs.values.tail
+            one_call = not self._record_past and key_states.shape[2] == 1  # a decode step, nothing to record
+            step = self._decode_step(key_states, value_states) if one_call else None
+            if step is not None:
+                keys_out, values_out, inputs = step
             else:
-                (keys_out, values_out), inputs = dense_states(inputs), None
+                inputs = DecodeInputs(
+                    self.keys_stream.append_and_read(key_states, self.record_past),
+                    self.values_stream.append_and_read(value_states, self.record_past),
+                    self.backend.name,
+                )
+                keys_out, values_out = inputs.keys.tail, inputs.values.tail
+            if not self.fused:
+                (keys_out, values_out), inputs = dense_states(inputs.with_tails(keys_out, values_out)), None
         if self.attention == "auto":  # (also when dense: the kivi attention then tells the layer to fuse)
             hand_over(self, keys_out, values_out, inputs)
         return keys_out, values_out
 
+    def _decode_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple | None:
+        """A decode step's cache work (one new token, not recording) in one ``append_decode_step`` call: the tokens
+        into both windows, the value token leaving the window quantized in place. Returns the key and value tails
+        and the :class:`DecodeInputs` without them, or ``None`` (nothing done) when the step needs the general path
+        (sinks not full yet, a key block leaving)."""
+        keys, values = self.keys_stream, self.values_stream
+        if keys.step_leaving() != 0:
+            return None
+        leaving = values.step_leaving()
+        if leaving is None:
+            return None
+        key_count, value_count = keys.packed.num_tokens, values.packed.num_tokens  # as before this append
+        kw, vw, packed = keys.window, values.window, values.packed
+        key_tail, value_tail = kernel("append_decode_step", self.backend.name)(
+            key_states, value_states, kw.data, kw.start, kw.end, vw.data, vw.start, vw.end,
+            packed.codes.data, packed.scales.data, packed.zeros.data, packed.num_tokens, leaving,
+            packed.group_size, packed.bits, packed.rotation(packed.device),
+        )  # fmt: skip
+        keys.commit_step(0)
+        values.commit_step(leaving)
+        inputs = DecodeInputs(keys.step_operands(key_count), values.step_operands(value_count), self.backend.name)
+        return key_tail, value_tail, inputs
+
     def _check_states(self, key_states, value_states) -> None:
         """A clear error for states the layer cannot append, instead of a shape error deep inside the buffers or a
-        layer whose keys and values silently fall out of step."""
+        layer whose keys and values silently fall out of step. States like the last ones that passed (same type,
+        shapes, dtypes, devices: every decode step) pass at once."""
+        k, v = key_states, value_states
+        if type(k) is torch.Tensor and type(v) is torch.Tensor:
+            signature = (k.shape, v.shape, k.dtype, v.dtype, k.device, v.device)
+            if signature == self._checked_states:
+                return
+        else:
+            signature = None
+        self._check_new_states(k, v)
+        self._checked_states = signature
+
+    def _check_new_states(self, key_states, value_states) -> None:
         check_float_tensor(key_states, "key_states")
         check_float_tensor(value_states, "value_states")
         k, v = key_states, value_states
@@ -207,6 +248,7 @@ class KiviLayer(CacheLayerMixin):
         """Drops every stored token; the next ``update`` starts from scratch (shapes may change)."""
         self.is_initialized = False
         self.keys_stream = self.values_stream = None
+        self._checked_states = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` tokens (transformers 5 passes a negative count).
@@ -229,6 +271,7 @@ class KiviLayer(CacheLayerMixin):
             stream.forget_departed()
 
     def _select_batch(self, index: torch.Tensor) -> None:
+        self._checked_states = None  # (the batch may change)
         for stream in self._streams():
             stream.select_batch(index)
 

@@ -153,7 +153,11 @@ class TokenBuffer:
     def reserve(self, n: int) -> None:
         """Makes rows ``[end, end + n)`` writable in place (for a writer that fills them itself, then calls
         :meth:`commit`)."""
-        if self.data.is_inference() and not torch.is_inference_mode_enabled():
+        data = self.data
+        inference = data.is_inference() and not torch.is_inference_mode_enabled()
+        if not inference and self.end + n <= data.shape[self.dim]:
+            return  # (the common case, checked first: a decode step reserves five buffers)
+        if inference:
             # Filled under torch.inference_mode(), whose tensors refuse in-place writes outside it: go on with a
             # normal copy (once), as DynamicCache does implicitly by concatenating.
             self.data = self.data.clone()
@@ -247,13 +251,11 @@ class PackedHistory:
             # Straight into the storage rows, rotated by the op itself: one op call and no temporaries for a decode
             # step's departing token.
             x, rotation = x.to(self.device), self.rotation(self.device)
-            for buf in self.buffers():
-                buf.reserve(n)
+            self.reserve(n)
             codes, scales, zeros = (buf.data for buf in self.buffers())
             quantize = kernel("quantize_values_into", self.backend)
             quantize(x, codes, scales, zeros, self.codes.end, self.group_size, self.bits, rotation)
-            for buf in self.buffers():
-                buf.commit(n)
+            self.commit(n)
             # Checked for blocks only (prefill, appends of several tokens): a per-token check would cost a
             # reduction per layer and step, and keys, from the same activations, are checked every R tokens.
             written_scales = self.scales.rows(self.scales.end - n, self.scales.end) if n > 1 else None
@@ -263,10 +265,22 @@ class PackedHistory:
             parts = quantize(x, self.group_size, self.bits, self.settings.meta_dtype)
             for buf, part in zip(self.buffers(), parts, strict=True):
                 buf.append(part)
+            self.num_tokens += n
             written_scales = parts[1]
         quantized = x.dtype if rotation is None else torch.float32  # values quantize x @ Q in float32
         if written_scales is not None and self.settings.meta_dtype == torch.float16 and quantized != torch.float16:
             warn_on_metadata_overflow(x, written_scales, self.kind, rotation)  # only then can it overflow
+
+    def reserve(self, n: int) -> None:
+        """Values: makes token rows ``[num_tokens, num_tokens + n)`` of the storage writable in place, for a writer
+        that fills them itself (``quantize_values_into``, ``append_decode_step``) and then calls :meth:`commit`."""
+        for buf in self.buffers():
+            buf.reserve(n)
+
+    def commit(self, n: int) -> None:
+        """Counts the ``n`` value tokens written after :meth:`reserve` as stored."""
+        for buf in self.buffers():
+            buf.commit(n)
         self.num_tokens += n
 
     def dequantize(self, out_dtype: torch.dtype, start: int = 0, count: int | None = None) -> torch.Tensor:

@@ -44,6 +44,7 @@ class KindStream:
         self.packed = PackedHistory(kind, settings, batch, heads, head_dim, storage_device, backend)
         self.departed = DepartedTokens()
         self.length = 0
+        self._kept_operands, self._kept_sinks = None, None  # see step_operands
 
     @property
     def batch(self) -> int:
@@ -63,6 +64,29 @@ class KindStream:
             return self.settings.quantized_key_count(length)
         return self.settings.quantized_value_count(length)
 
+    def step_operands(self, count: int) -> KindOperands:
+        """:meth:`operands` with the current sinks and no tail yet, for the one-call decode step: what does not
+        change from step to step (the sinks' view, the buffers) is kept and rebuilt only when a buffer or the sinks
+        changed (a view costs ~2 us of dispatch, as much as the step's own work). The general path drops what is
+        kept (:meth:`_forget_kept`), so it never holds a replaced buffer alive; the rotation, shared and not the
+        cache's, is never kept."""
+        sinks, packed, o = self.sinks, self.packed, self._kept_operands
+        if (
+            o is None
+            or self._kept_sinks[0] is not sinks.data
+            or self._kept_sinks[1:] != (sinks.start, sinks.end)
+            or o.codes is not packed.codes.data
+            or o.scales is not packed.scales.data
+            or o.zeros is not packed.zeros.data
+        ):
+            o = self._kept_operands = self.operands(sinks.view(), 0, None)._replace(rotation=None)
+            self._kept_sinks = (sinks.data, sinks.start, sinks.end)
+        rotation = packed.rotation(self.device)
+        return KindOperands(o.sinks, o.codes, o.scales, o.zeros, count, o.group, o.bits, None, rotation)
+
+    def _forget_kept(self) -> None:
+        self._kept_operands = self._kept_sinks = None
+
     def operands(self, sinks: torch.Tensor, count: int, tail: torch.Tensor) -> KindOperands:
         """What attention reads: ``sinks``, the first ``count`` packed tokens (the whole buffers: the op reads only
         ``count``) and the exact ``tail``."""
@@ -79,6 +103,7 @@ class KindStream:
         A decode step (sinks full, ``m <= R``) appends into the window first and hands out a view of it: no copy
         of the window. The view stays valid until the next append (the rows it shows are only moved or
         overwritten then)."""
+        self._forget_kept()
         count, sinks = self.packed.num_tokens, self.sinks.view()  # as before this append
         if len(self.sinks) < self.settings.sink_tokens or new.shape[2] > self.settings.residual_length:
             # Tokens of `new` bound for the sinks are in the tail, which is in order: the window is empty until
@@ -95,6 +120,29 @@ class KindStream:
             self.window.drop_front(leaving)
         return self.operands(sinks, count, tail)
 
+    def step_leaving(self) -> int | None:
+        """Prepares the one-call decode step (``append_decode_step``, driven by the layer) of one new token: makes
+        room for it in the window and, for values, for the token leaving it in the packed storage; returns how many
+        tokens leave the window (0 or 1). ``None`` when this append needs :meth:`append_and_read`: sinks not full
+        yet, or a key group leaving (packed once every G steps)."""
+        if len(self.sinks) < self.settings.sink_tokens:
+            return None
+        leaving = self.packed_count(self.length + 1) - self.packed.num_tokens
+        if leaving and self.kind == "keys":
+            return None
+        self.window.reserve(1)
+        if leaving:
+            self.packed.reserve(leaving)
+        return leaving
+
+    def commit_step(self, leaving: int) -> None:
+        """Counts the rows of a one-call decode step: one token appended to the window, ``leaving`` tokens moved
+        from its front to the packed storage."""
+        self.window.commit(1)
+        self.window.drop_front(leaving)
+        self.packed.commit(leaving)
+        self.length += 1
+
     def held(self) -> KindOperands:
         """All ``length`` tokens as attention reads them: the sinks, the whole packed history and the window as the
         tail (``attention.dense_kind`` of it gives them dense)."""
@@ -110,6 +158,7 @@ class KindStream:
         the rule says must leave the window are quantized (oldest first); with ``record``, exact copies of them
         are kept. Tokens that leave at once go straight to the packed store, so a long prefill never passes
         through (and never inflates) the window."""
+        self._forget_kept()
         to_sinks = min(new.shape[2], self.settings.sink_tokens - len(self.sinks))
         if to_sinks > 0:
             self.sinks.append(new[:, :, :to_sinks])
@@ -133,6 +182,7 @@ class KindStream:
         """Keeps the first ``length`` tokens, split as the rule splits ``length`` tokens. Tokens that return to
         the window are restored exactly when recorded in ``departed``, otherwise dequantized from their codes
         (from the rule's count on, which is group-aligned for keys: keys are read in whole groups)."""
+        self._forget_kept()
         self.sinks.truncate(min(length, len(self.sinks)))
         after_sinks = max(0, length - self.settings.sink_tokens)
         target, quantized = self.packed_count(length), self.packed.num_tokens
@@ -162,6 +212,7 @@ class KindStream:
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keeps the batch rows ``index`` of every stored tensor (codes and recorded copies included)."""
+        self._forget_kept()
         for holder in (self.sinks, self.packed, self.window, self.departed):
             holder.select_batch(index)
 

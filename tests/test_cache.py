@@ -65,6 +65,53 @@ def test_streaming_rule_after_every_step(backend_name, seed):
         check_counts(layer, n)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_one_call_decode_step_equals_the_general_path(backend_name, dtype, monkeypatch):
+    """A decode step through append_decode_step leaves the layer exactly as the general path (append_and_read)
+    does, with sinks and a rotation, across key blocks, value departures, window moves and storage growth."""
+    settings = KiviSettings(2, 16, 32, sink_tokens=4, rotation="hadamard")
+    fast, general = (KiviLayer(settings, select(backend_name)) for _ in range(2))
+    monkeypatch.setattr(general, "_decode_step", lambda keys, values: None)
+    one_call_steps = []
+    step = fast._decode_step
+    monkeypatch.setattr(fast, "_decode_step", lambda k, v: one_call_steps.append(step(k, v)) or one_call_steps[-1])
+    sizes = [3, 1, 1, 1, 20] + [1] * 150 + [3] + [1] * 40
+    keys, values = torch.randn(B, H, sum(sizes), D, dtype=dtype), torch.randn(B, H, sum(sizes), D, dtype=dtype)
+    n = 0
+    for m in sizes:
+        got = fast.update(keys[:, :, n : n + m], values[:, :, n : n + m])
+        expected = general.update(keys[:, :, n : n + m], values[:, :, n : n + m])
+        n += m
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), n
+        assert torch.equal(fast.keys, general.keys) and torch.equal(fast.values, general.values), n
+    counts = [(layer.keys_stream.packed.num_tokens, layer.values_stream.packed.num_tokens) for layer in (fast, general)]
+    assert counts[0] == counts[1] == (settings.quantized_key_count(n), settings.quantized_value_count(n))
+    taken = sum(inputs is not None for inputs in one_call_steps)
+    assert len(one_call_steps) == 193 and taken == 193 - 7  # not: sinks not yet full (1), packing a key block (6)
+
+
+def test_a_cache_reaches_only_the_storage_it_accounts_for(backend_name):
+    """Across decode steps of both paths (storage growth, key blocks, window moves), nothing the layer keeps between
+    steps holds a replaced buffer alive or adds storage that memory_report does not count."""
+    from kivi_xpu.tools.memory import kv_bytes
+
+    cache = KiviCache(group_size=16, residual_length=32, backend=backend_name, sink_tokens=4, rotation="hadamard")
+    cache.update(torch.randn(B, H, 40, D), torch.randn(B, H, 40, D), 0)
+    for step in range(300):
+        cache.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), 0)
+        if step % 37 == 0 or step == 299:
+            assert kv_bytes(cache).check == "ok", step
+
+
+def test_update_checks_states_again_after_a_batch_change():
+    layer = make_layer("reference")
+    layer.update(torch.randn(1, H, 40, D), torch.randn(1, H, 40, D))
+    layer.update(torch.randn(1, H, 1, D), torch.randn(1, H, 1, D))  # (the decode signature passes from now on)
+    layer.batch_repeat_interleave(2)
+    with pytest.raises(ValueError, match="holds states of batch 2"):
+        layer.update(torch.randn(1, H, 1, D), torch.randn(1, H, 1, D))
+
+
 def test_prefill_returns_exact_states_and_splits_like_the_paper(backend_name):
     layer = make_layer(backend_name, residual_length=32)
     keys, values = torch.randn(B, H, 100, D), torch.randn(B, H, 100, D)

@@ -219,9 +219,87 @@ def test_quantize_values_into_rotation_is_checked_by_name():
                 torch.ops.kivi_xpu.quantize_values_into(x, *value_storage(1, 2, 6, 64), 0, 32, 2, bad)
 
 
+def decode_step_args(batch=2, heads=3, key_dim=64, value_dim=96, dtype=torch.float32, tokens=1, leaving=1):
+    """``append_decode_step`` arguments: windows of capacity 9 holding rows [2, 6) (keys) and [1, 7) (values, 4
+    sinks-free tokens leaving at most), strided new states ([B, m, H, D] transposed, as a model's projections give
+    them), value storage of 10 tokens with 3 stored, a Hadamard rotation."""
+    key_states = torch.randn(batch, tokens, heads, key_dim, dtype=dtype).transpose(1, 2)
+    value_states = torch.randn(batch, tokens, heads, value_dim, dtype=dtype).transpose(1, 2)
+    key_window = torch.randn(batch, heads, 9, key_dim, dtype=dtype)
+    value_window = torch.randn(batch, heads, 9, value_dim, dtype=dtype)
+    storage = value_storage(batch, heads, 10, value_dim)
+    rotation = rotation_matrix("hadamard", value_dim)
+    return (key_states, value_states, key_window, 2, 6, value_window, 1, 7, *storage, 3, leaving, 32, 2, rotation)
+
+
+def test_opcheck_append_decode_step():
+    # Its outputs are views of its inputs (the schema says so), which functionalization (torch.compile's
+    # AOT dispatch) does not support for custom ops; the cache is not compileable anyway (is_compileable = False).
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.kivi_xpu.append_decode_step, decode_step_args(), test_utils=tests)
+
+
+@pytest.mark.parametrize("backend", ("reference", "sycl", "native"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("tokens, leaving", ((1, 0), (1, 1), (2, 2), (2, 0)))
+def test_append_decode_step_equals_the_reference(backend, dtype, tokens, leaving):
+    """Every backend writes the new rows into the windows and the leaving value rows into the storage exactly as
+    the reference does (and nothing else), and returns the tails as views of the windows."""
+    skip_unless_available(backend)
+    ours = decode_step_args(dtype=dtype, tokens=tokens, leaving=leaving)
+    theirs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in ours)
+    key_tail, value_tail = ops.for_backend(backend).append_decode_step(*ours)
+    expected = reference.append_decode_step(*theirs)
+    for got, want in zip((key_tail, value_tail), expected, strict=True):
+        assert torch.equal(got, want)
+    assert key_tail.data_ptr() == ours[2][:, :, 2:].data_ptr() and key_tail.shape[2] == 4 + tokens
+    assert value_tail.data_ptr() == ours[5][:, :, 1:].data_ptr() and value_tail.shape[2] == 6 + tokens
+    for index in (2, 5, 8, 9, 10):  # windows and value storage (NaN where never written), every row
+        torch.testing.assert_close(ours[index], theirs[index], rtol=0, atol=0, equal_nan=True, msg=str(index))
+
+
+def test_append_decode_step_quantizes_the_oldest_window_rows():
+    args = decode_step_args(tokens=2, leaving=3)
+    value_window, codes, scales, zeros, rotation = args[5], *args[8:11], args[15]
+    leaving = value_window[:, :, 1:4].clone()
+    reference.append_decode_step(*args)
+    expected = value_storage(2, 3, 10, 96)
+    reference.quantize_values_into(leaving, *expected, 3, 32, 2, rotation)
+    for got, want in zip((codes, scales, zeros), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ("reference", "native"))
+def test_append_decode_step_checks_name_the_argument(backend):
+    args = list(decode_step_args())
+    for index, bad, message in (
+        (4, 9, r"`key_end` \+ new tokens"),
+        (3, 7, r"`key_start` \(7\) <= `key_end`"),
+        (12, 9, r"`value_leaving` \(9\)"),
+        (2, torch.randn(2, 3, 9, 32), "must match `key_window`"),
+        (5, torch.randn(2, 3, 9, 96, dtype=torch.float16), "must match `value_window`"),
+        (11, 10, r"`offset` \+ tokens"),
+    ):
+        bad_args = list(args)
+        bad_args[index] = bad
+        with pytest.raises(ValueError, match=message):
+            ops.call("append_decode_step", backend, *bad_args)
+
+
+def test_the_native_decode_step_rechecks_what_it_relies_on():
+    """The unchecked native kernel (what the cache calls) still refuses rows outside its buffers by name."""
+    skip_unless_available("native")
+    step = ops.kernel("append_decode_step", "native")
+    for index, bad, message in ((4, 9, "`key_window` rows"), (12, 9, "`value_leaving`"), (7, 9, "`value_window` rows")):
+        bad_args = list(decode_step_args())
+        bad_args[index] = bad
+        with pytest.raises(ValueError, match=message):
+            step(*bad_args)
+
+
 def test_every_declared_op_is_covered_by_opcheck():
     covered = set(QUANTIZATION_OPS) | {"packed_key_scores", "packed_value_combine", "decode_attention"}
-    covered |= {"quantize_values_into"}
+    covered |= {"quantize_values_into", "append_decode_step"}
     assert set(ops.OPS) == covered
 
 

@@ -9,4 +9,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   kivi::cpu::register_isa(m);
   kivi::cpu::register_quantize(m);
   kivi::cpu::register_decode_attention(m);
+  kivi::cpu::register_decode_step(m);
 }

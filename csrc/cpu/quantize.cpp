@@ -9,6 +9,7 @@
 #include "decode_attention.h"  // rotate_rows
 #include "isa.h"
 #include "kernels.h"
+#include "quantize.h"
 #include "quantize_job.h"
 
 namespace kivi::cpu {
@@ -110,90 +111,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& input,
   return {codes, scales, zeros};
 }
 
-// Floats of the stack buffer that holds a block of rotated rows (kRotatedFloats / D rows at a time).
-constexpr int64_t kRotatedFloats = 4096;
-
-// Values quantized straight into token rows [offset, offset + n) of packed value storage: codes [B,H,capacity,
-// D*bits/8], scales/zeros [B,H,capacity,D/G] (their dtype is the metadata dtype). One kernel range per (batch, head),
-// whose n rows are contiguous in the storage: a decode step's departing token needs no temporaries and no copies.
-// With a `rotation` Q [D, D] (float32), the rows stored are x @ Q, rotated a block of rows at a time into a stack
-// buffer (a decode step's token costs no torch call for its rotation).
-void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& zeros, int64_t offset, int64_t group_size, int64_t bits,
-                          const c10::optional<at::Tensor>& rotation) {
-  check_tensor(input, "x");
-  check_tensor(codes, "codes");
-  check_tensor(scales, "scales");
-  check_tensor(zeros, "zeros");
-  check_bits_and_group(group_size, bits);
-  QuantizeJob job{};
-  job.x_dtype = float_dtype(input.scalar_type(), "x");
-  job.meta_dtype = float_dtype(scales.scalar_type(), "scales");
-  const at::Tensor x = input.contiguous();
-  const int64_t b = x.size(0), h = x.size(1), n = x.size(2), d = x.size(3);
-  TORCH_CHECK_VALUE(d % group_size == 0, "`group_size` (", group_size, ") must divide the head_dim x.shape[3] (", d,
-                    ")");
-  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "`codes` must be uint8, got ", codes.scalar_type());
-  TORCH_CHECK_TYPE(zeros.scalar_type() == scales.scalar_type(), "`scales` and `zeros` must share a dtype, got ",
-                   scales.scalar_type(), " and ", zeros.scalar_type());
-  const int64_t capacity = codes.size(2), row_bytes = d * bits / 8, groups = d / group_size;
-  TORCH_CHECK_VALUE(codes.sizes() == at::IntArrayRef({b, h, capacity, row_bytes}), "`codes` must have shape [", b,
-                    ", ", h, ", capacity, ", row_bytes, "], got ", codes.sizes());
-  TORCH_CHECK_VALUE(scales.sizes() == at::IntArrayRef({b, h, capacity, groups}) && zeros.sizes() == scales.sizes(),
-                    "`scales` and `zeros` must have shape [", b, ", ", h, ", ", capacity, ", ", groups, "], got ",
-                    scales.sizes(), " and ", zeros.sizes());
-  TORCH_CHECK_VALUE(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
-                    "`codes`, `scales` and `zeros` must be contiguous (packed storage is laid out densely)");
-  TORCH_CHECK_VALUE(offset >= 0 && offset + n <= capacity, "`offset` + tokens (", offset, " + ", n,
-                    ") must lie within the storage capacity (", capacity, ")");
-  at::Tensor q;
-  if (rotation.has_value()) {
-    q = rotation->contiguous();
-    TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(0) == d &&
-                          q.size(1) == d,
-                      "`rotation` must be a float32 [", d, ", ", d, "] CPU tensor, got ", q.scalar_type(), " ",
-                      q.sizes(), " on ", q.device());
-    if (d > decode::kMaxDim) {  // wider than the kernels' row buffers: rotate with torch, then as without rotation
-      return quantize_values_into(at::matmul(x.to(at::kFloat), q), codes, scales, zeros, offset, group_size, bits,
-                                  c10::nullopt);
-    }
-  }
-  if (n == 0 || b * h == 0) return;
-  const auto* x_bytes = static_cast<const char*>(x.data_ptr());
-  auto* scale_bytes = static_cast<char*>(scales.data_ptr());
-  auto* zero_bytes = static_cast<char*>(zeros.data_ptr());
-  const int64_t x_row = d * (int64_t)x.element_size(), meta_row = groups * (int64_t)scales.element_size();
-  job.heads = 1, job.tokens = n, job.head_dim = d, job.group = group_size, job.bits = bits;
-  const Kernels k = kernels();
-  run(b * h, n * d, [&](int64_t begin, int64_t end) {
-    for (int64_t head = begin; head < end; ++head) {
-      QuantizeJob rows = job;
-      const int64_t first_row = head * capacity + offset;
-      rows.x = x_bytes + head * n * x_row;
-      rows.codes = codes.data_ptr<uint8_t>() + first_row * row_bytes;
-      rows.scales = scale_bytes + first_row * meta_row;
-      rows.zeros = zero_bytes + first_row * meta_row;
-      if (!q.defined()) {
-        k.quantize_values(rows, 0, n);
-        continue;
-      }
-      alignas(64) float rotated[kRotatedFloats];
-      const int64_t block = kRotatedFloats / d;  // >= 8 rows (d <= kMaxDim)
-      for (int64_t r0 = 0; r0 < n; r0 += block) {
-        QuantizeJob part = rows;
-        part.tokens = std::min(block, n - r0);
-        decode::rotate_rows(static_cast<const char*>(rows.x) + r0 * x_row, job.x_dtype, part.tokens, d,
-                            q.data_ptr<float>(), rotated);
-        part.x = rotated, part.x_dtype = kF32;
-        part.codes += r0 * row_bytes;
-        part.scales = static_cast<char*>(rows.scales) + r0 * meta_row;
-        part.zeros = static_cast<char*>(rows.zeros) + r0 * meta_row;
-        k.quantize_values(part, 0, part.tokens);
-      }
-    }
-  });
-}
-
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t num_tokens,
                       int64_t group_size, int64_t bits, at::ScalarType out_dtype, bool keys) {
   check_tensor(codes, "codes");
@@ -249,6 +166,92 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const a
 }
 
 }  // namespace
+
+// Floats of the stack buffer that holds a block of rotated rows (kRotatedFloats / D rows at a time).
+constexpr int64_t kRotatedFloats = 4096;
+
+// Values quantized straight into token rows [offset, offset + n) of packed value storage: codes [B,H,capacity,
+// D*bits/8], scales/zeros [B,H,capacity,D/G] (their dtype is the metadata dtype). One kernel range per (batch, head),
+// whose n rows are contiguous in the storage: a decode step's departing token needs no temporaries and no copies.
+// With a `rotation` Q [D, D] (float32), the rows stored are x @ Q, rotated a block of rows at a time into a stack
+// buffer (a decode step's token costs no torch call for its rotation).
+void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& zeros, int64_t offset, int64_t group_size, int64_t bits,
+                          const c10::optional<at::Tensor>& rotation) {
+  check_tensor(input, "x");
+  check_tensor(codes, "codes");
+  check_tensor(scales, "scales");
+  check_tensor(zeros, "zeros");
+  check_bits_and_group(group_size, bits);
+  QuantizeJob job{};
+  job.x_dtype = float_dtype(input.scalar_type(), "x");
+  job.meta_dtype = float_dtype(scales.scalar_type(), "scales");
+  // Rows of one (batch, head) must be contiguous; batch and head may be strided (a window's rows in place).
+  const bool rows_contiguous = input.stride(3) == 1 && (input.size(2) <= 1 || input.stride(2) == input.size(3));
+  const at::Tensor x = rows_contiguous ? input : input.contiguous();
+  const int64_t b = x.size(0), h = x.size(1), n = x.size(2), d = x.size(3);
+  TORCH_CHECK_VALUE(d % group_size == 0, "`group_size` (", group_size, ") must divide the head_dim x.shape[3] (", d,
+                    ")");
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte, "`codes` must be uint8, got ", codes.scalar_type());
+  TORCH_CHECK_TYPE(zeros.scalar_type() == scales.scalar_type(), "`scales` and `zeros` must share a dtype, got ",
+                   scales.scalar_type(), " and ", zeros.scalar_type());
+  const int64_t capacity = codes.size(2), row_bytes = d * bits / 8, groups = d / group_size;
+  TORCH_CHECK_VALUE(codes.sizes() == at::IntArrayRef({b, h, capacity, row_bytes}), "`codes` must have shape [", b,
+                    ", ", h, ", capacity, ", row_bytes, "], got ", codes.sizes());
+  TORCH_CHECK_VALUE(scales.sizes() == at::IntArrayRef({b, h, capacity, groups}) && zeros.sizes() == scales.sizes(),
+                    "`scales` and `zeros` must have shape [", b, ", ", h, ", ", capacity, ", ", groups, "], got ",
+                    scales.sizes(), " and ", zeros.sizes());
+  TORCH_CHECK_VALUE(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(),
+                    "`codes`, `scales` and `zeros` must be contiguous (packed storage is laid out densely)");
+  TORCH_CHECK_VALUE(offset >= 0 && offset + n <= capacity, "`offset` + tokens (", offset, " + ", n,
+                    ") must lie within the storage capacity (", capacity, ")");
+  at::Tensor q;
+  if (rotation.has_value()) {
+    q = rotation->contiguous();
+    TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.size(0) == d &&
+                          q.size(1) == d,
+                      "`rotation` must be a float32 [", d, ", ", d, "] CPU tensor, got ", q.scalar_type(), " ",
+                      q.sizes(), " on ", q.device());
+    if (d > decode::kMaxDim) {  // wider than the kernels' row buffers: rotate with torch, then as without rotation
+      return quantize_values_into(at::matmul(x.to(at::kFloat), q), codes, scales, zeros, offset, group_size, bits,
+                                  c10::nullopt);
+    }
+  }
+  if (n == 0 || b * h == 0) return;
+  const auto* x_bytes = static_cast<const char*>(x.data_ptr());
+  auto* scale_bytes = static_cast<char*>(scales.data_ptr());
+  auto* zero_bytes = static_cast<char*>(zeros.data_ptr());
+  const int64_t x_row = d * (int64_t)x.element_size(), meta_row = groups * (int64_t)scales.element_size();
+  job.heads = 1, job.tokens = n, job.head_dim = d, job.group = group_size, job.bits = bits;
+  const Kernels k = kernels();
+  run(b * h, n * d, [&](int64_t begin, int64_t end) {
+    for (int64_t head = begin; head < end; ++head) {
+      QuantizeJob rows = job;
+      const int64_t first_row = head * capacity + offset;
+      rows.x = x_bytes + ((head / h) * x.stride(0) + (head % h) * x.stride(1)) * x.element_size();
+      rows.codes = codes.data_ptr<uint8_t>() + first_row * row_bytes;
+      rows.scales = scale_bytes + first_row * meta_row;
+      rows.zeros = zero_bytes + first_row * meta_row;
+      if (!q.defined()) {
+        k.quantize_values(rows, 0, n);
+        continue;
+      }
+      alignas(64) float rotated[kRotatedFloats];
+      const int64_t block = kRotatedFloats / d;  // >= 8 rows (d <= kMaxDim)
+      for (int64_t r0 = 0; r0 < n; r0 += block) {
+        QuantizeJob part = rows;
+        part.tokens = std::min(block, n - r0);
+        decode::rotate_rows(static_cast<const char*>(rows.x) + r0 * x_row, job.x_dtype, part.tokens, d,
+                            q.data_ptr<float>(), rotated);
+        part.x = rotated, part.x_dtype = kF32;
+        part.codes += r0 * row_bytes;
+        part.scales = static_cast<char*>(rows.scales) + r0 * meta_row;
+        part.zeros = static_cast<char*>(rows.zeros) + r0 * meta_row;
+        k.quantize_values(part, 0, part.tokens);
+      }
+    }
+  });
+}
 
 void register_quantize(pybind11::module& m) {
   namespace py = pybind11;

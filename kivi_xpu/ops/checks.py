@@ -177,6 +177,67 @@ def check_quantize_into_args(
     check_rotation(rotation, "rotation", d, x.device, owner="x")
 
 
+def check_decode_step_args(
+    key_states,
+    value_states,
+    key_window,
+    key_start,
+    key_end,
+    value_window,
+    value_start,
+    value_end,
+    value_codes,
+    value_scales,
+    value_zeros,
+    value_offset,
+    value_leaving,
+    value_group,
+    value_bits,
+    value_rotation=None,
+) -> None:
+    """Checks for ``append_decode_step``: each kind's states ``[B, H, m, D]`` fit its window ``[B, H, capacity, D]``
+    (same batch, heads, head_dim, dtype and device; ``0 <= start <= end``, ``end + m <= capacity``), and the value
+    rows leaving the window go to the value storage as for ``quantize_values_into``."""
+    kinds = (
+        ("key", key_states, key_window, key_start, key_end),
+        ("value", value_states, value_window, value_start, value_end),
+    )
+    for kind, states, window, start, end in kinds:
+        check_float_tensor(states, f"{kind}_states")
+        check_float_tensor(window, f"{kind}_window")
+        s, w = states.shape, window.shape
+        if (s[0], s[1], s[3]) != (w[0], w[1], w[3]) or states.dtype != window.dtype or states.device != window.device:
+            raise ValueError(
+                f"`{kind}_states` {tuple(s)} {states.dtype} on {states.device} must match `{kind}_window` {tuple(w)} "
+                f"{window.dtype} on {window.device} in batch, heads, head_dim, dtype and device"
+            )
+        if not window.is_contiguous():
+            raise ValueError(f"`{kind}_window` must be contiguous (a window buffer)")
+        start, end = integer(start, f"{kind}_start", minimum=0), integer(end, f"{kind}_end", minimum=0)
+        if start > end or end + s[2] > w[2]:
+            raise ValueError(
+                f"`{kind}_start` ({start}) <= `{kind}_end` ({end}) and `{kind}_end` + new tokens ({s[2]}) <= the "
+                f"window's capacity ({w[2]}) must hold"
+            )
+    if value_states.shape[2] != key_states.shape[2]:
+        raise ValueError(
+            f"`value_states` must hold as many tokens as `key_states` ({key_states.shape[2]}), got "
+            f"{value_states.shape[2]}"
+        )
+    leaving = integer(value_leaving, "value_leaving", minimum=0)
+    if value_start + leaving > value_end + value_states.shape[2]:
+        raise ValueError(
+            f"`value_leaving` ({leaving}) must not exceed the value window's rows after the append "
+            f"({value_end + value_states.shape[2] - value_start})"
+        )
+    rows = value_window.narrow(2, value_start, leaving)
+    if isinstance(value_codes, torch.Tensor) and rows.device != value_codes.device:
+        rows = torch.empty_like(rows, device=value_codes.device)  # (the op moves the leaving rows to the storage)
+    check_quantize_into_args(
+        rows, value_codes, value_scales, value_zeros, value_offset, value_group, value_bits, value_rotation
+    )
+
+
 def check_attention_args(
     name: str,
     query: torch.Tensor,

@@ -8,6 +8,8 @@ byte; see :mod:`.reference` for the exact semantics):
 
 ``quantize_values_into`` is ``quantize_values`` writing into rows of existing value storage (a decode step's token
 leaving the window, without temporaries); with a ``rotation`` ``Q``, of ``x @ Q`` (the rotation folded into the op).
+``append_decode_step`` is a layer's whole cache work of a decode step (window appends, the departing value tokens
+quantized in place) in one call; it returns the tails as views of the windows.
 
 Packed buffers may be longer along their token axis than the count of valid tokens (over-allocated storage).
 """
@@ -20,6 +22,7 @@ from . import reference
 from .checks import (
     check_attention_args,
     check_decode_args,
+    check_decode_step_args,
     check_dequantize_args,
     check_quantize_args,
     check_quantize_into_args,
@@ -32,6 +35,12 @@ _QUANTIZE = "(Tensor x, int group_size, int bits, ScalarType meta_dtype) -> (Ten
 _QUANTIZE_INTO = (
     "(Tensor x, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) zeros, int offset, int group_size, int bits, "
     "Tensor? rotation=None) -> ()"
+)
+_DECODE_STEP = (
+    "(Tensor key_states, Tensor value_states, Tensor(a!) key_window, int key_start, int key_end, "
+    "Tensor(b!) value_window, int value_start, int value_end, Tensor(c!) value_codes, Tensor(d!) value_scales, "
+    "Tensor(e!) value_zeros, int value_offset, int value_leaving, int value_group, int value_bits, "
+    "Tensor? value_rotation=None) -> (Tensor(a), Tensor(b))"
 )
 _DEQUANTIZE = (
     "(Tensor codes, Tensor scales, Tensor zeros, int num_tokens, int group_size, int bits, ScalarType out_dtype)"
@@ -106,6 +115,18 @@ for _axis, _kind in (("tokens", "keys"), ("channels", "values")):
 define(
     "quantize_values_into", _QUANTIZE_INTO, check_quantize_into_args, lambda *args: None, reference.quantize_values_into
 )
+
+
+def _decode_step_outputs(key_states, value_states, key_window, key_start, key_end, value_window, value_start,
+                         value_end, *storage):  # fmt: skip
+    m = key_states.shape[2]
+    return (
+        key_window.narrow(2, key_start, key_end + m - key_start),
+        value_window.narrow(2, value_start, value_end + m - value_start),
+    )
+
+
+define("append_decode_step", _DECODE_STEP, check_decode_step_args, _decode_step_outputs, reference.append_decode_step)
 for _name, _dense, _axis, _outputs in (
     ("packed_key_scores", "query", "tokens", _scores_output),
     ("packed_value_combine", "probs", "channels", _combine_output),

@@ -9,6 +9,7 @@ import functools
 
 from ..runtime import load_native_extension
 from .library import register_kernel
+from .reference import composed_decode_step
 
 NATIVE_OPS = (
     "quantize_keys",
@@ -17,6 +18,7 @@ NATIVE_OPS = (
     "dequantize_keys",
     "dequantize_values",
     "decode_attention",
+    "append_decode_step",
 )
 
 
@@ -33,4 +35,17 @@ def _native(op: str):
 
 
 for _op in NATIVE_OPS:
-    register_kernel(_op, "native")(_native(_op))
+    if _op != "append_decode_step":  # (below: not every layer's windows are host memory)
+        register_kernel(_op, "native")(_native(_op))
+
+
+_native_step = _native("append_decode_step")
+_composed_step = composed_decode_step(_native("quantize_values_into"))
+
+
+@register_kernel("append_decode_step", "native")
+def append_decode_step(key_states, value_states, key_window, *args):
+    """One native call when the windows are host memory; a layer on another device (its packed history is still
+    host memory, see ``Selection.storage_device``) copies with torch and quantizes natively."""
+    step = _native_step if key_window.device.type == "cpu" else _composed_step
+    return step(key_states, value_states, key_window, *args)

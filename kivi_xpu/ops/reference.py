@@ -141,6 +141,54 @@ def store_value_rows(parts, storage, offset: int) -> None:
         buffer.narrow(2, offset, part.shape[2]).copy_(part)
 
 
+def composed_decode_step(quantize_into):
+    """``append_decode_step`` composed of torch copies and a backend's ``quantize_values_into`` (the reference's,
+    or the SYCL one, whose storage may sit on another device than the windows)."""
+
+    def append_decode_step(
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        key_window: torch.Tensor,
+        key_start: int,
+        key_end: int,
+        value_window: torch.Tensor,
+        value_start: int,
+        value_end: int,
+        value_codes: torch.Tensor,
+        value_scales: torch.Tensor,
+        value_zeros: torch.Tensor,
+        value_offset: int,
+        value_leaving: int,
+        value_group: int,
+        value_bits: int,
+        value_rotation: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's cache work of one decode step, in place: ``key_states``/``value_states [B, H, m, D]`` are
+        copied into rows ``[end, end + m)`` of their full-precision windows ``[B, H, capacity, D]``; value window
+        rows ``[value_start, value_start + value_leaving)`` (the oldest, leaving the window) are quantized as
+        :func:`quantize_values_into` (rotated by ``value_rotation``, on the storage's device) into token rows
+        ``[value_offset, value_offset + value_leaving)`` of the value storage ``value_codes``/``value_scales``/
+        ``value_zeros``. Returns the tails attention reads, views ``key_window[:, :, key_start:key_end + m]`` and
+        ``value_window[:, :, value_start:value_end + m]`` (the leaving rows included: attention still reads them
+        exact)."""
+        m = key_states.shape[2]
+        key_window.narrow(2, key_end, m).copy_(key_states)
+        value_window.narrow(2, value_end, m).copy_(value_states)
+        if value_leaving:
+            leaving = value_window.narrow(2, value_start, value_leaving).to(value_codes.device)
+            storage = (value_codes, value_scales, value_zeros)
+            quantize_into(leaving, *storage, value_offset, value_group, value_bits, value_rotation)
+        return (
+            key_window.narrow(2, key_start, key_end + m - key_start),
+            value_window.narrow(2, value_start, value_end + m - value_start),
+        )
+
+    return append_decode_step
+
+
+append_decode_step = register_kernel("append_decode_step", "reference")(composed_decode_step(quantize_values_into))
+
+
 @register_kernel("dequantize_keys", "reference")
 def dequantize_keys(
     codes: torch.Tensor,

@@ -14,7 +14,7 @@ from ..rotation import rotate, unrotate
 from ..runtime import SyclRuntime, sycl_runtime_for
 from .checks import KindOperands, codes_per_byte, split_decode_args
 from .library import OPS, register_kernel
-from .reference import group_queries, masked_scores, softmax_rows, store_value_rows
+from .reference import composed_decode_step, group_queries, masked_scores, softmax_rows, store_value_rows
 
 # packed_value_combine splits the token loop into chunks whose partial sums are added afterwards (in order), so that a
 # decode step (few kv heads, one query row) still spreads over all cores / EUs. Each chunk is a work-group with a fixed
@@ -80,6 +80,10 @@ def quantize_values_into(x, codes, scales, zeros, offset, group_size, bits, rota
     x = rotate(x, rotation)
     parts = _quantize("quantize_values")(x, group_size, bits, scales.dtype)
     store_value_rows(parts, (codes, scales, zeros), offset)
+
+
+# The windows stay on the model's device, the codes on the SYCL device: torch copies, the SYCL quantizer.
+register_kernel("append_decode_step", "sycl")(composed_decode_step(quantize_values_into))
 
 
 @register_kernel("packed_key_scores", "sycl")
