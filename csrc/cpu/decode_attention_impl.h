@@ -23,18 +23,7 @@ namespace {
 // ---- scalar conversions -----------------------------------------------------------------------------------------
 
 inline float load_scalar(const void* base, Dtype dtype, int64_t index) {
-  switch (dtype) {
-    case kF32:
-      return static_cast<const float*>(base)[index];
-    case kF16:
-#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
-      return _cvtsh_ss(static_cast<const uint16_t*>(base)[index]);  // F16C: one instruction
-#else
-      return half_to_float(static_cast<const uint16_t*>(base)[index]);
-#endif
-    default:
-      return bf16_to_float(static_cast<const uint16_t*>(base)[index]);
-  }
+  return load_dtype<Scalar>(base, dtype, index);
 }
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -208,16 +197,7 @@ inline void vcodes2(const uint8_t* p, vf& lo, vf& hi) {
 #endif
 
 #if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
-inline vf vload_x(const void* base, Dtype dtype, int64_t index) {
-  switch (dtype) {
-    case kF32:
-      return Vec::load(static_cast<const float*>(base) + index);
-    case kF16:
-      return Vec::load(static_cast<const uint16_t*>(base) + index, F16{});
-    default:
-      return Vec::load(static_cast<const uint16_t*>(base) + index, BF16{});
-  }
-}
+inline vf vload_x(const void* base, Dtype dtype, int64_t index) { return load_dtype<Vec>(base, dtype, index); }
 #endif
 
 template <int BITS>
@@ -329,16 +309,7 @@ inline void load_key_meta_rows(const void* base, int64_t offset, int64_t row, in
   if (count == 8) {  // a whole block: 8 channels x 8 groups at a time, converted as rows and transposed in registers
     for (; d0 + 8 <= D; d0 += 8) {
       __m256 r[8];
-      for (int i = 0; i < 8; ++i) {
-        const int64_t at = offset + (d0 + i) * row;
-        if (DT == kF32)
-          r[i] = _mm256_loadu_ps(static_cast<const float*>(base) + at);
-        else if (DT == kF16)
-          r[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(base) + at)));
-        else
-          r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
-              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(base) + at))), 16));
-      }
+      for (int i = 0; i < 8; ++i) r[i] = load_dtype<Vec256>(base, DT, offset + (d0 + i) * row);
       __m256 t[8], u[8];
       for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);

@@ -1,9 +1,9 @@
 // Tiny vector API the native CPU kernels are written against, once, and compiled per ISA.
 //
-// Usage (one translation unit per ISA, see quantize_avx512.cpp): include <immintrin.h>, <cstdint> and <cstring>
-// FIRST, then `#pragma GCC target(...)`, define KIVI_SIMD_AVX512 or KIVI_SIMD_AVX2 (neither: baseline), and include
-// this file INSIDE `namespace kivi::cpu::<isa> { namespace {`. Everything here then has internal linkage, so the
-// linker can never hand an AVX-512 instance of an inline function to code running on an AVX2-only CPU.
+// Usage (one translation unit per ISA, see quantize_avx512.cpp): include <immintrin.h>, <cstdint>, <cstring> and
+// dtype.h FIRST, then `#pragma GCC target(...)`, define KIVI_SIMD_AVX512 or KIVI_SIMD_AVX2 (neither: baseline), and
+// include this file INSIDE `namespace kivi::cpu::<...> { namespace {`. Everything here then has internal linkage, so
+// the linker can never hand an AVX-512 instance of an inline function to code running on an AVX2-only CPU.
 // No headers are included and no std templates are used here for the same reason.
 //
 // Policies: `Scalar` (1 lane, exact software conversions) always exists, for tails and the baseline; `Vec` is the
@@ -289,6 +289,37 @@ using Vec = Vec256;
 #else
 using Vec = Scalar;
 #endif
+
+// kWidth elements of X's storage type at p as fp32 lanes, and back (F32 has no conversion, so no tag overload).
+template <class V, class X>
+inline typename V::F load_as_float(const typename X::T* p) {
+  if constexpr (sizeof(typename X::T) == 4) {
+    return V::load(p);
+  } else {
+    return V::load(p, X{});
+  }
+}
+template <class V, class X>
+inline void store_from_float(typename X::T* p, typename V::F v) {
+  if constexpr (sizeof(typename X::T) == 4) {
+    V::store(p, v);
+  } else {
+    V::store(p, v, X{});
+  }
+}
+
+// load_as_float for a dtype known only at run time: base[index, index + kWidth).
+template <class V>
+inline typename V::F load_dtype(const void* base, Dtype dtype, int64_t index) {
+  switch (dtype) {
+    case kF32:
+      return load_as_float<V, F32>(static_cast<const float*>(base) + index);
+    case kF16:
+      return load_as_float<V, F16>(static_cast<const uint16_t*>(base) + index);
+    default:
+      return load_as_float<V, BF16>(static_cast<const uint16_t*>(base) + index);
+  }
+}
 
 // Codes <-> packed bytes, little-end first (2-bit byte = q0 | q1<<2 | q2<<4 | q3<<6). `q` holds one code per byte;
 // `n` codes (a multiple of 8 / bits) become n * bits / 8 bytes.
