@@ -18,207 +18,19 @@
 namespace kivi::cpu::decode {
 namespace {
 
-#include "simd.h"  // fp16/bf16 conversions and vector loads, with internal linkage here
+#include "simd.h"  // the vector layer, with internal linkage here
 
-// ---- scalar conversions -----------------------------------------------------------------------------------------
+using FV = FloatVec;  // 16 lanes AVX-512, 8 AVX2, 4 baseline (Vec4)
+using vf = FV::F;
+constexpr int VW = FV::kWidth;
 
 inline float load_scalar(const void* base, Dtype dtype, int64_t index) {
-  switch (dtype) {
-    case kF32:
-      return static_cast<const float*>(base)[index];
-    case kF16:
-#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
-      return _cvtsh_ss(static_cast<const uint16_t*>(base)[index]);  // F16C: one instruction
-#else
-      return half_to_float(static_cast<const uint16_t*>(base)[index]);
-#endif
-    default:
-      return bf16_to_float(static_cast<const uint16_t*>(base)[index]);
-  }
+  return load_dtype<Scalar>(base, dtype, index);
 }
 
 inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 constexpr float kNegInf = -__builtin_inff();
-
-// ---- vector layer: VW floats per vector -------------------------------------------------------------------------
-
-#if defined(KIVI_SIMD_AVX512)
-constexpr int VW = 16;
-typedef __m512 vf;
-inline vf vset(float x) { return _mm512_set1_ps(x); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline float vsum(vf v) { return Vec::reduce_add(v); }
-inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }  // b where either is NaN
-inline float vhmax(vf v) { return Vec::reduce_max(v); }
-// VW codes from VW * BITS / 8 bytes (lane i = code i, little end first).
-template <int BITS>
-inline vf vcodes(const uint8_t* p) {
-  if (BITS == 8) return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
-  __m512i words;
-  if (BITS == 2) {
-    uint32_t w;
-    __builtin_memcpy(&w, p, 4);
-    words = _mm512_set1_epi32((int)w);
-  } else {
-    uint64_t w;
-    __builtin_memcpy(&w, p, 8);
-    words = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                     _mm512_castsi128_si512(_mm_cvtsi64_si128((long long)w)));
-  }
-  constexpr int B = BITS;  // lane i shifts by (i * BITS) mod 32 within its word
-  const __m512i shift = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, (8 * B) & 31, (9 * B) & 31,
-                                          (10 * B) & 31, (11 * B) & 31, (12 * B) & 31, (13 * B) & 31, (14 * B) & 31,
-                                          (15 * B) & 31);
-  // vpermps reads the low 4 bits of each lane: the code (plus, for 2 bits, the next code's bits, which the
-  // table's repetition ignores), so the lookup replaces a mask and an int -> float conversion.
-  constexpr float M = (1 << BITS) - 1;  // lane k of the table holds k & M
-  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4 & (int)M, 5 & (int)M, 6 & (int)M, 7 & (int)M, 8 & (int)M,
-                                      9 & (int)M, 10 & (int)M, 11 & (int)M, 12 & (int)M, 13 & (int)M, 14 & (int)M,
-                                      15 & (int)M);
-  return _mm512_permutexvar_ps(_mm512_srlv_epi32(words, shift), table);
-}
-// exp(x) for x <= 0 or NaN (all the softmax needs): 0 below -87, NaN passes through. Cephes polynomial, ~2 ulp.
-inline vf vexp(vf x) {
-  const vf clamped = _mm512_max_ps(x, vset(-87.0f));
-  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  vf r = _mm512_fnmadd_ps(n, vset(0.693359375f), clamped);
-  r = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), r);
-  vf y = vset(1.9875691500e-4f);
-  y = vfma(y, r, vset(1.3981999507e-3f));
-  y = vfma(y, r, vset(8.3334519073e-3f));
-  y = vfma(y, r, vset(4.1665795894e-2f));
-  y = vfma(y, r, vset(1.6666665459e-1f));
-  y = vfma(y, r, vset(5.0000001201e-1f));
-  y = vfma(y, vmul(r, r), vadd(r, vset(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  y = vmul(y, _mm512_castsi512_ps(e));
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vset(-87.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
-}
-
-#elif defined(KIVI_SIMD_AVX2)
-constexpr int VW = 8;
-typedef __m256 vf;
-inline vf vset(float x) { return _mm256_set1_ps(x); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }  // b where either is NaN
-inline float vhmax(vf v) { return Vec::reduce_max(v); }
-inline float vsum(vf v) { return Vec::reduce_add(v); }
-template <int BITS>
-inline vf vcodes(const uint8_t* p) {
-  return Vec::to_float(Vec::load_codes(p, BITS));
-}
-// 2 * VW codes from 2 * VW * BITS / 8 bytes: one load and broadcast feeds both vectors.
-template <int BITS>
-inline void vcodes2(const uint8_t* p, vf& lo, vf& hi) {
-  if (BITS != 2) {
-    lo = vcodes<BITS>(p);
-    hi = vcodes<BITS>(p + VW * BITS / 8);
-    return;
-  }
-  uint32_t w;
-  __builtin_memcpy(&w, p, 4);
-  const __m256i word = _mm256_set1_epi32((int)w), three = _mm256_set1_epi32(3);
-  const __m256i shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-  lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, shift), three));
-  hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, _mm256_add_epi32(shift, _mm256_set1_epi32(16))),
-                                           three));
-}
-inline vf vexp(vf x) {
-  const vf clamped = _mm256_max_ps(x, vset(-87.0f));
-  const vf n = _mm256_round_ps(_mm256_mul_ps(clamped, vset(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf r = _mm256_fnmadd_ps(n, vset(0.693359375f), clamped);
-  r = _mm256_fnmadd_ps(n, vset(-2.12194440e-4f), r);
-  vf y = vset(1.9875691500e-4f);
-  y = vfma(y, r, vset(1.3981999507e-3f));
-  y = vfma(y, r, vset(8.3334519073e-3f));
-  y = vfma(y, r, vset(4.1665795894e-2f));
-  y = vfma(y, r, vset(1.6666665459e-1f));
-  y = vfma(y, r, vset(5.0000001201e-1f));
-  y = vfma(y, vmul(r, r), vadd(r, vset(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  y = vmul(y, _mm256_castsi256_ps(e));
-  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, vset(-87.0f), _CMP_LT_OQ));
-  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
-
-#else  // baseline: 4-float structs in plain C++, left to the compiler's default (SSE2) vectorisation
-constexpr int VW = 4;
-struct vf {
-  float v[4];
-};
-inline vf vset(float x) { return vf{{x, x, x, x}}; }
-inline vf vload(const float* p) { return vf{{p[0], p[1], p[2], p[3]}}; }
-inline void vstore(float* p, vf a) {
-  for (int i = 0; i < 4; ++i) p[i] = a.v[i];
-}
-inline vf vfma(vf a, vf b, vf c) {
-  for (int i = 0; i < 4; ++i) c.v[i] += a.v[i] * b.v[i];
-  return c;
-}
-inline vf vmul(vf a, vf b) {
-  for (int i = 0; i < 4; ++i) a.v[i] *= b.v[i];
-  return a;
-}
-inline vf vadd(vf a, vf b) {
-  for (int i = 0; i < 4; ++i) a.v[i] += b.v[i];
-  return a;
-}
-inline float vsum(vf a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
-inline vf vmax(vf a, vf b) {
-  for (int i = 0; i < 4; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];  // b where either is NaN, as maxps
-  return a;
-}
-inline float vhmax(vf a) { return vmax(vmax(a, vset(a.v[1])), vmax(vset(a.v[2]), vset(a.v[3]))).v[0]; }
-inline vf vload_x(const void* base, Dtype dtype, int64_t index) {
-  vf a;
-  for (int i = 0; i < 4; ++i) a.v[i] = load_scalar(base, dtype, index + i);
-  return a;
-}
-template <int BITS>
-inline vf vcodes(const uint8_t* p) {
-  uint32_t w = 0;
-  __builtin_memcpy(&w, p, BITS / 2);  // 4 codes = BITS / 2 bytes
-  vf a;
-  for (int i = 0; i < 4; ++i) a.v[i] = (float)((w >> (i * BITS)) & ((1u << BITS) - 1u));
-  return a;
-}
-inline vf vexp(vf x) {
-  for (int i = 0; i < 4; ++i) x.v[i] = __builtin_expf(x.v[i]);
-  return x;
-}
-#endif
-
-#if !defined(KIVI_SIMD_AVX2)
-template <int BITS>
-inline void vcodes2(const uint8_t* p, vf& lo, vf& hi) {
-  lo = vcodes<BITS>(p);
-  hi = vcodes<BITS>(p + VW * BITS / 8);
-}
-#endif
-
-#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
-inline vf vload_x(const void* base, Dtype dtype, int64_t index) {
-  switch (dtype) {
-    case kF32:
-      return Vec::load(static_cast<const float*>(base) + index);
-    case kF16:
-      return Vec::load(static_cast<const uint16_t*>(base) + index, F16{});
-    default:
-      return Vec::load(static_cast<const uint16_t*>(base) + index, BF16{});
-  }
-}
-#endif
 
 template <int BITS>
 inline float scalar_code(const uint8_t* p, int64_t i) {
@@ -229,29 +41,29 @@ inline float scalar_code(const uint8_t* p, int64_t i) {
 // out[0, count) = row converted to fp32.
 inline void load_row(const void* base, Dtype dtype, int64_t offset, int64_t count, float* out) {
   int64_t i = 0;
-  for (; i + VW <= count; i += VW) vstore(out + i, vload_x(base, dtype, offset + i));
+  for (; i + VW <= count; i += VW) FV::store(out + i, load_dtype<FV>(base, dtype, offset + i));
   for (; i < count; ++i) out[i] = load_scalar(base, dtype, offset + i);
 }
 
 inline float dot(const float* a, const float* b, int64_t count) {
-  vf acc = vset(0.0f), acc1 = vset(0.0f);  // two chains: a head_dim of 64 is only 4-8 vectors
+  vf acc = FV::set1(0.0f), acc1 = FV::set1(0.0f);  // two chains: a head_dim of 64 is only 4-8 vectors
   int64_t i = 0;
   for (; i + 2 * VW <= count; i += 2 * VW) {
-    acc = vfma(vload(a + i), vload(b + i), acc);
-    acc1 = vfma(vload(a + i + VW), vload(b + i + VW), acc1);
+    acc = FV::fma(FV::load(a + i), FV::load(b + i), acc);
+    acc1 = FV::fma(FV::load(a + i + VW), FV::load(b + i + VW), acc1);
   }
-  acc = vadd(acc, acc1);
-  for (; i + VW <= count; i += VW) acc = vfma(vload(a + i), vload(b + i), acc);
-  float s = vsum(acc);
+  acc = FV::add(acc, acc1);
+  for (; i + VW <= count; i += VW) acc = FV::fma(FV::load(a + i), FV::load(b + i), acc);
+  float s = FV::reduce_add(acc);
   for (; i < count; ++i) s += a[i] * b[i];
   return s;
 }
 
 // acc[0, count) += p * x[0, count)
 inline void axpy(float p, const float* x, float* acc, int64_t count) {
-  const vf pv = vset(p);
+  const vf pv = FV::set1(p);
   int64_t i = 0;
-  for (; i + VW <= count; i += VW) vstore(acc + i, vfma(pv, vload(x + i), vload(acc + i)));
+  for (; i + VW <= count; i += VW) FV::store(acc + i, FV::fma(pv, FV::load(x + i), FV::load(acc + i)));
   for (; i < count; ++i) acc[i] += p * x[i];
 }
 
@@ -282,31 +94,31 @@ inline void key_group(const float (*qs)[kMaxDim], const float* bias, const uint8
   int64_t j = 0;
   for (; j + 2 * VW <= G; j += 2 * VW) {
     vf acc[NR][2];
-    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = vset(bias[r]);
+    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = FV::set1(bias[r]);
     const uint8_t* c = codes + j / P;
     for (int64_t d = 0; d < D; ++d, c += code_row) {
       vf c0, c1;
-      vcodes2<BITS>(c, c0, c1);
+      FV::load_codes_float2<BITS>(c, c0, c1);
       for (int r = 0; r < NR; ++r) {
-        const vf w = vset(qs[r][d]);
-        acc[r][0] = vfma(w, c0, acc[r][0]);
-        acc[r][1] = vfma(w, c1, acc[r][1]);
+        const vf w = FV::set1(qs[r][d]);
+        acc[r][0] = FV::fma(w, c0, acc[r][0]);
+        acc[r][1] = FV::fma(w, c1, acc[r][1]);
       }
     }
     for (int r = 0; r < NR; ++r) {
-      vstore(out[r] + j, acc[r][0]);
-      vstore(out[r] + j + VW, acc[r][1]);
+      FV::store(out[r] + j, acc[r][0]);
+      FV::store(out[r] + j + VW, acc[r][1]);
     }
   }
   for (; j + VW <= G; j += VW) {
     vf acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = vset(bias[r]);
+    for (int r = 0; r < NR; ++r) acc[r] = FV::set1(bias[r]);
     const uint8_t* c = codes + j / P;
     for (int64_t d = 0; d < D; ++d, c += code_row) {
-      const vf c0 = vcodes<BITS>(c);
-      for (int r = 0; r < NR; ++r) acc[r] = vfma(vset(qs[r][d]), c0, acc[r]);
+      const vf c0 = FV::load_codes_float<BITS>(c);
+      for (int r = 0; r < NR; ++r) acc[r] = FV::fma(FV::set1(qs[r][d]), c0, acc[r]);
     }
-    for (int r = 0; r < NR; ++r) vstore(out[r] + j, acc[r]);
+    for (int r = 0; r < NR; ++r) FV::store(out[r] + j, acc[r]);
   }
   for (; j < G; ++j) {  // a group that is not a whole number of vectors
     for (int r = 0; r < NR; ++r) {
@@ -329,16 +141,7 @@ inline void load_key_meta_rows(const void* base, int64_t offset, int64_t row, in
   if (count == 8) {  // a whole block: 8 channels x 8 groups at a time, converted as rows and transposed in registers
     for (; d0 + 8 <= D; d0 += 8) {
       __m256 r[8];
-      for (int i = 0; i < 8; ++i) {
-        const int64_t at = offset + (d0 + i) * row;
-        if (DT == kF32)
-          r[i] = _mm256_loadu_ps(static_cast<const float*>(base) + at);
-        else if (DT == kF16)
-          r[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(base) + at)));
-        else
-          r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
-              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(static_cast<const uint16_t*>(base) + at))), 16));
-      }
+      for (int i = 0; i < 8; ++i) r[i] = load_dtype<Vec256>(base, DT, offset + (d0 + i) * row);
       __m256 t[8], u[8];
       for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
@@ -464,9 +267,9 @@ inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, in
   vf a[NR][NV], z[NR];
 #pragma GCC unroll 16
   for (int r = 0; r < NR; ++r) {
-    z[r] = vset(0.0f);
+    z[r] = FV::set1(0.0f);
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) a[r][v] = vset(0.0f);
+    for (int v = 0; v < NV; ++v) a[r][v] = FV::set1(0.0f);
   }
   for (int64_t tb = t0; tb < t1; tb += block) {
     const int64_t te = min64(tb + block, t1);
@@ -477,32 +280,32 @@ inline void value_block(const Packed& V, const uint8_t* codes, int64_t meta0, in
       const float* s = scale + (t - tb) * row;
       vf p[NR];
 #pragma GCC unroll 16
-      for (int r = 0; r < NR; ++r) p[r] = vset(prob[r][t]);
+      for (int r = 0; r < NR; ++r) p[r] = FV::set1(prob[r][t]);
       if (ZEROS) {  // lanes past the token's groups collect the next token's zeros: never read
-        const vf zv = vload(zero + (t - tb) * row);
+        const vf zv = FV::load(zero + (t - tb) * row);
 #pragma GCC unroll 16
-        for (int r = 0; r < NR; ++r) z[r] = vfma(p[r], zv, z[r]);
+        for (int r = 0; r < NR; ++r) z[r] = FV::fma(p[r], zv, z[r]);
       }
       vf code[NV];
       if (NV % 2 == 0) {
 #pragma GCC unroll 16
-        for (int v = 0; v < NV; v += 2) vcodes2<BITS>(c + v * (VW / P), code[v], code[v + 1]);
+        for (int v = 0; v < NV; v += 2) FV::load_codes_float2<BITS>(c + v * (VW / P), code[v], code[v + 1]);
       } else {
 #pragma GCC unroll 16
-        for (int v = 0; v < NV; ++v) code[v] = vcodes<BITS>(c + v * (VW / P));
+        for (int v = 0; v < NV; ++v) code[v] = FV::load_codes_float<BITS>(c + v * (VW / P));
       }
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
-        const vf cs = vmul(code[v], vset(s[group[v]]));
+        const vf cs = FV::mul(code[v], FV::set1(s[group[v]]));
 #pragma GCC unroll 16
-        for (int r = 0; r < NR; ++r) a[r][v] = vfma(p[r], cs, a[r][v]);
+        for (int r = 0; r < NR; ++r) a[r][v] = FV::fma(p[r], cs, a[r][v]);
       }
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) vstore(acc[r] + ch + v * VW, vadd(vload(acc[r] + ch + v * VW), a[r][v]));
+    for (int v = 0; v < NV; ++v) FV::store(acc[r] + ch + v * VW, FV::add(FV::load(acc[r] + ch + v * VW), a[r][v]));
   if (ZEROS)
-    for (int r = 0; r < NR; ++r) vstore(zsum[r], z[r]);
+    for (int r = 0; r < NR; ++r) FV::store(zsum[r], z[r]);
 }
 
 // zsum[r][g] = sum_t p_rt * zero_tg over packed tokens [t0, t1): in registers when a token's zeros fit a vector.
@@ -513,13 +316,13 @@ inline void zero_sums(const Packed& V, int64_t meta0, int64_t t0, int64_t t1, in
   if (groups <= VW) {
     for (int i = 0; i < VW; ++i) zero[i] = 0.0f;
     vf z[NR];
-    for (int r = 0; r < NR; ++r) z[r] = vset(0.0f);
+    for (int r = 0; r < NR; ++r) z[r] = FV::set1(0.0f);
     for (int64_t t = t0; t < t1; ++t) {
       load_row(V.zeros, V.meta, meta0 + t * V.meta_row, groups, zero);
-      const vf zv = vload(zero);
-      for (int r = 0; r < NR; ++r) z[r] = vfma(vset(prob[r][t]), zv, z[r]);
+      const vf zv = FV::load(zero);
+      for (int r = 0; r < NR; ++r) z[r] = FV::fma(FV::set1(prob[r][t]), zv, z[r]);
     }
-    for (int r = 0; r < NR; ++r) vstore(zsum[r], z[r]);
+    for (int r = 0; r < NR; ++r) FV::store(zsum[r], z[r]);
     return;
   }
   for (int r = 0; r < NR; ++r)
@@ -619,10 +422,10 @@ inline float chunk_softmax(const Problem& P, int64_t b, int64_t h, int64_t r, fl
   } else if (P.length > 1) {  // no mask: the queries are the last L positions, causal
     for (int64_t i = max64(p0, P.n - P.length + l + 1); i < p1; ++i) s[i] = kNegInf;
   }
-  vf mv = vset(kNegInf);
+  vf mv = FV::set1(kNegInf);
   int64_t i = p0;
-  for (; i + VW <= p1; i += VW) mv = vmax(vload(s + i), mv);
-  float m = vhmax(mv);
+  for (; i + VW <= p1; i += VW) mv = FV::max(FV::load(s + i), mv);  // maxps: mv where s is NaN
+  float m = FV::reduce_max(mv);
   for (; i < p1; ++i) m = s[i] > m ? s[i] : m;
   if (m == kNegInf) {  // all masked, or NaN: weight 0 (the values still meet them, as 0 * value, like a dense product)
     bool nan = false;
@@ -632,14 +435,14 @@ inline float chunk_softmax(const Problem& P, int64_t b, int64_t h, int64_t r, fl
     *sum = nan ? m : 0.0f;
     return m;
   }
-  const vf minus_m = vset(-m);
-  vf acc = vset(0.0f);
+  const vf minus_m = FV::set1(-m);
+  vf acc = FV::set1(0.0f);
   for (i = p0; i + VW <= p1; i += VW) {
-    const vf e = vexp(vadd(vload(s + i), minus_m));
-    vstore(s + i, e);
-    acc = vadd(acc, e);
+    const vf e = FV::exp(FV::add(FV::load(s + i), minus_m));
+    FV::store(s + i, e);
+    acc = FV::add(acc, e);
   }
-  float total = vsum(acc);
+  float total = FV::reduce_add(acc);
   for (; i < p1; ++i) {
     s[i] = __builtin_expf(s[i] - m);
     total += s[i];

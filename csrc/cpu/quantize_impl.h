@@ -7,24 +7,6 @@
 // Keys put SIMD lanes on channels (a group runs along tokens, i.e. down a column of x); values put lanes along the
 // group's channels (a group is a contiguous piece of a row).
 
-template <class V, class X>
-inline typename V::F load_as_float(const typename X::T* p) {
-  if constexpr (sizeof(typename X::T) == 4) {
-    return V::load(p);
-  } else {
-    return V::load(p, X{});
-  }
-}
-
-template <class V, class X>
-inline void store_from_float(typename X::T* p, typename V::F v) {
-  if constexpr (sizeof(typename X::T) == 4) {
-    V::store(p, v);
-  } else {
-    V::store(p, v, X{});
-  }
-}
-
 // Rounds to the metadata dtype and back, as torch's `.to(meta_dtype).float()` does.
 template <class V, class M>
 inline typename V::F round_to(typename V::F v) {

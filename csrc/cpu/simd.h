@@ -1,14 +1,16 @@
 // Tiny vector API the native CPU kernels are written against, once, and compiled per ISA.
 //
-// Usage (one translation unit per ISA, see quantize_avx512.cpp): include <immintrin.h>, <cstdint> and <cstring>
-// FIRST, then `#pragma GCC target(...)`, define KIVI_SIMD_AVX512 or KIVI_SIMD_AVX2 (neither: baseline), and include
-// this file INSIDE `namespace kivi::cpu::<isa> { namespace {`. Everything here then has internal linkage, so the
-// linker can never hand an AVX-512 instance of an inline function to code running on an AVX2-only CPU.
+// Usage (one translation unit per ISA, see quantize_avx512.cpp): include <immintrin.h>, <cstdint>, <cstring> and
+// dtype.h FIRST, then `#pragma GCC target(...)`, define KIVI_SIMD_AVX512 or KIVI_SIMD_AVX2 (neither: baseline), and
+// include this file INSIDE `namespace kivi::cpu::<...> { namespace {`. Everything here then has internal linkage, so
+// the linker can never hand an AVX-512 instance of an inline function to code running on an AVX2-only CPU.
 // No headers are included and no std templates are used here for the same reason.
 //
 // Policies: `Scalar` (1 lane, exact software conversions) always exists, for tails and the baseline; `Vec` is the
-// widest policy of the ISA (16 lanes AVX-512, 8 lanes AVX2, Scalar on baseline). Every policy has the same static
-// functions, so kernels are templates over the policy: F float lanes, I int32 lanes, M lane mask.
+// widest policy of the ISA (16 lanes AVX-512, 8 lanes AVX2, Scalar on baseline). Kernels are templates over a policy
+// (F float lanes, I int32 lanes, M lane mask), so the policies share their function names; the codes loads and pow2
+// are the vector policies' only. `FloatVec`, the policy of the float-only decode attention, is Vec, or on the baseline
+// `Vec4`: 4 lanes in plain C++ with just the float ops it needs (one lane would serialise its sums).
 // Conversions are bit-exact with kivi_xpu/ops/reference.py: fp16 and bf16 round to nearest even, fp16 overflows to
 // Inf, NaN becomes sign|0x7E00 (fp16) or 0x7FC0 (bf16); fp16/bf16 -> fp32 is exact.
 
@@ -66,6 +68,27 @@ inline uint16_t float_to_bf16(float f) {
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// exp(x) for x <= 0 or NaN (all a softmax needs) on a vector policy: 0 below -87, NaN passes through. Cephes'
+// polynomial, ~2 ulp; written once over the policy's lane ops (V::pow2 builds 2^n from the exponent bits).
+template <class V>
+inline typename V::F exp_nonpositive(typename V::F x) {
+  using F = typename V::F;
+  const F clamped = V::max(x, V::set1(-87.0f));
+  const F n = V::round_even(V::mul(clamped, V::set1(1.44269504088896341f)));  // x / ln 2
+  F r = V::fma(n, V::set1(-0.693359375f), clamped);  // x - n ln 2, ln 2 split in two for precision
+  r = V::fma(n, V::set1(2.12194440e-4f), r);
+  F y = V::set1(1.9875691500e-4f);
+  y = V::fma(y, r, V::set1(1.3981999507e-3f));
+  y = V::fma(y, r, V::set1(8.3334519073e-3f));
+  y = V::fma(y, r, V::set1(4.1665795894e-2f));
+  y = V::fma(y, r, V::set1(1.6666665459e-1f));
+  y = V::fma(y, r, V::set1(5.0000001201e-1f));
+  y = V::fma(y, V::mul(r, r), V::add(r, V::set1(1.0f)));
+  y = V::mul(y, V::pow2(n));
+  y = V::select(V::lt(x, V::set1(-87.0f)), V::set1(0.0f), y);
+  return V::select(V::eq(x, x), y, x);  // NaN: x
+}
+
 struct Scalar {
   static constexpr int kWidth = 1;
   using F = float;
@@ -87,6 +110,7 @@ struct Scalar {
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }
+  static F fma(F a, F b, F c) { return a * b + c; }  // fused where the TU's fp-contract allows
   static F div(F a, F b) { return a / b; }
   static F min(F a, F b) { return a < b ? a : b; }  // minps semantics
   static F max(F a, F b) { return a > b ? a : b; }
@@ -98,6 +122,7 @@ struct Scalar {
   static bool all(M m) { return m; }
   static F abs(F v) { return __builtin_fabsf(v); }
   static F select(M m, F a, F b) { return m ? a : b; }
+  static F exp(F v) { return __builtin_expf(v); }  // libm: exact enough for any x
   static float reduce_min(F v) { return v; }  // across lanes (order unspecified)
   static float reduce_max(F v) { return v; }
   static float reduce_add(F v) { return v; }
@@ -152,6 +177,7 @@ struct Vec256 {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F min(F a, F b) { return _mm256_min_ps(a, b); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
@@ -163,6 +189,10 @@ struct Vec256 {
   static bool all(M m) { return _mm256_movemask_ps(m) == 0xFF; }
   static F abs(F v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
   static F select(M m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
+  static F exp(F x) { return exp_nonpositive<Vec256>(x); }
+  static F pow2(F n) {  // 2^n for integral n in [-126, 127]
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
   static float reduce_min(F v) {
     __m128 r = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     r = _mm_min_ps(r, _mm_movehl_ps(r, r));
@@ -198,6 +228,26 @@ struct Vec256 {
     const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
                                      : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32((1 << bits) - 1));
+  }
+  template <int BITS>  // load_codes as floats
+  static F load_codes_float(const uint8_t* p) {
+    return to_float(load_codes(p, BITS));
+  }
+  // 2 * kWidth codes into two vectors; 2 bits: one 32-bit word feeds both.
+  template <int BITS>
+  static void load_codes_float2(const uint8_t* p, F& lo, F& hi) {
+    if (BITS != 2) {
+      lo = load_codes_float<BITS>(p);
+      hi = load_codes_float<BITS>(p + kWidth * BITS / 8);
+      return;
+    }
+    int32_t word;
+    __builtin_memcpy(&word, p, 4);
+    const __m256i words = _mm256_set1_epi32(word), three = _mm256_set1_epi32(3);
+    const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shifts), three));
+    hi = _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_add_epi32(shifts, _mm256_set1_epi32(16))), three));
   }
   static void store_u8(uint8_t* p, I v) {
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -240,6 +290,7 @@ struct Vec {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F min(F a, F b) { return _mm512_min_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
@@ -251,6 +302,10 @@ struct Vec {
   static bool all(M m) { return m == 0xFFFF; }
   static F abs(F v) { return _mm512_abs_ps(v); }
   static F select(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
+  static F exp(F x) { return exp_nonpositive<Vec>(x); }
+  static F pow2(F n) {  // 2^n for integral n in [-126, 127]
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
   static float reduce_min(F v) { return _mm512_reduce_min_ps(v); }
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
@@ -282,13 +337,136 @@ struct Vec {
     const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(word), shifts), _mm512_set1_epi32(3));
   }
+  // load_codes as floats: vpermps reads the low 4 bits of each shifted lane, the code (for 2 bits plus the next
+  // code's bits, which the table's repetition ignores), so a table lookup replaces the mask and the conversion.
+  template <int BITS>
+  static F load_codes_float(const uint8_t* p) {
+    if (BITS == 8) return to_float(load_u8(p));
+    __m512i words;
+    if (BITS == 2) {
+      int32_t w;
+      __builtin_memcpy(&w, p, 4);
+      words = _mm512_set1_epi32(w);
+    } else {
+      int64_t w;
+      __builtin_memcpy(&w, p, 8);
+      words = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                       _mm512_castsi128_si512(_mm_cvtsi64_si128(w)));
+    }
+    constexpr int B = BITS;  // lane i shifts by (i * BITS) mod 32 within its word
+    const __m512i shift = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, (8 * B) & 31, (9 * B) & 31,
+                                            (10 * B) & 31, (11 * B) & 31, (12 * B) & 31, (13 * B) & 31, (14 * B) & 31,
+                                            (15 * B) & 31);
+    constexpr int K = (1 << BITS) - 1;  // lane k of the table holds k & K
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4 & K, 5 & K, 6 & K, 7 & K, 8 & K, 9 & K, 10 & K, 11 & K, 12 & K,
+                                        13 & K, 14 & K, 15 & K);
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(words, shift), table);
+  }
+  template <int BITS>
+  static void load_codes_float2(const uint8_t* p, F& lo, F& hi) {  // 2 * kWidth codes
+    lo = load_codes_float<BITS>(p);
+    hi = load_codes_float<BITS>(p + kWidth * BITS / 8);
+  }
   static void store_u8(uint8_t* p, I v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v)); }
 };
 #elif defined(KIVI_SIMD_AVX2)
 using Vec = Vec256;
 #else
 using Vec = Scalar;
+
+// 4 float lanes in plain C++, lane ops Scalar's, left to the compiler's default (SSE2) vectorisation: the baseline's
+// FloatVec. Its exp is libm's, its sums pairwise.
+struct Vec4 {
+  static constexpr int kWidth = 4;
+  struct F {
+    float v[4];
+  };
+
+  static F load(const float* p) { return F{{p[0], p[1], p[2], p[3]}}; }
+  template <class X>
+  static F load(const uint16_t* p, X dtype) {  // F16 or BF16
+    F a;
+    for (int i = 0; i < 4; ++i) a.v[i] = Scalar::load(p + i, dtype);
+    return a;
+  }
+  static void store(float* p, F a) {
+    for (int i = 0; i < 4; ++i) p[i] = a.v[i];
+  }
+  static F set1(float x) { return F{{x, x, x, x}}; }
+  static F add(F a, F b) {
+    for (int i = 0; i < 4; ++i) a.v[i] = Scalar::add(a.v[i], b.v[i]);
+    return a;
+  }
+  static F mul(F a, F b) {
+    for (int i = 0; i < 4; ++i) a.v[i] = Scalar::mul(a.v[i], b.v[i]);
+    return a;
+  }
+  static F fma(F a, F b, F c) {
+    for (int i = 0; i < 4; ++i) c.v[i] = Scalar::fma(a.v[i], b.v[i], c.v[i]);
+    return c;
+  }
+  static F max(F a, F b) {
+    for (int i = 0; i < 4; ++i) a.v[i] = Scalar::max(a.v[i], b.v[i]);
+    return a;
+  }
+  static F exp(F x) {
+    for (int i = 0; i < 4; ++i) x.v[i] = Scalar::exp(x.v[i]);
+    return x;
+  }
+  static float reduce_add(F a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+  static float reduce_max(F a) { return Scalar::max(Scalar::max(a.v[0], a.v[1]), Scalar::max(a.v[2], a.v[3])); }
+  template <int BITS>
+  static F load_codes_float(const uint8_t* p) {  // 4 codes = BITS / 2 bytes
+    uint32_t w = 0;
+    __builtin_memcpy(&w, p, BITS / 2);
+    F a;
+    for (int i = 0; i < 4; ++i) a.v[i] = (float)((w >> (i * BITS)) & ((1u << BITS) - 1u));
+    return a;
+  }
+  template <int BITS>
+  static void load_codes_float2(const uint8_t* p, F& lo, F& hi) {
+    lo = load_codes_float<BITS>(p);
+    hi = load_codes_float<BITS>(p + kWidth * BITS / 8);
+  }
+};
 #endif
+
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+using FloatVec = Vec;
+#else
+using FloatVec = Vec4;
+#endif
+
+// kWidth elements of X's storage type at p as fp32 lanes, and back (F32 has no conversion, so no tag overload).
+template <class V, class X>
+inline typename V::F load_as_float(const typename X::T* p) {
+  if constexpr (sizeof(typename X::T) == 4) {
+    return V::load(p);
+  } else {
+    return V::load(p, X{});
+  }
+}
+template <class V, class X>
+inline void store_from_float(typename X::T* p, typename V::F v) {
+  if constexpr (sizeof(typename X::T) == 4) {
+    V::store(p, v);
+  } else {
+    V::store(p, v, X{});
+  }
+}
+
+// load_as_float for a dtype known only at run time: base[index, index + kWidth).
+template <class V>
+inline typename V::F load_dtype(const void* base, Dtype dtype, int64_t index) {
+  switch (dtype) {
+    case kF32:
+      return load_as_float<V, F32>(static_cast<const float*>(base) + index);
+    case kF16:
+      return load_as_float<V, F16>(static_cast<const uint16_t*>(base) + index);
+    default:
+      return load_as_float<V, BF16>(static_cast<const uint16_t*>(base) + index);
+  }
+}
 
 // Codes <-> packed bytes, little-end first (2-bit byte = q0 | q1<<2 | q2<<4 | q3<<6). `q` holds one code per byte;
 // `n` codes (a multiple of 8 / bits) become n * bits / 8 bytes.
