@@ -1,0 +1,65 @@
+"""``"kivi_paged"``: the attention of continuous batching over KIVI pages.
+
+The model calls ``KiviPagedCache.update`` and then this function with the flat batch ``query [1, Hq, sum(q_len), D]``
+and the kwargs ``update`` filled: one :class:`~kivi_xpu.paged.cache.RequestStep` per request. Each request is
+computed as its own :class:`~kivi_xpu.KiviCache` would: a request's first forward (prefill) by transformers' SDPA
+over its exact tokens, causal; every later one (decode rows, later prefill chunks) by the backend's
+``decode_attention`` op over its sinks, packed pages and exact tail, causal within the chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..ops import kernel
+from ..ops.checks import decode_args
+from .cache import STEP_KEY
+
+ATTENTION_NAME = "kivi_paged"
+
+
+def _chunk_mask(past: int, length: int, device) -> torch.Tensor | None:
+    """Causal bool mask ``[1, 1, length, past + length]`` of a chunk of ``length`` queries after ``past`` tokens
+    (``None`` for one query: it sees everything)."""
+    if length == 1:
+        return None
+    rows = torch.arange(length, device=device).unsqueeze(1) + past
+    return (torch.arange(past + length, device=device).unsqueeze(0) <= rows)[None, None]
+
+
+def kivi_paged_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                                 scaling: float | None = None, **kwargs):  # fmt: skip
+    """transformers attention interface over the steps of ``kwargs["kivi_paged_step"]``: ``query [1, Hq, M, D]``
+    -> ``([1, M, Hq, Dv], None)``."""
+    step_of_layer = kwargs.get(STEP_KEY)
+    if step_of_layer is None:
+        raise RuntimeError(
+            "attn_implementation 'kivi_paged' runs only under continuous batching with KIVI pages "
+            "(kivi_xpu.paged.init_continuous_batching); use 'kivi' or 'sdpa' with model.generate"
+        )
+    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+        raise ValueError("KIVI pages do not support logit soft-capping or sliding-window layers")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    op = kernel("decode_attention", step_of_layer.backend)
+    out = torch.empty(1, query.shape[2], query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+    for step in step_of_layer.requests:
+        rows = query[:, :, step.q_start : step.q_start + step.q_len]
+        if step.prefill:
+            result, _ = sdpa_attention_forward(
+                module, rows, step.keys.tail, step.values.tail, None, scaling=scaling, is_causal=True
+            )
+        else:
+            past = step.keys.sinks.shape[2] + step.keys.count + step.keys.tail.shape[2] - step.q_len
+            mask = _chunk_mask(past, step.q_len, query.device)
+            result = op(rows, *decode_args(step.keys, step.values, mask, scaling, 0.0)).transpose(1, 2)
+        out[:, step.q_start : step.q_start + step.q_len] = result
+    return out, None
+
+
+def register() -> None:
+    """Registers ``"kivi_paged"`` with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, kivi_paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

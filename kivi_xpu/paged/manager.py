@@ -1,0 +1,148 @@
+"""Continuous batching with KIVI pages: transformers' manager with :class:`~kivi_xpu.paged.cache.KiviPagedCache`.
+
+transformers builds its ``PagedAttentionCache`` inside ``ContinuousBatchingManager._create_batch_processor`` and
+accepts only SDPA, eager and flash attentions; it offers no hook for either. :class:`KiviBatchingManager` is the
+narrowest change: the same manager, whose batch processor gets a ``KiviPagedCache`` and whose model runs the
+``"kivi_paged"`` attention. Everything else (scheduler, request lifecycle, chunked prefill, streaming, cancellation)
+is transformers'. These are private parts of transformers, so the versions they were written against are pinned
+(:data:`SUPPORTED_TRANSFORMERS`) and any other is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import transformers
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import continuous_api
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+from ..algorithm import KiviSettings
+from ..backend import select
+from .attention import ATTENTION_NAME, register
+from .cache import KiviPagedCache
+
+# transformers minor versions whose continuous-batching internals this module was written and tested against.
+SUPPORTED_TRANSFORMERS = ("5.24",)
+_CACHE_CLASS_LOCK = threading.Lock()
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Raises if the installed transformers (or ``version``) is not one :data:`SUPPORTED_TRANSFORMERS` names."""
+    version = transformers.__version__ if version is None else version
+    if ".".join(version.split(".")[:2]) not in SUPPORTED_TRANSFORMERS:
+        raise RuntimeError(
+            f"continuous batching with KIVI pages supports transformers {', '.join(SUPPORTED_TRANSFORMERS)}.x, "
+            f"found {version}: it replaces private parts of transformers' continuous batching, which change between "
+            f"versions. Install transformers=={SUPPORTED_TRANSFORMERS[-1]}.* or use KiviCache with model.generate"
+        )
+
+
+class KiviBatchingManager(ContinuousBatchingManager):
+    """transformers' ``ContinuousBatchingManager`` over KIVI pages (see the module docstring). Build it with
+    :func:`init_continuous_batching`."""
+
+    def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None, *, cache_options):
+        self._cache_options = cache_options
+        continuous_batching_config.allow_block_sharing = False  # packed pages are not shareable prefixes
+        super().__init__(model, generation_config, continuous_batching_config, workload_hints)
+
+    def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+        """The model runs the ``"kivi_paged"`` attention while the manager runs (restored by ``stop``)."""
+        register()
+        current = model.config._attn_implementation
+        if current != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+            self._original_attn_impl = current
+
+    def _create_batch_processor(self):
+        # transformers constructs `PagedAttentionCache` by its module-global name: substitute ours for this call.
+        with _CACHE_CLASS_LOCK:
+            original = continuous_api.PagedAttentionCache
+            continuous_api.PagedAttentionCache = functools.partial(KiviPagedCache, **self._cache_options)
+            try:
+                return super()._create_batch_processor()
+            finally:
+                continuous_api.PagedAttentionCache = original
+
+    @property
+    def cache(self) -> KiviPagedCache | None:
+        """The running cache (``None`` before the first start)."""
+        processor = self.batch_processor
+        return None if processor is None else processor.cache
+
+
+def init_continuous_batching(
+    model,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    *,
+    kv_memory: int,
+    max_requests: int | None = None,
+    backend: str | None = None,
+    **kivi_settings,
+) -> KiviBatchingManager:
+    """A continuous-batching manager for ``model`` whose KV cache is KIVI pages (``model.init_continuous_batching``
+    with the cache replaced). Then ``manager.start()``, ``add_request``, ``request_id_iter``, ``cancel_request``,
+    ``stop()`` as in transformers.
+
+    Args:
+        kv_memory: bytes of KV storage (pages and the requests' exact windows); more requests wait in the queue.
+        max_requests: the most requests in flight (each holds an exact window); default: as many as a quarter of
+            ``kv_memory`` holds.
+        backend: the kernels (``native``, ``sycl``, ``reference``; default as :class:`~kivi_xpu.KiviCache`).
+        **kivi_settings: :class:`~kivi_xpu.KiviSettings` fields (``bits``, ``group_size``, ``residual_length``,
+            ``sink_tokens``, ``rotation``, ``preset``, ...), as for :class:`~kivi_xpu.KiviCache`.
+    """
+    check_transformers_version()
+    if not isinstance(kv_memory, int) or isinstance(kv_memory, bool) or kv_memory <= 0:
+        raise ValueError(f"`kv_memory` must be a positive number of bytes, got {kv_memory!r}")
+    if max_requests is not None and (not isinstance(max_requests, int) or max_requests < 1):
+        raise ValueError(f"`max_requests` must be None or a positive integer, got {max_requests!r}")
+    settings = KiviSettings(**kivi_settings).for_model_dtype(model.dtype)
+    selection = select(backend, None)
+    generation_config = model.generation_config if generation_config is None else generation_config
+    if generation_config.eos_token_id is None:
+        generation_config.eos_token_id = -1
+    if getattr(generation_config, "num_return_sequences", None) not in (None, 1):
+        raise ValueError("KIVI pages serve one sequence per request: `num_return_sequences` must be 1")
+    options = dict(kv_memory=kv_memory, settings=settings, backend=selection.name, max_requests=max_requests)
+    return KiviBatchingManager(
+        model, generation_config, continuous_batching_config or ContinuousBatchingConfig(), cache_options=options
+    )
+
+
+def generate_batch(
+    model,
+    inputs: list[list[int]],
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    *,
+    kv_memory: int,
+    max_requests: int | None = None,
+    backend: str | None = None,
+    progress_bar: bool = False,
+    **kwargs,
+) -> dict:
+    """``model.generate_batch`` (transformers' continuous batching of ``inputs``, lists of token ids) on KIVI pages:
+    returns ``{request_id: GenerationOutput}`` in input order. ``kwargs``: ``max_new_tokens`` and the
+    :class:`~kivi_xpu.KiviSettings` fields; the other arguments as :func:`init_continuous_batching`."""
+    max_new_tokens = kwargs.pop("max_new_tokens", None)
+    manager = init_continuous_batching(
+        model, generation_config, continuous_batching_config, kv_memory=kv_memory, max_requests=max_requests,
+        backend=backend, **kwargs,
+    )  # fmt: skip
+    previous = model.__dict__.get("_cached_continuous_batching_manager")
+    model._cached_continuous_batching_manager = manager  # transformers' entry points use a cached manager
+    try:
+        return model.generate_batch(
+            inputs, generation_config=manager.generation_config, max_new_tokens=max_new_tokens,
+            progress_bar=progress_bar, warmup=False,
+        )  # fmt: skip
+    finally:
+        if previous is None:
+            model.__dict__.pop("_cached_continuous_batching_manager", None)
+        else:
+            model._cached_continuous_batching_manager = previous

@@ -1,0 +1,155 @@
+"""The 2-bit pages of continuous batching: their byte layout and the allocator that hands them out.
+
+A **page** holds ``T = key_group_size`` consecutive packed tokens of one request in one layer, keys and values, in
+the layouts of :mod:`kivi_xpu.ops` with the page as the batch axis (``H`` kv heads, ``D`` head_dim, ``P`` codes per
+byte, ``Gv`` the value group size)::
+
+    key codes    uint8 [H, D, T/P]   key scales, zeros   meta [H, D, 1]      (one key group per page)
+    value codes  uint8 [H, T, D/P]   value scales, zeros meta [H, T, D/Gv]
+
+A **block** is one page per layer: transformers' unit of allocation (``block_table[request] = [block, ...]``), so
+its scheduler, pool, free counts and byte-sized sectors run unchanged on pages 9-10x smaller than its fp32 ones.
+Block ``b`` of a request holds its packed tokens ``[S + b*T, S + (b+1)*T)`` (``S`` sink tokens): a request of ``n``
+tokens owns ``ceil(n / T)`` blocks, more than it ever packs (the sinks and the newest tokens stay exact, in its
+:class:`~kivi_xpu.paged.windows.WindowSlots` slot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+
+from ..algorithm import KiviSettings
+from ..ops.checks import codes_per_byte
+
+_ALIGN = 64  # bytes: every section of a page starts on a cache line
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Byte layout of one layer's page (see the module docstring)."""
+
+    heads: int
+    head_dim: int
+    tokens: int  # T, the key group size
+    key_bits: int
+    value_bits: int
+    value_group: int
+    meta_dtype: torch.dtype
+
+    @classmethod
+    def for_settings(cls, settings: KiviSettings, heads: int, head_dim: int) -> PageLayout:
+        return cls(
+            heads,
+            head_dim,
+            settings.key_group_size,
+            settings.key_bits,
+            settings.value_bits,
+            settings.value_group_size,
+            settings.meta_dtype,
+        )
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Each section's per-page shape and dtype, in page order."""
+        h, d, t, meta = self.heads, self.head_dim, self.tokens, self.meta_dtype
+        return {
+            "key_codes": ((h, d, t // codes_per_byte(self.key_bits)), torch.uint8),
+            "key_scales": ((h, d, 1), meta),
+            "key_zeros": ((h, d, 1), meta),
+            "value_codes": ((h, t, d // codes_per_byte(self.value_bits)), torch.uint8),
+            "value_scales": ((h, t, d // self.value_group), meta),
+            "value_zeros": ((h, t, d // self.value_group), meta),
+        }
+
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of each section in the page."""
+        offsets, at = {}, 0
+        for name, (shape, dtype) in self.shapes().items():
+            offsets[name] = at
+            at += _aligned(torch.Size(shape).numel() * dtype.itemsize)
+        return offsets
+
+    @property
+    def page_bytes(self) -> int:
+        shape, dtype = self.shapes()["value_zeros"]
+        return self.offsets()["value_zeros"] + _aligned(torch.Size(shape).numel() * dtype.itemsize)
+
+
+class LayerPages:
+    """One layer's pages as six tensors whose first axis is the block id, views into the cache's flat byte tensor
+    (``key_codes [num_blocks, H, D, T/P]`` etc., see :class:`PageLayout`)."""
+
+    def __init__(self, blocks: torch.Tensor, layout: PageLayout, page_start: int):
+        """``blocks``: uint8 ``[num_blocks, bytes_per_block]``; this layer's page starts at byte ``page_start``."""
+        for name, offset in layout.offsets().items():
+            shape, dtype = layout.shapes()[name]
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            section = blocks[:, page_start + offset : page_start + offset + nbytes]
+            setattr(self, name, section.view(dtype).view(blocks.shape[0], *shape))
+
+    def keys(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed keys of ``pages`` (int64 block ids, in token order) as one history: codes
+        ``[1, H, D, n*T/P]``, scales and zeros ``[1, H, D, n]`` (copies)."""
+        return tuple(_tokens_last(x.index_select(0, pages)) for x in (self.key_codes, self.key_scales, self.key_zeros))
+
+    def values(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed values of ``pages`` as one history: codes ``[1, H, n*T, D/P]``, scales and zeros
+        ``[1, H, n*T, D/Gv]`` (copies)."""
+        parts = (self.value_codes, self.value_scales, self.value_zeros)
+        return tuple(x.index_select(0, pages).transpose(0, 1).flatten(1, 2).unsqueeze(0).contiguous() for x in parts)
+
+    def store_keys(self, pages: torch.Tensor, codes, scales, zeros) -> None:
+        """Writes packed keys of ``len(pages)`` whole pages (codes ``[1, H, D, n*T/P]``, metadata ``[1, H, D, n]``)."""
+        n = pages.numel()
+        for pool, part in ((self.key_codes, codes), (self.key_scales, scales), (self.key_zeros, zeros)):
+            h, d, width = part.shape[1], part.shape[2], part.shape[3] // n
+            pool.index_copy_(0, pages, part[0].view(h, d, n, width).permute(2, 0, 1, 3))
+
+
+def _tokens_last(x: torch.Tensor) -> torch.Tensor:
+    """``[n, H, D, w]`` pages -> ``[1, H, D, n*w]``: the key layout of one history, tokens along the last axis."""
+    n, h, d, w = x.shape
+    return x.permute(1, 2, 0, 3).reshape(1, h, d, n * w).contiguous()
+
+
+class KiviPageAllocator(FullAttentionCacheAllocator):
+    """transformers' full-attention allocator (block tables, pool, read/write indices unchanged) over 2-bit pages:
+    ``bytes_per_page`` is a :class:`PageLayout`'s, and the layers' pages are :class:`LayerPages` views. The pages are
+    written and read by :class:`~kivi_xpu.paged.cache.KiviPagedCache`, never through this class's ``update``."""
+
+    supports_block_sharing = False  # a packed page depends on when it was packed: no prefix sharing
+    supports_block_table = False  # no flash block-table path: every step goes through the cache's update
+
+    def __init__(self, index: int, layout: PageLayout, layer_indices: list[int]):
+        self.head_dim, self.num_key_value_heads, self.layout = layout.head_dim, layout.heads, layout
+        self.cache_dtype = torch.uint8
+        self._before_cache_tensor_init(
+            index=index,
+            layer_indices=layer_indices,
+            tokens_per_page=layout.tokens,
+            bytes_per_page=layout.page_bytes,
+            allow_block_sharing=False,
+        )
+
+    def register_cache_tensor(self, bytes_per_sector: int, non_trash_bytes: int, cache_tensor, pool) -> None:
+        total_bytes = non_trash_bytes + 2 * bytes_per_sector
+        blocks = cache_tensor[: total_bytes // self.bytes_per_block * self.bytes_per_block]
+        blocks = blocks.view(-1, self.bytes_per_block)
+        self._copy_view = blocks
+        self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
+        self.pages = {
+            layer: LayerPages(blocks, self.layout, i * self.bytes_per_page)
+            for i, layer in enumerate(self.layer_indices)
+        }
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("KiviPageAllocator pages are written by KiviPagedCache.update, not by the allocator")
+
+    def get_cache_for_block_table(self, layer_idx: int):
+        raise RuntimeError("KIVI pages have no flash block-table view: the decode fast path must stay off")
