@@ -57,6 +57,41 @@ class _Request(NamedTuple):
     blocks: torch.Tensor  # int64 block ids of pages 0, 1, ... (ceil((past + q_len) / T) of them)
 
 
+class PageBudget(NamedTuple):
+    """How a byte budget splits into exact slots and 2-bit pages (whole sectors, two of them trash)."""
+
+    layout: PageLayout
+    max_requests: int
+    bytes_per_sector: int
+    num_sectors: int
+    num_layers: int
+
+    @classmethod
+    def plan(cls, config, settings: KiviSettings, dtype, kv_memory: int, max_requests: int | None) -> PageBudget:
+        heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
+        settings.check_head_dim(head_dim)
+        num_layers = len(group_layers_by_attn_type(config).get(FULL_ATTENTION, []))
+        layout = PageLayout.for_settings(settings, heads, head_dim)
+        bytes_per_sector = lcm(layout.page_bytes * num_layers, 128)
+        slot_bytes = WindowSlots.bytes_per_slot(settings, num_layers, heads, head_dim, dtype)
+        if max_requests is None:
+            max_requests = max(1, min(256, kv_memory // 4 // slot_bytes))
+        num_sectors = (kv_memory - max_requests * slot_bytes) // bytes_per_sector - 2
+        if num_sectors < 1:
+            raise ValueError(
+                f"`kv_memory` ({kv_memory / 2**20:.1f} MiB) is too small: {max_requests} request slot(s) take "
+                f"{max_requests * slot_bytes / 2**20:.1f} MiB and the pages need at least "
+                f"{3 * bytes_per_sector / 2**20:.1f} MiB more; raise it or lower `max_requests`"
+            )
+        return cls(layout, max_requests, bytes_per_sector, num_sectors, num_layers)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request the pages can hold: every block (``T`` tokens) of every sector given to it."""
+        blocks_per_sector = self.bytes_per_sector // (self.layout.page_bytes * self.num_layers)
+        return self.num_sectors * blocks_per_sector * self.layout.tokens
+
+
 class KiviPagedCache(PagedAttentionCache):
     """Paged KIVI cache for transformers' continuous batching (see the module docstring).
 
@@ -80,28 +115,17 @@ class KiviPagedCache(PagedAttentionCache):
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.settings, self.backend = settings, backend
         heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
-        settings.check_head_dim(head_dim)
         if continuous_batching_config.page_size != settings.key_group_size:
             continuous_batching_config.page_size = settings.key_group_size
         self.max_blocks_per_request = 0  # no flash block-table fast path
         layers = groups[FULL_ATTENTION]
-        layout = PageLayout.for_settings(settings, heads, head_dim)
-        allocator = KiviPageAllocator(0, layout, layers)
+        budget = PageBudget.plan(config, settings, dtype, kv_memory, max_requests)
+        allocator = KiviPageAllocator(0, budget.layout, layers)
         self.cache_allocators = {FULL_ATTENTION: allocator}
         self.layer_to_allocator = dict.fromkeys(layers, allocator)
-        self.bytes_per_sector = lcm(allocator.bytes_per_block, 128)
+        self.bytes_per_sector, num_sectors = budget.bytes_per_sector, budget.num_sectors
         self.tokens_per_sector = self.bytes_per_sector // allocator.bytes_per_block * allocator.tokens_per_page
-
-        slot_bytes = WindowSlots.bytes_per_slot(settings, len(layers), heads, head_dim, dtype)
-        if max_requests is None:
-            max_requests = max(1, min(256, kv_memory // 4 // slot_bytes))
-        num_sectors = (kv_memory - max_requests * slot_bytes) // self.bytes_per_sector - 2  # 2 trash sectors
-        if num_sectors < 1:
-            raise ValueError(
-                f"`kv_memory` ({kv_memory / 2**20:.1f} MiB) is too small: {max_requests} request slot(s) take "
-                f"{max_requests * slot_bytes / 2**20:.1f} MiB and the pages need at least "
-                f"{3 * self.bytes_per_sector / 2**20:.1f} MiB more; raise it or lower `max_requests`"
-            )
+        max_requests = budget.max_requests
         self.max_batch_tokens = continuous_batching_config.max_batch_tokens or 1024
         self.num_sectors = num_sectors
         self.cache_tensor = torch.zeros((num_sectors + 2) * self.bytes_per_sector, dtype=torch.uint8, device=device)

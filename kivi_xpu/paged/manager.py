@@ -22,7 +22,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from ..algorithm import KiviSettings
 from ..backend import select
 from .attention import ATTENTION_NAME, register
-from .cache import KiviPagedCache
+from .cache import KiviPagedCache, PageBudget
 
 # transformers minor versions whose continuous-batching internals this module was written and tested against.
 SUPPORTED_TRANSFORMERS = ("5.24",)
@@ -46,6 +46,9 @@ class KiviBatchingManager(ContinuousBatchingManager):
 
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None, *, cache_options):
         self._cache_options = cache_options
+        # Sized now, so that a bad budget fails here rather than in the generation thread.
+        options = {k: cache_options[k] for k in ("settings", "kv_memory", "max_requests")}
+        self.budget = PageBudget.plan(model.config.get_text_config(), dtype=model.dtype, **options)
         continuous_batching_config.allow_block_sharing = False  # packed pages are not shareable prefixes
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
 
@@ -66,6 +69,19 @@ class KiviBatchingManager(ContinuousBatchingManager):
                 return super()._create_batch_processor()
             finally:
                 continuous_api.PagedAttentionCache = original
+
+    def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                    **kwargs) -> str | None:  # fmt: skip
+        """transformers' ``add_request``; a request the whole budget cannot hold is refused at once (``ValueError``)
+        instead of waiting forever."""
+        new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        total, limit = len(input_ids) + (new or 0), self.budget.max_request_tokens
+        if total > limit:
+            raise ValueError(
+                f"request of {len(input_ids)} prompt + {new} new tokens exceeds the {limit} tokens that the whole "
+                f"`kv_memory` budget of KIVI pages holds: raise `kv_memory` or shorten the request"
+            )
+        return super().add_request(input_ids, request_id, max_new_tokens, **kwargs)
 
     @property
     def cache(self) -> KiviPagedCache | None:
