@@ -207,12 +207,30 @@ def test_server_models_use_kivi(model_dir):
         manager.shutdown()
 
 
-def test_continuous_batching_is_refused(model_dir, capsys):
-    assert main(["serve", "--continuous-batching", str(model_dir)]) == 2
-    err = capsys.readouterr().err
-    assert "--continuous-batching is not supported" in err
-    assert "sequential generation with the KIVI cache" in err
-    assert "transformers serve --continuous-batching" in err
+@pytest.fixture(scope="module")
+def batching_server(model_dir):
+    """(base URL, Server) of `kivi-xpu serve --continuous-batching` on KIVI pages (16 MiB, 8 requests in flight)."""
+    server = Server(["--device", "cpu", "--dtype", "float32", *KIVI_FLAGS, "--continuous-batching",
+                     "--kv-memory", "16", "--max-requests", "8"])  # fmt: skip
+    try:
+        url = server.wait_started(STARTUP_SECONDS)
+        yield url, server
+    finally:
+        server.stop()
+
+
+def test_continuous_batching_on_kivi_pages_answers_as_direct_generate_under_load(batching_server, model_dir, expected):
+    """64 concurrent requests (every other one streaming) through the official client on the continuous-batching
+    server: none lost or truncated (8 in flight, the rest queued), and each answer equals `generate` with the same
+    KiviCache settings."""
+    url, process = batching_server
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    try:
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            answers = list(pool.map(lambda i: chat(url, model_dir, prompts[i], stream=i % 2 == 1), range(64)))
+        assert answers == [expected[p] for p in prompts]
+    except AssertionError as err:
+        raise AssertionError(f"{err}\nserver log:\n{process.log()}") from None
 
 
 def test_compile_is_refused(model_dir, capsys):

@@ -2,6 +2,7 @@
 
 * :func:`generate_batch` — ``model.generate_batch`` with KIVI pages, in one call;
 * :func:`init_continuous_batching` — the manager for a server (``start``, ``add_request``, ``request_id_iter``, ...);
+* :func:`install` — ``model.init_continuous_batching`` (``transformers serve --continuous-batching``) on KIVI pages;
 * :class:`KiviPagedCache` — the cache (:mod:`.cache`): 2-bit pages (:mod:`.pages`) and exact slots (:mod:`.windows`);
 * ``"kivi_paged"`` — the attention that reads them (:mod:`.attention`).
 """
@@ -13,6 +14,7 @@ from .manager import (
     check_transformers_version,
     generate_batch,
     init_continuous_batching,
+    install,
 )
 
 __all__ = [
@@ -22,4 +24,5 @@ __all__ = [
     "check_transformers_version",
     "generate_batch",
     "init_continuous_batching",
+    "install",
 ]

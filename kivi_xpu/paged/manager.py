@@ -90,6 +90,18 @@ class KiviBatchingManager(ContinuousBatchingManager):
         return None if processor is None else processor.cache
 
 
+def _cache_options(model, kv_memory, max_requests, backend, kivi_settings: dict) -> dict:
+    """The checked keyword arguments of :class:`~kivi_xpu.paged.cache.KiviPagedCache` for ``model``."""
+    check_transformers_version()
+    if not isinstance(kv_memory, int) or isinstance(kv_memory, bool) or kv_memory <= 0:
+        raise ValueError(f"`kv_memory` must be a positive number of bytes, got {kv_memory!r}")
+    if max_requests is not None and (not isinstance(max_requests, int) or max_requests < 1):
+        raise ValueError(f"`max_requests` must be None or a positive integer, got {max_requests!r}")
+    settings = KiviSettings(**kivi_settings).for_model_dtype(model.dtype)
+    PageBudget.plan(model.config.get_text_config(), settings, model.dtype, kv_memory, max_requests)
+    return dict(kv_memory=kv_memory, settings=settings, backend=select(backend, None).name, max_requests=max_requests)
+
+
 def init_continuous_batching(
     model,
     generation_config: GenerationConfig | None = None,
@@ -112,22 +124,30 @@ def init_continuous_batching(
         **kivi_settings: :class:`~kivi_xpu.KiviSettings` fields (``bits``, ``group_size``, ``residual_length``,
             ``sink_tokens``, ``rotation``, ``preset``, ...), as for :class:`~kivi_xpu.KiviCache`.
     """
-    check_transformers_version()
-    if not isinstance(kv_memory, int) or isinstance(kv_memory, bool) or kv_memory <= 0:
-        raise ValueError(f"`kv_memory` must be a positive number of bytes, got {kv_memory!r}")
-    if max_requests is not None and (not isinstance(max_requests, int) or max_requests < 1):
-        raise ValueError(f"`max_requests` must be None or a positive integer, got {max_requests!r}")
-    settings = KiviSettings(**kivi_settings).for_model_dtype(model.dtype)
-    selection = select(backend, None)
     generation_config = model.generation_config if generation_config is None else generation_config
     if generation_config.eos_token_id is None:
         generation_config.eos_token_id = -1
     if getattr(generation_config, "num_return_sequences", None) not in (None, 1):
         raise ValueError("KIVI pages serve one sequence per request: `num_return_sequences` must be 1")
-    options = dict(kv_memory=kv_memory, settings=settings, backend=selection.name, max_requests=max_requests)
+    options = _cache_options(model, kv_memory, max_requests, backend, kivi_settings)
     return KiviBatchingManager(
         model, generation_config, continuous_batching_config or ContinuousBatchingConfig(), cache_options=options
     )
+
+
+def install(model, *, kv_memory: int, max_requests: int | None = None, backend: str | None = None, **kivi_settings):
+    """Makes ``model.init_continuous_batching`` (what ``transformers serve --continuous-batching`` and other callers of
+    transformers' API use) return a manager on KIVI pages with these options (see :func:`init_continuous_batching`).
+    The options are checked now."""
+    _cache_options(model, kv_memory, max_requests, backend, kivi_settings)  # bad options fail here, not per request
+
+    def init_on_pages(generation_config=None, continuous_batching_config=None, workload_hints=None):
+        return init_continuous_batching(
+            model, generation_config, continuous_batching_config, kv_memory=kv_memory, max_requests=max_requests,
+            backend=backend, **kivi_settings,
+        )  # fmt: skip
+
+    model.init_continuous_batching = init_on_pages
 
 
 def generate_batch(

@@ -22,12 +22,12 @@ Attention: without ``--attn-implementation`` the models are loaded with ``attn_i
 attention reading the packed history in place, kivi-xpu's fast path; prefill runs SDPA); ``--attn-implementation
 sdpa`` (or ``eager``, ...) gives the dense path (the history dequantized for the attention).
 
-Generation is sequential (one ``generate`` at a time per model, requests queued), as ``transformers serve`` without
-``--continuous-batching``. Continuous batching is refused (:data:`CONTINUOUS_BATCHING_ERROR`): transformers' batching
-manager keeps its own paged full-precision cache (``PagedAttentionCache``: the new tokens of all running requests
-packed along one token axis, pages of raw keys/values read by paged attention kernels) and turns the model's cache
-off (``use_cache=False``), so no ``Cache`` object, hence no ``KiviCache``, takes part. ``--compile`` is refused too
-(:data:`COMPILE_ERROR`): there it only selects a ``StaticCache`` for requests.
+Without ``--continuous-batching`` generation is sequential (one ``generate`` at a time per model, requests queued),
+as in ``transformers serve``. With it, transformers' continuous batching runs on KIVI pages (:mod:`kivi_xpu.paged`):
+each loaded model's ``init_continuous_batching`` is replaced (:func:`kivi_xpu.paged.install`) so that the server's
+batching manager stores 2-bit pages within ``--kv-memory`` MiB (``--max-requests`` exact windows at most); requests
+beyond it wait in transformers' queue. ``--compile`` is refused (:data:`COMPILE_ERROR`): there it only selects a
+``StaticCache`` for requests.
 """
 
 from __future__ import annotations
@@ -45,12 +45,7 @@ from .options import ToolError
 
 EXTRA_INSTALL = 'pip install "kivi-xpu[serve]"  (or: pip install "transformers[serving]")'
 
-CONTINUOUS_BATCHING_ERROR = (
-    "--continuous-batching is not supported by kivi-xpu serve: transformers' continuous batching keeps its own paged "
-    "full-precision KV cache and turns the model's cache off, so the KIVI cache cannot take part. kivi-xpu serve runs "
-    "sequential generation with the KIVI cache (leave out --continuous-batching); for continuous batching with the "
-    "full-precision paged cache, run `transformers serve --continuous-batching`."
-)
+DEFAULT_KV_MEMORY_MIB = 1024  # --kv-memory of --continuous-batching
 
 COMPILE_ERROR = (
     "--compile is not supported by kivi-xpu serve: in transformers serve it only switches requests to a StaticCache "
@@ -82,6 +77,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="KIVI bit width of keys and values: 2, 4 or 8 (default: KiviCache's, 2)",
     )
     add_kivi_arguments(p, device_flag="--kivi-device", own_flags=SERVE_OWN_FLAGS, defaults=False)
+    p.add_argument(
+        "--kv-memory",
+        type=positive_int,
+        default=DEFAULT_KV_MEMORY_MIB,
+        metavar="MIB",
+        help="with --continuous-batching: MiB of KV storage (2-bit pages and exact windows) per loaded model; "
+        f"requests beyond it wait (default: {DEFAULT_KV_MEMORY_MIB})",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=positive_int,
+        default=None,
+        help="with --continuous-batching: the most requests in flight (default: as many exact windows as a quarter "
+        "of --kv-memory holds)",
+    )
+
+
+def paged_options(options: argparse.Namespace, config: dict) -> dict:
+    """``kivi_xpu.paged.install`` keyword arguments of the parsed options: the budget and the KIVI settings of
+    ``config`` (the cache options that are not settings are for the sequential path)."""
+    kwargs = cache_kwargs(config)
+    if kwargs.pop("layer_overrides", None) is not None:
+        raise ToolError("--continuous-batching does not support per-layer overrides (layer_overrides)")
+    kwargs.pop("device", None)
+    kwargs.pop("attention", None)
+    return dict(kwargs, kv_memory=options.kv_memory * 2**20, max_requests=options.max_requests)
 
 
 def cache_config(options: argparse.Namespace) -> dict:
@@ -106,9 +127,10 @@ def use_kivi_cache(model, config: dict) -> None:
     model.generation_config.cache_config = dict(config)
 
 
-def kivi_model_manager(base: type, config: dict) -> type:
+def kivi_model_manager(base: type, config: dict, paged: dict | None = None) -> type:
     """A subclass of transformers' serving ``ModelManager`` (``base``) whose every loaded model generates with the
-    KIVI cache (:func:`use_kivi_cache`), and which accepts ``attn_implementation="kivi"``."""
+    KIVI cache (:func:`use_kivi_cache`), and which accepts ``attn_implementation="kivi"``; with ``paged``
+    (:func:`paged_options`), its continuous batching runs on KIVI pages."""
 
     class KiviModelManager(base):
         """transformers' ModelManager; each model it loads (again after an idle unload too) gets the KIVI cache."""
@@ -127,18 +149,22 @@ def kivi_model_manager(base: type, config: dict) -> type:
         def _load_model(self, *args, **kwargs):
             model = super()._load_model(*args, **kwargs)
             use_kivi_cache(model, config)
+            if paged is not None:
+                from ..paged import install
+
+                install(model, **paged)
             return model
 
     return KiviModelManager
 
 
 @contextlib.contextmanager
-def _kivi_model_manager_installed(config: dict):
+def _kivi_model_manager_installed(config: dict, paged: dict | None):
     """transformers' serving ``ModelManager`` replaced by :func:`kivi_model_manager`'s while the server runs."""
     from transformers.cli.serving import model_manager
 
     original = model_manager.ModelManager
-    model_manager.ModelManager = kivi_model_manager(original, config)
+    model_manager.ModelManager = kivi_model_manager(original, config, paged)
     try:
         yield
     finally:
@@ -155,9 +181,10 @@ def _check_serving_dependencies() -> None:
         )
 
 
-def _transformers_serve_command(config: dict):
-    """transformers' ``serve`` click command, its callback wrapped: --continuous-batching and --compile refused, the
-    attention defaulting to "kivi", and the KIVI model manager installed around ``Serve`` (which runs the server)."""
+def _transformers_serve_command(config: dict, paged: dict):
+    """transformers' ``serve`` click command, its callback wrapped: --compile refused, the attention defaulting to
+    "kivi", and the KIVI model manager (with ``paged``, the :func:`paged_options`, under --continuous-batching)
+    installed around ``Serve`` (which runs the server)."""
     import typer
     from transformers.cli.serve import Serve
 
@@ -167,13 +194,19 @@ def _transformers_serve_command(config: dict):
     serve = command.callback
 
     def callback(**params):
-        if params.get("continuous_batching"):
-            raise ToolError(CONTINUOUS_BATCHING_ERROR)
         if params.get("compile"):
             raise ToolError(COMPILE_ERROR)
+        batching = bool(params.get("continuous_batching"))
+        if batching:
+            from ..paged import check_transformers_version
+
+            try:
+                check_transformers_version()
+            except RuntimeError as err:
+                raise ToolError(str(err)) from None
         if params.get("attn_implementation") is None:
             params["attn_implementation"] = ATTENTION_NAME
-        with _kivi_model_manager_installed(config):
+        with _kivi_model_manager_installed(config, paged if batching else None):
             return serve(**params)
 
     command.callback = callback
@@ -185,7 +218,8 @@ def parser() -> argparse.ArgumentParser:
         prog="kivi-xpu serve",
         description="transformers serve with the KIVI cache. The KIVI cache options are these; the other options, "
         "below, are transformers serve's. Without --attn-implementation, models are loaded with the fused "
-        "attention (attn_implementation=kivi); --continuous-batching and --compile are not supported.",
+        "attention (attn_implementation=kivi); with --continuous-batching, transformers' continuous batching runs on "
+        "KIVI pages within --kv-memory MiB; --compile is not supported.",
         add_help=False,
         allow_abbrev=False,  # an abbreviation must not capture one of transformers' options
     )
@@ -195,7 +229,7 @@ def parser() -> argparse.ArgumentParser:
 
 def serve(argv: list[str]) -> int:
     """``kivi-xpu serve ARGV``: runs the server until it is stopped (SIGINT/SIGTERM); returns the exit code.
-    :class:`ToolError` for a missing serving dependency, bad KIVI options or --continuous-batching."""
+    :class:`ToolError` for a missing serving dependency, bad KIVI options or --compile."""
     kivi_parser = parser()
     try:
         options, rest = kivi_parser.parse_known_args(argv)
@@ -207,8 +241,9 @@ def serve(argv: list[str]) -> int:
         rest = ["--help" if arg == "-h" else arg for arg in rest]
     _check_serving_dependencies()
     config = cache_config(options)
+    paged = paged_options(options, config)
     try:
-        _transformers_serve_command(config).main(args=rest, prog_name="kivi-xpu serve")
+        _transformers_serve_command(config, paged).main(args=rest, prog_name="kivi-xpu serve")
     except SystemExit as done:  # click ends with sys.exit; a usage error has printed its message
         return done.code if isinstance(done.code, int) else 0
     return 0
