@@ -1,9 +1,17 @@
 """Load generator for the OpenAI-compatible servers: the same N chat requests against `kivi-xpu serve` (sequential
-generation with the KIVI cache), `transformers serve` (sequential, DynamicCache) and `transformers serve
---continuous-batching` (its paged full-precision cache), one server at a time.
+generation with the KIVI cache), `transformers serve` (sequential, DynamicCache), `transformers serve
+--continuous-batching` (its paged full-precision cache) and `kivi-xpu serve --continuous-batching` (transformers'
+batching on KIVI pages), one server at a time.
 
     python benchmarks/bench_serve.py --model smollm2 --servers kivi dynamic dynamic-cb \\
         --requests 8 --concurrency 4 --max-tokens 64 --prompt-words 300
+    python benchmarks/bench_serve.py --model smollm2 --servers dynamic-cb kivi-cb --kv-memory 768 \\
+        --requests 16 --concurrency 16 --max-tokens 256 --prompt-words 3000
+
+--kv-memory MIB (default 1024) gives both continuous-batching servers the same KV budget: `kivi-xpu serve
+--kv-memory`, and `transformers serve --cb-num-blocks` of as many full-precision blocks (--cb-block-size tokens of
+keys and values of every layer) as fit in it; both get --cb-max-batch-tokens. The requests each budget can hold at
+once (prompt + --max-tokens tokens each) are printed beside the throughput.
 
 Each server is started here (`python -m kivi_xpu serve` / `python -m transformers.cli.transformers serve` on
 127.0.0.1, port 0, the model preloaded, --device cpu), warmed up with one request, sent the N requests (fixed
@@ -45,7 +53,7 @@ from kivi_xpu.tools.memory import MIB, accounted_bytes
 from kivi_xpu.tools.serve import add_arguments as add_kivi_arguments
 from kivi_xpu.tools.serve import cache_config
 
-SERVERS = ("kivi", "dynamic", "dynamic-cb")
+SERVERS = ("kivi", "dynamic", "dynamic-cb", "kivi-cb")
 # cache_config key -> kivi-xpu serve flag (the rest go through --kivi-option NAME=VALUE).
 FLAGS = {
     "bits": "--bits",
@@ -57,16 +65,59 @@ FLAGS = {
 }
 
 
-def server_command(name: str, model: str, dtype: str, kivi: dict) -> list[str]:
-    """The command line that starts server ``name`` (one of SERVERS) with ``model`` preloaded on 127.0.0.1:0."""
+def server_command(name: str, model: str, dtype: str, kivi: dict, batching: dict) -> list[str]:
+    """The command line that starts server ``name`` (one of SERVERS) with ``model`` preloaded on 127.0.0.1:0;
+    ``batching``: ``block_size``, ``max_batch_tokens``, ``kv_memory_mib``, ``fp32_blocks`` and ``max_requests`` (or
+    None) of the continuous-batching servers."""
     common = [model, "--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", "0"]
-    if name == "kivi":
+    cb = ["--continuous-batching", "--cb-max-batch-tokens", str(batching["max_batch_tokens"])]
+    if name in ("kivi", "kivi-cb"):
         flags = []
         for key, value in kivi.items():
             flags += [FLAGS[key], str(value)] if key in FLAGS else ["--kivi-option", f"{key}={value!r}"]
+        if name == "kivi-cb":
+            flags += [*cb, "--kv-memory", str(batching["kv_memory_mib"])]
+            if batching["max_requests"]:
+                flags += ["--max-requests", str(batching["max_requests"])]
         return [sys.executable, "-m", "kivi_xpu", "serve", *flags, *common]
     transformers_serve = [sys.executable, "-m", "transformers.cli.transformers", "serve", *common]
-    return transformers_serve + (["--continuous-batching"] if name == "dynamic-cb" else [])
+    if name == "dynamic-cb":
+        transformers_serve += [*cb, "--cb-block-size", str(batching["block_size"])]
+        transformers_serve += ["--cb-num-blocks", str(batching["fp32_blocks"])]
+    return transformers_serve
+
+
+def capacities(model_path: str, dtype: str, kivi: dict, batching: dict, request_tokens: int) -> dict:
+    """Requests of ``request_tokens`` tokens each budget holds at once: the full-precision pool's blocks, and the
+    KIVI pages' (within their exact slots). Computed from the budgets (the servers do not report it)."""
+    from transformers import AutoConfig
+
+    from kivi_xpu import KiviCache
+    from kivi_xpu.paged.cache import PageBudget
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    torch_dtype = getattr(torch, dtype)
+    block = batching["block_size"]
+    fp32_blocks_per_request = -(-request_tokens // block)
+    result = {"fp32_requests": batching["fp32_blocks"] // fp32_blocks_per_request}
+    kwargs = {k: v for k, v in cache_kwargs(kivi).items() if k not in ("backend", "device")}
+    settings = KiviCache(**kwargs).settings.for_model_dtype(torch_dtype)
+    budget = PageBudget.plan(config, settings, torch_dtype, batching["kv_memory_mib"] * MIB, batching["max_requests"])
+    pages_per_request = -(-request_tokens // settings.key_group_size)
+    blocks_per_sector = budget.bytes_per_sector // (budget.layout.page_bytes * budget.num_layers)
+    result["kivi_requests"] = min(budget.max_requests, budget.num_sectors * blocks_per_sector // pages_per_request)
+    return result
+
+
+def fp32_blocks(model_path: str, dtype: str, kv_memory_mib: int, block_size: int) -> int:
+    """Full-precision blocks (``block_size`` tokens of keys and values of every layer) in ``kv_memory_mib`` MiB."""
+    from transformers import AutoConfig
+    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    itemsize = getattr(torch, dtype).itemsize
+    per_block = config.num_hidden_layers * 2 * find_num_key_value_heads(config) * find_head_dim(config) * itemsize
+    return kv_memory_mib * MIB // (per_block * block_size)
 
 
 class Server:
@@ -182,6 +233,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-words", type=positive_int, default=400, help="article words per prompt (400)")
     parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for a server (300)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--cb-block-size", type=positive_int, default=32, help="full-precision CB block tokens (32)")
+    parser.add_argument("--cb-max-batch-tokens", type=positive_int, default=1024, help="CB batch tokens (1024)")
     add_kivi_arguments(parser)
     args = parser.parse_args(argv)
     # SIGTERM as an exit, so that the `finally` below stops the server this process started.
@@ -191,7 +244,14 @@ def main(argv=None) -> int:
     texts = prompts(args.requests, args.prompt_words)
 
     runs = {}
-    targets = [(name, server_command(name, model, args.dtype, kivi)) for name in args.servers]
+    batching = {
+        "block_size": args.cb_block_size,
+        "max_batch_tokens": args.cb_max_batch_tokens,
+        "kv_memory_mib": args.kv_memory,
+        "max_requests": args.max_requests,
+        "fp32_blocks": fp32_blocks(model, args.dtype, args.kv_memory, args.cb_block_size),
+    }
+    targets = [(name, server_command(name, model, args.dtype, kivi, batching)) for name in args.servers]
     if args.url:
         targets = [("url", None)]
     for name, command in targets:
@@ -215,9 +275,16 @@ def main(argv=None) -> int:
         f"KV of the last request ({memory['prompt_tokens']} prompt + {memory['new_tokens']} new tokens): KiviCache "
         f"{kivi_mib:.2f} MiB ({kivi or 'defaults'}), DynamicCache {dynamic_mib:.2f} MiB ({dynamic_mib / kivi_mib:.2f}x)"
     )
+    held = capacities(model, args.dtype, kivi, batching, memory["prompt_tokens"] + last_tokens)
+    print(
+        f"requests of {memory['prompt_tokens'] + last_tokens} tokens held at once in {batching['kv_memory_mib']} MiB "
+        f"(continuous batching): full-precision pool {held['fp32_requests']} ({batching['fp32_blocks']} blocks of "
+        f"{args.cb_block_size}), KIVI pages {held['kivi_requests']}"
+    )
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "kivi_options"} | {"kivi": kivi}
-        Path(args.json).write_text(json.dumps({"settings": settings, "runs": runs, "kv": memory}, indent=2))
+        record = {"settings": settings, "runs": runs, "kv": memory, "capacity": held, "batching": batching}
+        Path(args.json).write_text(json.dumps(record, indent=2))
     return 0
 
 
