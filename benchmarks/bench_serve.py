@@ -159,13 +159,18 @@ class Server:
 
 
 def prompts(count: int, words: int) -> list[str]:
-    """``count`` fixed prompts: "Summarize this article:" and the first ``words`` words of one news article each."""
+    """``count`` fixed prompts: "Summarize this article:" and the first ``words`` words of one news article each, or,
+    when too few articles are that long, of consecutive ``words``-word windows of the articles run together."""
     from kivi_xpu.assets import news_text
 
-    articles = [a.split() for a in news_text().read_text(encoding="utf-8").split("\n\n") if len(a.split()) >= words]
-    if len(articles) < count:
-        raise ValueError(f"--requests {count}: only {len(articles)} articles have {words} words (--prompt-words)")
-    return [f"Summarize this article: {' '.join(article[:words])}" for article in articles[:count]]
+    articles = [a.split() for a in news_text().read_text(encoding="utf-8").split("\n\n")]
+    long_enough = [a for a in articles if len(a) >= words]
+    if len(long_enough) >= count:
+        return [f"Summarize this article: {' '.join(article[:words])}" for article in long_enough[:count]]
+    corpus = [word for article in articles for word in article]
+    if len(corpus) < count * words:
+        raise ValueError(f"--requests {count} of {words} words (--prompt-words): the corpus has {len(corpus)} words")
+    return [f"Summarize this text: {' '.join(corpus[i * words : (i + 1) * words])}" for i in range(count)]
 
 
 def load(url: str, model: str, texts: list[str], concurrency: int, max_tokens: int) -> dict:

@@ -54,3 +54,8 @@ def test_quantization_aware_fine_tuning_moves_the_streaming_perplexity_down():
     # The example's claim: the one-forward QAT emulation gives the streaming KIVI perplexity (printed to 3 decimals).
     line = next(x for x in result.stdout.splitlines() if x.startswith("(the QAT forward's own ppl"))
     assert abs(float(line.split("windows: ")[1].split(";")[0]) - after) <= 0.0015, line
+
+
+def test_continuous_batching_on_kivi_pages():
+    out = run("continuous_batching.py", "--max-new-tokens", "20", "--kv-memory", "8", "--max-requests", "2")
+    assert "continuous batching on KIVI pages: 6 requests, 120 tokens in" in out

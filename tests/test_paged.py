@@ -41,15 +41,18 @@ def _own_generate(model, prompt, new_tokens, backend=None, **settings) -> list[i
 
 
 def _chunk_fed_generate(model, prompt, chunk, new_tokens, **settings) -> list[int]:
-    """Greedy tokens with a KiviCache whose prompt arrives in chunks of ``chunk`` tokens (chunked prefill)."""
-    use_fused_attention(model)
+    """Greedy tokens with a KiviCache whose prompt arrives in chunks of ``chunk`` tokens (chunked prefill), the
+    chunks attending through SDPA over the dense states and the decode steps through the fused attention, as the
+    paged attention does."""
     cache = KiviCache(model.config, **settings)
     tokens = list(prompt)
     with torch.no_grad():
+        model.set_attn_implementation("sdpa")
         for start in range(0, len(prompt), chunk):
             ids = torch.tensor([prompt[start : start + chunk]])
             positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
             logits = model(ids, past_key_values=cache, position_ids=positions, use_cache=True).logits
+        use_fused_attention(model)
         for _ in range(new_tokens):
             tokens.append(int(logits[0, -1].argmax()))
             positions = torch.tensor([[len(tokens) - 1]])

@@ -3,8 +3,10 @@
 The model calls ``KiviPagedCache.update`` and then this function with the flat batch ``query [1, Hq, sum(q_len), D]``
 and the kwargs ``update`` filled: one :class:`~kivi_xpu.paged.cache.RequestStep` per request. Each request is
 computed as its own :class:`~kivi_xpu.KiviCache` would: a request's first forward (prefill) by transformers' SDPA
-over its exact tokens, causal; every later one (decode rows, later prefill chunks) by the backend's
-``decode_attention`` op over its sinks, packed pages and exact tail, causal within the chunk.
+over its exact tokens, causal; a decode row by the backend's ``decode_attention`` op over its sinks, packed pages and
+exact tail (the fused path of ``attn_implementation="kivi"``); a later prefill chunk (many query rows: compute-bound,
+where the fused decode kernel is slow) by SDPA over the dense states, the pages dequantized, causal within the chunk
+(KiviCache's dense path, ``attn_implementation="sdpa"``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..attention import DecodeInputs, dense_states
 from ..ops import kernel
 from ..ops.checks import decode_args
 from .cache import STEP_KEY
@@ -21,11 +24,8 @@ from .cache import STEP_KEY
 ATTENTION_NAME = "kivi_paged"
 
 
-def _chunk_mask(past: int, length: int, device) -> torch.Tensor | None:
-    """Causal bool mask ``[1, 1, length, past + length]`` of a chunk of ``length`` queries after ``past`` tokens
-    (``None`` for one query: it sees everything)."""
-    if length == 1:
-        return None
+def _chunk_mask(past: int, length: int, device) -> torch.Tensor:
+    """Causal bool mask ``[1, 1, length, past + length]`` of a chunk of ``length`` queries after ``past`` tokens."""
     rows = torch.arange(length, device=device).unsqueeze(1) + past
     return (torch.arange(past + length, device=device).unsqueeze(0) <= rows)[None, None]
 
@@ -51,10 +51,13 @@ def kivi_paged_attention_forward(module, query, key, value, attention_mask, drop
             result, _ = sdpa_attention_forward(
                 module, rows, step.keys.tail, step.values.tail, None, scaling=scaling, is_causal=True
             )
-        else:
+        elif step.q_len == 1:
+            result = op(rows, *decode_args(step.keys, step.values, None, scaling, 0.0)).transpose(1, 2)
+        else:  # a later prefill chunk: compute-bound, so SDPA over the dense states (the history dequantized)
             past = step.keys.sinks.shape[2] + step.keys.count + step.keys.tail.shape[2] - step.q_len
+            keys, values = dense_states(DecodeInputs(step.keys, step.values, step_of_layer.backend))
             mask = _chunk_mask(past, step.q_len, query.device)
-            result = op(rows, *decode_args(step.keys, step.values, mask, scaling, 0.0)).transpose(1, 2)
+            result, _ = sdpa_attention_forward(module, rows, keys, values, mask, scaling=scaling, is_causal=False)
         out[:, step.q_start : step.q_start + step.q_len] = result
     return out, None
 
