@@ -2,10 +2,8 @@
 // This file checks the arguments, describes them as a decode::Problem (raw pointers and strides, no copies of the
 // cache), runs the ISA's chunk kernel over (batch, kv head, chunk) tasks in torch's intra-op pool and merges the
 // chunks' partial softmaxes in order (deterministic). Semantics: kivi_xpu/ops/reference.py (decode_attention).
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -128,60 +126,6 @@ const float* rotation(const c10::optional<at::Tensor>& arg, const char* name, in
   return q.data_ptr<float>();
 }
 
-// out (+)= x @ m, rows of `dim` floats, with the CPU's ISA (see decode_attention.h).
-void rows_times(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate) {
-  switch (current_isa()) {
-    case Isa::kAvx512Vnni: return decode::rows_times_avx512_vnni(x, m, rows, dim, out, accumulate);
-    case Isa::kAvx512: return decode::rows_times_avx512(x, m, rows, dim, out, accumulate);
-    case Isa::kAvx2: return decode::rows_times_avx2(x, m, rows, dim, out, accumulate);
-    default: return decode::rows_times_baseline(x, m, rows, dim, out, accumulate);
-  }
-}
-
-// Asks for the packed bytes task `task` will read (run_chunk's split): per key channel one run of code bytes and
-// of metadata (D runs code_row bytes apart, which the hardware prefetcher does not follow), the values' rows (one
-// contiguous block per kind of buffer). In the model (Zen 4, batch 4 / 8064) the op took 1.39-1.41 ms per layer with
-// this against 1.50 ms prefetching each chunk at its own start (one run each: within the noise), L1 or L2 alike.
-void prefetch_chunk(const Problem& p, int64_t task) {
-  const int64_t c = task % p.chunks, bh = task / p.chunks, S = p.sinks;
-  const int64_t p0 = c == 0 ? 0 : S + c * p.chunk, p1 = std::min(S + (c + 1) * p.chunk, p.n);
-  const auto lines = [](const void* start, int64_t bytes) {
-    const char* at = static_cast<const char*>(start);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b);
-    if (bytes > 0) __builtin_prefetch(at + bytes - 1);
-  };
-  const Packed& K = p.keys;
-  const int64_t k0 = std::max(p0, S), k1 = std::min(p1, S + K.count);
-  if (k0 < k1) {
-    const int64_t meta_size = K.meta == kF32 ? 4 : 2, g0 = (k0 - S) / K.group, g1 = (k1 - S) / K.group;
-    const int64_t run = (g1 - g0) * K.group * K.bits / 8;
-    for (int64_t d = 0; d < p.head_dim; ++d) {
-      lines(K.codes + bh * K.code_head + d * K.code_row + g0 * (K.group * K.bits / 8), run);
-      const int64_t meta = (bh * K.meta_head + d * K.meta_row + g0) * meta_size;
-      lines(static_cast<const char*>(K.scales) + meta, (g1 - g0) * meta_size);
-      lines(static_cast<const char*>(K.zeros) + meta, (g1 - g0) * meta_size);
-    }
-  }
-  const Packed& V = p.values;
-  const int64_t v0 = std::max(p0, S) - S, v1 = std::min(p1, S + V.count) - S;
-  if (v0 < v1) {
-    const int64_t meta_size = V.meta == kF32 ? 4 : 2;
-    lines(V.codes + bh * V.code_head + v0 * V.code_row, (v1 - v0) * V.code_row);
-    const int64_t meta = (bh * V.meta_head + v0 * V.meta_row) * meta_size;
-    lines(static_cast<const char*>(V.scales) + meta, (v1 - v0) * V.meta_row * meta_size);
-    lines(static_cast<const char*>(V.zeros) + meta, (v1 - v0) * V.meta_row * meta_size);
-  }
-}
-
-void (*chunk_kernel(Isa isa))(const Problem&, int64_t) {
-  switch (isa) {
-    case Isa::kAvx512Vnni: return decode::chunk_avx512_vnni;
-    case Isa::kAvx512: return decode::chunk_avx512;
-    case Isa::kAvx2: return decode::chunk_avx2;
-    default: return decode::chunk_baseline;
-  }
-}
-
 void describe_mask(const c10::optional<at::Tensor>& mask_arg, Problem& p, at::Tensor& keep, int64_t q_heads) {
   p.mask_kind = decode::kMaskNone;
   p.mask = nullptr;
@@ -211,47 +155,6 @@ void describe_mask(const c10::optional<at::Tensor>& mask_arg, Problem& p, at::Te
   p.mask_sl = keep.stride(2);
   p.mask_sc = keep.stride(3);
   p.mask_col0 = keep.size(3) - p.n;  // the last n columns are this layer's positions
-}
-
-// Merges the chunks of every query row in order: out = sum_c w_c acc_c / sum_c w_c l_c with w_c = exp(m_c - M).
-// Partials hold rows of `acc_width` floats (see Problem::partials): with rotated values the row is [exact sum |
-// packed sum], merged into `out` and `packed_out` (the caller rotates the latter back); `out` rows are value_dim
-// floats. A fully masked row gives zeros in `out` (and leaves `packed_out` alone: the caller zero-fills it).
-void merge_chunks(const Problem& p, float* out, float* packed_out) {
-  const int64_t width = p.acc_width, acc_row = p.acc_row, rows = p.batch * p.kv_heads * p.rows, Dv = p.value_dim;
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    float o[2 * decode::kMaxDim];
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t bh = row / p.rows, r = row % p.rows;
-      const float* first = p.partials + (bh * p.chunks * p.rows + r) * acc_row;
-      const int64_t chunk_step = p.rows * acc_row;
-      float m = -std::numeric_limits<float>::infinity();
-      bool nan = false;
-      for (int64_t c = 0; c < p.chunks; ++c) {
-        const float mc = first[c * chunk_step];
-        nan |= std::isnan(mc);
-        m = mc > m ? mc : m;
-      }
-      float* result = out + row * Dv;
-      if (!nan && m == -std::numeric_limits<float>::infinity()) {  // fully masked row: zeros, by definition
-        for (int64_t d = 0; d < Dv; ++d) result[d] = 0.0f;
-        continue;
-      }
-      if (nan) m = std::numeric_limits<float>::quiet_NaN();
-      float total = 0.0f;
-      for (int64_t d = 0; d < width; ++d) o[d] = 0.0f;
-      for (int64_t c = 0; c < p.chunks; ++c) {
-        const float* part = first + c * chunk_step;
-        const float w = part[0] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(part[0] - m);
-        total += w * part[1];
-        for (int64_t d = 0; d < width; ++d) o[d] += w * part[decode::kAccOffset + d];
-      }
-      const float inv = 1.0f / total;
-      for (int64_t d = 0; d < Dv; ++d) result[d] = o[d] * inv;
-      if (packed_out != nullptr)
-        for (int64_t d = 0; d < Dv; ++d) packed_out[row * Dv + d] = o[p.packed_acc + d] * inv;
-    }
-  });
 }
 
 at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key_sinks,
@@ -326,7 +229,7 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   at::Tensor rotated_query;
   if (key_q != nullptr) {  // packed keys hold k Q: score them with q Q (q·k = qQ·kQ)
     rotated_query = at::empty_like(q);
-    rows_times(p.query, key_q, q.numel() / head_dim, head_dim, rotated_query.data_ptr<float>(), false);
+    decode::rows_times(p.query, key_q, q.numel() / head_dim, head_dim, rotated_query.data_ptr<float>(), false);
   }
   p.packed_query = key_q != nullptr ? rotated_query.data_ptr<float>() : p.query;
   p.packed_acc = value_q != nullptr ? (p.value_dim + 15) / 16 * 16 : 0;
@@ -340,35 +243,17 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   p.scores = scores.data_ptr<float>() + shift;
   p.partials = partials.data_ptr<float>();
 
-  const auto kernel = chunk_kernel(current_isa());
-  // One task walks ~chunk * rows tokens; below ~8k token-rows of work a second thread costs more than it saves.
-  const int64_t tasks = batch * kv_heads * p.chunks;
-  const int64_t grain = std::max<int64_t>(1, 8192 / (p.chunk * std::max<int64_t>(1, p.rows / 4)));
-  // Tasks are handed out one at a time from a shared counter instead of split evenly up front: when another process
-  // takes the core of one of torch's threads mid-step, the other threads run its share instead of waiting for it.
-  // Every task writes only its own partial, so the result does not depend on which thread ran it.
-  // Each thread claims its next task before running the current one and prefetches that task's packed bytes, so
-  // their DRAM misses overlap a whole task of arithmetic (in a model the history is cold).
-  std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, (tasks + grain - 1) / grain, 1, [&](int64_t, int64_t) {
-    int64_t task = next_task++;
-    if (task < tasks) prefetch_chunk(p, task);
-    while (task < tasks) {
-      const int64_t ahead = next_task++;
-      if (ahead < tasks) prefetch_chunk(p, ahead);
-      kernel(p, task);
-      task = ahead;
-    }
-  });
+  const int64_t first_task[2] = {0, batch * kv_heads * p.chunks};
+  decode::run_problems(&p, first_task, 1);
 
   at::Tensor out = at::empty({batch, kv_heads, p.rows, p.value_dim}, f32);
   if (value_q == nullptr) {
-    merge_chunks(p, out.data_ptr<float>(), nullptr);
+    decode::merge_chunks(p, out.data_ptr<float>(), nullptr);
   } else {  // exact sum + (packed sum) Qᵀ
     at::Tensor packed_sum = at::zeros_like(out);
-    merge_chunks(p, out.data_ptr<float>(), packed_sum.data_ptr<float>());
-    rows_times(packed_sum.data_ptr<float>(), value_q, out.numel() / p.value_dim, p.value_dim, out.data_ptr<float>(),
-               true);
+    decode::merge_chunks(p, out.data_ptr<float>(), packed_sum.data_ptr<float>());
+    decode::rows_times(packed_sum.data_ptr<float>(), value_q, out.numel() / p.value_dim, p.value_dim,
+                       out.data_ptr<float>(), true);
   }
   return out.view({batch, q_heads, length, p.value_dim}).to(query.scalar_type());
 }
@@ -388,15 +273,5 @@ void register_decode_attention(pybind11::module& m) {
         pybind11::arg("key_rotation") = pybind11::none(), pybind11::arg("value_rotation") = pybind11::none());
 }
 
-namespace decode {
-void rotate_rows(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out) {
-  switch (current_isa()) {
-    case Isa::kAvx512Vnni: return rotate_rows_avx512_vnni(x, dtype, rows, dim, m, out);
-    case Isa::kAvx512: return rotate_rows_avx512(x, dtype, rows, dim, m, out);
-    case Isa::kAvx2: return rotate_rows_avx2(x, dtype, rows, dim, m, out);
-    default: return rotate_rows_baseline(x, dtype, rows, dim, m, out);
-  }
-}
-}  // namespace decode
 
 }  // namespace kivi::cpu

@@ -29,6 +29,14 @@ struct Packed {
   int64_t meta_row;   // elements between consecutive channels (keys) / tokens (values)
   int64_t code_head;  // bytes per (batch, head)
   int64_t meta_head;  // elements per (batch, head)
+  // Paged storage (continuous batching, paged_attention.cpp): nullptr, or the block of each page of `page_tokens`
+  // packed tokens (page j: key group j, value tokens [j * page_tokens, (j + 1) * page_tokens)). Page j of head h
+  // starts at codes + pages[j] * code_page + h * code_head (metadata: pages[j] * meta_page + h * meta_head); inside a
+  // page the rows are as above with one key group per channel (key meta_row 1, code_row group / P).
+  const int64_t* pages;
+  int64_t page_tokens;  // packed tokens per page (the key group size)
+  int64_t code_page;    // bytes between consecutive blocks
+  int64_t meta_page;    // elements between consecutive blocks
 };
 
 struct Problem {
@@ -65,10 +73,26 @@ constexpr int64_t kAccOffset = 16;
 constexpr int64_t kMaxDim = 512;
 
 // One task = one (batch, kv head, chunk): fills that chunk's scores and partial. task = (b * Hkv + h) * chunks + c.
+// A paged problem has batch 1 (one request; its Packed::pages set).
 void chunk_avx512_vnni(const Problem& p, int64_t task);
 void chunk_avx512(const Problem& p, int64_t task);
 void chunk_avx2(const Problem& p, int64_t task);
 void chunk_baseline(const Problem& p, int64_t task);
+
+// ---- host side (decode_tasks.cpp), shared by decode_attention.cpp and paged_attention.cpp ----------------------
+
+// Runs every task of `count` problems in torch's intra-op pool: problem i owns the global tasks
+// [first_task[i], first_task[i + 1]) (first_task has count + 1 entries); all problems share rows and chunk size.
+void run_problems(const Problem* problems, const int64_t* first_task, int64_t count);
+
+// Merges the chunks of every query row of `p` in order into out [B, Hkv, rows, value_dim] (and, with rotated values,
+// the packed sum into packed_out, which the caller zero-fills and rotates back). A fully masked row gives zeros.
+void merge_chunks(const Problem& p, float* out, float* packed_out);
+
+// rows_times for the CPU's ISA.
+void rows_times(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
+
+// ---- per-ISA kernels ------------------------------------------------------------------------------------------------
 
 // out[r] = x[r] @ m (or out[r] += x[r] @ m with `accumulate`) for `rows` rows of `dim` floats, m [dim, dim]
 // row-major: the rotations of the query and of the packed values' sum (see kivi_xpu/rotation.py).

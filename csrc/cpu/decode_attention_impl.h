@@ -186,11 +186,20 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
   // (decode_attention.cpp prefetched this chunk's codes and metadata while the thread ran its previous task)
   for (int64_t gb = g0; gb < g1; gb += kMetaGroups) {
     const int64_t block = min64(kMetaGroups, g1 - gb);
-    load_key_meta(K.scales, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, scales);
-    load_key_meta(K.zeros, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, zeros);
+    if (K.pages == nullptr) {
+      load_key_meta(K.scales, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, scales);
+      load_key_meta(K.zeros, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, zeros);
+    } else {  // a page's group: its D channels' metadata are contiguous
+      for (int64_t i = 0; i < block; ++i) {
+        const int64_t meta = K.pages[gb + i] * K.meta_page + bh * K.meta_head;
+        load_row(K.scales, K.meta, meta, D, scales + i * kMaxDim);
+        load_row(K.zeros, K.meta, meta, D, zeros + i * kMaxDim);
+      }
+    }
     for (int64_t i = 0; i < block; ++i) {
       const int64_t g = gb + i;
-      const uint8_t* group_codes = codes + g * (G * BITS / 8);
+      const uint8_t* group_codes =
+          K.pages == nullptr ? codes + g * (G * BITS / 8) : K.codes + K.pages[g] * K.code_page + bh * K.code_head;
       const int64_t pos = pos0 + (g - g0) * G;
       const float *scale = scales + i * kMaxDim, *zero = zeros + i * kMaxDim;
       for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
@@ -333,12 +342,12 @@ inline void zero_sums(const Packed& V, int64_t meta0, int64_t t0, int64_t t1, in
   }
 }
 
+// Packed tokens [t0, t1) whose token t has its codes at codes + t * code_row and metadata at meta0 + t * meta_row.
 template <int BITS, int NR>
-void value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const float* const* prob, float* const* acc) {
+void value_rows(const Problem& P, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1,
+                const float* const* prob, float* const* acc) {
   const Packed& V = P.values;
   const int64_t Dv = P.value_dim, G = V.group, groups = Dv / G;
-  const uint8_t* codes = V.codes + bh * V.code_head;
-  const int64_t meta0 = bh * V.meta_head;
   constexpr int NV = VW >= 16 ? 4 : 2;  // accumulators NR * NV stay in registers
   float zsum[NR][kMaxDim];
   bool zeros_done = false;
@@ -382,23 +391,45 @@ void value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const floa
       for (int64_t d = g * G; d < (g + 1) * G; ++d) acc[r][d] += zsum[r][g];
 }
 
+// Packed tokens [t0, t1) of one storage run (codes / meta0: its token 0); prob[r] indexed by that run's tokens.
 template <int BITS>
-void packed_values(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const float* prob, int64_t pos_of_t0,
-                   float* acc, int64_t acc_row) {
+void value_run(const Problem& P, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, const float* prob,
+               float* acc, int64_t acc_row) {
   const float* p[4];
   float* a[4];
   for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
     const int nr = (int)min64(4, P.rows - r0);
     for (int i = 0; i < nr; ++i) {
-      p[i] = prob + (r0 + i) * P.score_row + pos_of_t0 - t0;  // indexed by packed token
+      p[i] = prob + (r0 + i) * P.score_row;
       a[i] = acc + (r0 + i) * acc_row;
     }
     switch (nr) {
-      case 1: value_rows<BITS, 1>(P, bh, t0, t1, p, a); break;
-      case 2: value_rows<BITS, 2>(P, bh, t0, t1, p, a); break;
-      case 3: value_rows<BITS, 3>(P, bh, t0, t1, p, a); break;
-      default: value_rows<BITS, 4>(P, bh, t0, t1, p, a); break;
+      case 1: value_rows<BITS, 1>(P, codes, meta0, t0, t1, p, a); break;
+      case 2: value_rows<BITS, 2>(P, codes, meta0, t0, t1, p, a); break;
+      case 3: value_rows<BITS, 3>(P, codes, meta0, t0, t1, p, a); break;
+      default: value_rows<BITS, 4>(P, codes, meta0, t0, t1, p, a); break;
     }
+  }
+}
+
+// Packed tokens [t0, t1) of (batch, kv head) bh, probabilities at prob[r * score_row + pos_of_t0 + t - t0]: one run
+// of contiguous storage, or one per page of paged storage.
+template <int BITS>
+void packed_values(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const float* prob, int64_t pos_of_t0,
+                   float* acc, int64_t acc_row) {
+  const Packed& V = P.values;
+  const float* prob_of_token0 = prob + pos_of_t0 - t0;  // indexed by packed token
+  if (V.pages == nullptr) {
+    value_run<BITS>(P, V.codes + bh * V.code_head, bh * V.meta_head, t0, t1, prob_of_token0, acc, acc_row);
+    return;
+  }
+  const int64_t T = V.page_tokens;
+  for (int64_t first = t0; first < t1;) {
+    const int64_t page = first / T, last = min64(t1, (page + 1) * T);
+    const int64_t block = V.pages[page];
+    value_run<BITS>(P, V.codes + block * V.code_page + bh * V.code_head, block * V.meta_page + bh * V.meta_head,
+                    first - page * T, last - page * T, prob_of_token0 + page * T, acc, acc_row);
+    first = last;
   }
 }
 

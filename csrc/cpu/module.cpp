@@ -10,4 +10,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   kivi::cpu::register_quantize(m);
   kivi::cpu::register_decode_attention(m);
   kivi::cpu::register_decode_step(m);
+  kivi::cpu::register_paged_attention(m);
 }

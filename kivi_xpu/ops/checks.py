@@ -379,3 +379,138 @@ def check_decode_args(query, *args) -> None:
             raise TypeError(f"`{name}` must be a float, got {value!r}")
     if softcap < 0:
         raise ValueError(f"`softcap` must be 0 (none) or positive, got {softcap}")
+
+
+# Columns of ``paged_decode_attention``'s ``requests`` table, one row per request (csrc/cpu/paged_attention.cpp).
+PAGED_REQUEST_COLUMNS = ("slot", "sinks", "key_count", "key_tail_row", "value_count", "value_tail_row", "length")
+
+
+def _check_pages(t, name: str, blocks: int, heads: int, dtypes) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        raise ValueError(f"`{name}` must be a rank-4 tensor [blocks, H, ...], got {t!r:.80}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"`{name}` must have dtype in ({_names(dtypes)}), got {t.dtype}")
+    if tuple(t.shape[:2]) != (blocks, heads):
+        raise ValueError(f"`{name}` shape {tuple(t.shape)} must be [{blocks} blocks, {heads} kv heads, ...]")
+    if t[0].numel() and not t[0].is_contiguous():
+        raise ValueError(f"`{name}` must be contiguous within each block, got strides {t.stride()}")
+
+
+def check_paged_decode_args(query, key_windows, value_windows, key_codes, key_scales, key_zeros, value_codes,
+                            value_scales, value_zeros, block_table, requests, key_bits, value_group, value_bits,
+                            scaling, key_rotation=None, value_rotation=None) -> None:  # fmt: skip
+    """Checks for ``paged_decode_attention``: the query ``[N, Hq, 1, D]``, the exact windows ``[slots, H, W, D]``, the
+    pages (key codes ``[blocks, H, D, T/P]``, scales/zeros ``[blocks, H, D, 1]``; value codes ``[blocks, H, T,
+    Dv/P]``, scales/zeros ``[blocks, H, T, Dv/value_group]``), and every request's row of ``requests`` (columns
+    :data:`PAGED_REQUEST_COLUMNS`) within its slot, its pages within ``block_table`` and the blocks."""
+    check_float_tensor(query, "query")
+    check_float_tensor(key_windows, "key_windows")
+    check_float_tensor(value_windows, "value_windows")
+    key_bits, value_bits = check_bits(key_bits, "key_bits"), check_bits(value_bits, "value_bits")
+    n_requests, q_heads, length, head_dim = query.shape
+    slots, heads = key_windows.shape[:2]
+    if length != 1:
+        raise ValueError(f"`query` must hold one row per request [N, Hq, 1, D], got shape {tuple(query.shape)}")
+    if heads == 0 or q_heads % heads or key_windows.shape[3] != head_dim:
+        raise ValueError(
+            f"`key_windows` shape {tuple(key_windows.shape)} must be [slots, H, rows, {head_dim}] with H dividing the "
+            f"{q_heads} query heads"
+        )
+    if value_windows.dtype != key_windows.dtype or tuple(value_windows.shape[:2]) != (slots, heads):
+        raise ValueError(
+            f"`value_windows` ({value_windows.dtype} {tuple(value_windows.shape)}) must be [{slots}, {heads}, rows, "
+            f"Dv] in the dtype of `key_windows` ({key_windows.dtype})"
+        )
+    blocks = key_codes.shape[0] if isinstance(key_codes, torch.Tensor) else -1
+    for name, t, dtypes in (
+        ("key_codes", key_codes, (torch.uint8,)),
+        ("key_scales", key_scales, META_DTYPES),
+        ("key_zeros", key_zeros, META_DTYPES),
+        ("value_codes", value_codes, (torch.uint8,)),
+        ("value_scales", value_scales, META_DTYPES),
+        ("value_zeros", value_zeros, META_DTYPES),
+    ):
+        _check_pages(t, name, blocks, heads, dtypes)
+    tokens = key_codes.shape[3] * codes_per_byte(key_bits)
+    value_dim = value_codes.shape[3] * codes_per_byte(value_bits)
+    value_group = integer(value_group, "value_group", minimum=1)
+    if (
+        key_scales.shape != key_zeros.shape
+        or tuple(key_scales.shape[2:]) != (head_dim, 1)
+        or key_codes.shape[2] != (head_dim)
+    ):
+        raise ValueError(
+            f"key pages must be codes [blocks, H, {head_dim}, T/P] and scales/zeros [blocks, H, {head_dim}, 1], got "
+            f"{tuple(key_codes.shape)}, {tuple(key_scales.shape)}, {tuple(key_zeros.shape)}"
+        )
+    if value_dim % value_group or value_windows.shape[3] != value_dim:
+        raise ValueError(
+            f"`value_group` ({value_group}) must divide the value head_dim {value_dim}, and `value_windows` must end "
+            f"in it, got {tuple(value_windows.shape)}"
+        )
+    if tuple(value_codes.shape[2:3]) != (tokens,) or tuple(value_scales.shape[2:]) != (
+        tokens,
+        value_dim // value_group,
+    ):
+        raise ValueError(
+            f"value pages must be codes [blocks, H, {tokens}, Dv/P] and scales/zeros [blocks, H, {tokens}, "
+            f"{value_dim // value_group}], got {tuple(value_codes.shape)} and {tuple(value_scales.shape)}"
+        )
+    if value_scales.shape != value_zeros.shape or key_scales.dtype != key_zeros.dtype:
+        raise ValueError("scales and zeros must share shapes and dtypes")
+    for name, t, width in (("block_table", block_table, None), ("requests", requests, len(PAGED_REQUEST_COLUMNS))):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 2 or t.shape[0] != n_requests:
+            raise ValueError(f"`{name}` must be an int64 [{n_requests}, {width or 'pages'}] tensor, got {t!r:.80}")
+        if width is not None and t.shape[1] != width:
+            raise ValueError(f"`{name}` must have the {width} columns {PAGED_REQUEST_COLUMNS}, got {tuple(t.shape)}")
+    for name, t in (("key_windows", key_windows), ("value_windows", value_windows), ("key_codes", key_codes),
+                    ("value_codes", value_codes), ("block_table", block_table), ("requests", requests)):  # fmt: skip
+        if t.device != query.device:
+            raise ValueError(f"`{name}` is on {t.device} but `query` is on {query.device}")
+    if isinstance(scaling, bool) or not isinstance(scaling, int | float):
+        raise TypeError(f"`scaling` must be a float, got {scaling!r}")
+    check_rotation(key_rotation, "key_rotation", head_dim, query.device)
+    check_rotation(value_rotation, "value_rotation", value_dim, query.device)
+    if n_requests and not _without_data(requests, block_table):
+        _check_paged_requests(requests, block_table, slots, key_windows.shape[2], value_windows.shape[2], tokens,
+                              blocks)  # fmt: skip
+
+
+def _without_data(*tensors) -> bool:
+    """Whether any of ``tensors`` has no values to read (a fake or meta tensor: ``torch.compile``, opcheck)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensors)
+
+
+def _check_paged_requests(requests, block_table, slots: int, key_rows: int, value_rows: int, tokens: int,
+                          blocks: int) -> None:  # fmt: skip
+    """Each request's row of ``requests``: slot, rows and page counts in range, its pages real blocks."""
+    slot, sinks, key_count, key_tail_row, value_count, value_tail_row, length = requests.cpu().unbind(1)
+    key_tail, value_tail = length - sinks - key_count, length - sinks - value_count
+    pages = torch.maximum(key_count, value_count).add(tokens - 1).div(tokens, rounding_mode="floor")
+    rules = {
+        f"slot in [0, {slots})": (slot >= 0) & (slot < slots),
+        f"0 <= sinks <= {min(key_rows, value_rows)}": (sinks >= 0) & (sinks <= min(key_rows, value_rows)),
+        f"key_count a non-negative multiple of the page size {tokens}": (key_count >= 0) & (key_count % tokens == 0),
+        "value_count >= 0 and length > 0": (value_count >= 0) & (length > 0),
+        "length >= sinks + key_count and >= sinks + value_count": (key_tail >= 0) & (value_tail >= 0),
+        f"the key tail within the window's {key_rows} rows": (key_tail_row >= 0)
+        & (key_tail_row + key_tail <= key_rows),
+        f"the value tail within the window's {value_rows} rows": (value_tail_row >= 0)
+        & (value_tail_row + value_tail <= value_rows),
+        f"at most {block_table.shape[1]} pages (the columns of `block_table`)": pages <= block_table.shape[1],
+    }
+    for rule, ok in rules.items():
+        if not bool(ok.all()):
+            bad = int((~ok).nonzero()[0, 0])
+            raise ValueError(
+                f"`requests` row {bad} {dict(zip(PAGED_REQUEST_COLUMNS, requests[bad].tolist(), strict=True))} breaks: "
+                f"{rule}"
+            )
+    used = torch.arange(block_table.shape[1]).unsqueeze(0) < pages.unsqueeze(1)
+    table = block_table.cpu()
+    bad = used & ((table < 0) | (table >= blocks))
+    if bool(bad.any()):
+        row, column = bad.nonzero()[0].tolist()
+        raise ValueError(f"`block_table`[{row}, {column}] = {int(table[row, column])} is not a block in [0, {blocks})")

@@ -9,7 +9,9 @@ byte; see :mod:`.reference` for the exact semantics):
 ``quantize_values_into`` is ``quantize_values`` writing into rows of existing value storage (a decode step's token
 leaving the window, without temporaries); with a ``rotation`` ``Q``, of ``x @ Q`` (the rotation folded into the op).
 ``append_decode_step`` is a layer's whole cache work of a decode step (window appends, the departing value tokens
-quantized in place) in one call; it returns the tails as views of the windows.
+quantized in place) in one call; it returns the tails as views of the windows. ``paged_decode_attention`` is
+``decode_attention`` for continuous batching: one query row per request, each request's packed history in pages of
+``key_group`` tokens named by its row of a block table, its sinks and tail in an exact slot (:mod:`kivi_xpu.paged`).
 
 Packed buffers may be longer along their token axis than the count of valid tokens (over-allocated storage).
 """
@@ -24,6 +26,7 @@ from .checks import (
     check_decode_args,
     check_decode_step_args,
     check_dequantize_args,
+    check_paged_decode_args,
     check_quantize_args,
     check_quantize_into_args,
     codes_per_byte,
@@ -41,6 +44,11 @@ _DECODE_STEP = (
     "Tensor(b!) value_window, int value_start, int value_end, Tensor(c!) value_codes, Tensor(d!) value_scales, "
     "Tensor(e!) value_zeros, int value_offset, int value_leaving, int value_group, int value_bits, "
     "Tensor? value_rotation=None) -> (Tensor(a), Tensor(b))"
+)
+_PAGED_DECODE_ATTENTION = (
+    "(Tensor query, Tensor key_windows, Tensor value_windows, Tensor key_codes, Tensor key_scales, Tensor key_zeros, "
+    "Tensor value_codes, Tensor value_scales, Tensor value_zeros, Tensor block_table, Tensor requests, int key_bits, "
+    "int value_group, int value_bits, float scaling, Tensor? key_rotation=None, Tensor? value_rotation=None) -> Tensor"
 )
 _DEQUANTIZE = (
     "(Tensor codes, Tensor scales, Tensor zeros, int num_tokens, int group_size, int bits, ScalarType out_dtype)"
@@ -139,3 +147,16 @@ for _name, _dense, _axis, _outputs in (
         getattr(reference, _name),
     )
 define("decode_attention", _DECODE_ATTENTION, check_decode_args, _decode_output, reference.decode_attention)
+
+
+def _paged_decode_output(query, key_windows, value_windows, *args):
+    return query.new_empty((*query.shape[:3], value_windows.shape[3]))
+
+
+define(
+    "paged_decode_attention",
+    _PAGED_DECODE_ATTENTION,
+    check_paged_decode_args,
+    _paged_decode_output,
+    reference.paged_decode_attention,
+)

@@ -19,6 +19,7 @@ NATIVE_OPS = (
     "dequantize_values",
     "decode_attention",
     "append_decode_step",
+    "paged_decode_attention",
 )
 
 

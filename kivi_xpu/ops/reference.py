@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..rotation import rotate, unrotate
-from .checks import codes_per_byte
+from .checks import KindOperands, codes_per_byte, decode_args
 from .library import register_kernel
 
 
@@ -361,3 +361,81 @@ def decode_attention(
     keys = torch.cat(keys + [key_tail.float()], dim=2)
     values = torch.cat(values + [value_tail.float()], dim=2)
     return dense_attention(query, keys, values, mask, scaling, softcap or 0.0)
+
+
+def gather_pages(kind: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, pages: torch.Tensor):
+    """The packed pages ``pages`` (int64 block ids, in token order) of one request as one history of batch 1
+    (copies). Keys: codes ``[blocks, H, D, T/P]``, scales/zeros ``[blocks, H, D, 1]`` -> ``[1, H, D, n*T/P]`` and
+    ``[1, H, D, n]``; values: codes ``[blocks, H, T, Dv/P]``, scales/zeros ``[blocks, H, T, Dv/G]`` -> ``[1, H, n*T,
+    Dv/P]`` and ``[1, H, n*T, Dv/G]``."""
+    parts = (x.index_select(0, pages) for x in (codes, scales, zeros))
+    if kind == "keys":  # tokens along the last axis
+        return tuple(x.permute(1, 2, 0, 3).flatten(2, 3).unsqueeze(0).contiguous() for x in parts)
+    return tuple(x.transpose(0, 1).flatten(1, 2).unsqueeze(0).contiguous() for x in parts)
+
+
+def composed_paged_decode_attention(decode_attention):
+    """``paged_decode_attention`` as one ``decode_attention`` (of a backend) per request over its gathered pages."""
+
+    def paged_decode_attention(
+        query: torch.Tensor,
+        key_windows: torch.Tensor,
+        value_windows: torch.Tensor,
+        key_codes: torch.Tensor,
+        key_scales: torch.Tensor,
+        key_zeros: torch.Tensor,
+        value_codes: torch.Tensor,
+        value_scales: torch.Tensor,
+        value_zeros: torch.Tensor,
+        block_table: torch.Tensor,
+        requests: torch.Tensor,
+        key_bits: int,
+        value_group: int,
+        value_bits: int,
+        scaling: float,
+        key_rotation: torch.Tensor | None = None,
+        value_rotation: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode attention of continuous batching over KIVI pages, ``query [N, Hq, 1, D]`` (one row per request,
+        unscaled) -> ``[N, Hq, 1, Dv]`` in query's dtype. Request ``i`` (row ``i`` of ``requests``: ``slot, sinks,
+        key_count, key_tail_row, value_count, value_tail_row, length``) attends to its ``length`` tokens as
+        ``decode_attention`` over ``[sinks | packed | tail]`` per kind: the sinks are rows ``[0, sinks)`` of its slot
+        of ``key_windows`` / ``value_windows [slots, H, W, D]``; the packed tokens (``key_count`` / ``value_count``)
+        are pages ``block_table[i, 0], block_table[i, 1], ...`` of ``T = key_group`` tokens each (key codes
+        ``[blocks, H, D, T/P]``, one key group per page, scales/zeros ``[blocks, H, D, 1]``; value codes ``[blocks, H,
+        T, Dv/P]``, scales/zeros ``[blocks, H, T, Dv/value_group]``); the tail is the rest, exact, from rows
+        ``key_tail_row`` / ``value_tail_row`` of its slot. Rotations as in ``decode_attention``."""
+        tokens = key_codes.shape[3] * codes_per_byte(key_bits)
+        outputs = []
+        for i, (slot, sinks, key_count, key_row, value_count, value_row, length) in enumerate(requests.tolist()):
+            pages = block_table[i]
+            key_window, value_window = key_windows[slot : slot + 1], value_windows[slot : slot + 1]
+            keys = KindOperands(
+                key_window[:, :, :sinks],
+                *gather_pages("keys", key_codes, key_scales, key_zeros, pages[: key_count // tokens]),
+                key_count,
+                tokens,
+                key_bits,
+                key_window[:, :, key_row : key_row + length - sinks - key_count],
+                key_rotation,
+            )
+            values = KindOperands(
+                value_window[:, :, :sinks],
+                *gather_pages("values", value_codes, value_scales, value_zeros, pages[: -(-value_count // tokens)]),
+                value_count,
+                value_group,
+                value_bits,
+                value_window[:, :, value_row : value_row + length - sinks - value_count],
+                value_rotation,
+            )
+            outputs.append(decode_attention(query[i : i + 1], *decode_args(keys, values, None, scaling, 0.0)))
+        if not outputs:
+            return query.new_empty(0, query.shape[1], 1, value_windows.shape[3])
+        return torch.cat(outputs)
+
+    return paged_decode_attention
+
+
+paged_decode_attention = register_kernel("paged_decode_attention", "reference")(
+    composed_paged_decode_attention(decode_attention)
+)

@@ -14,7 +14,14 @@ from ..rotation import rotate, unrotate
 from ..runtime import SyclRuntime, sycl_runtime_for
 from .checks import KindOperands, codes_per_byte, split_decode_args
 from .library import OPS, register_kernel
-from .reference import composed_decode_step, group_queries, masked_scores, softmax_rows, store_value_rows
+from .reference import (
+    composed_decode_step,
+    composed_paged_decode_attention,
+    group_queries,
+    masked_scores,
+    softmax_rows,
+    store_value_rows,
+)
 
 # packed_value_combine splits the token loop into chunks whose partial sums are added afterwards (in order), so that a
 # decode step (few kv heads, one query row) still spreads over all cores / EUs. Each chunk is a work-group with a fixed
@@ -267,3 +274,8 @@ def decode_attention(query, *args):
     keys = split_decode_args(args)[0]
     fused = keys.codes.device.type != "cpu"
     return (fused_decode_attention if fused else composed_decode_attention)(query, *args)
+
+
+# Continuous batching's decode rows: this backend's decode_attention per request over its gathered pages (the pages are
+# 9-10x smaller than the dense states; a fused paged SYCL kernel is not written yet).
+register_kernel("paged_decode_attention", "sycl")(composed_paged_decode_attention(decode_attention))
