@@ -1,12 +1,13 @@
 """``"kivi_paged"``: the attention of continuous batching over KIVI pages.
 
 The model calls ``KiviPagedCache.update`` and then this function with the flat batch ``query [1, Hq, sum(q_len), D]``
-and the kwargs ``update`` filled: one :class:`~kivi_xpu.paged.cache.RequestStep` per request. Each request is
-computed as its own :class:`~kivi_xpu.KiviCache` would: a request's first forward (prefill) by transformers' SDPA
-over its exact tokens, causal; a decode row by the backend's ``decode_attention`` op over its sinks, packed pages and
-exact tail (the fused path of ``attn_implementation="kivi"``); a later prefill chunk (many query rows: compute-bound,
-where the fused decode kernel is slow) by SDPA over the dense states, the pages dequantized, causal within the chunk
-(KiviCache's dense path, ``attn_implementation="sdpa"``).
+and the kwargs ``update`` filled: the batch's decode rows and one :class:`~kivi_xpu.paged.cache.RequestStep` per other
+request. Each request is computed as its own :class:`~kivi_xpu.KiviCache` would: a request's first forward (prefill)
+by transformers' SDPA over its exact tokens, causal; the decode rows of all requests by one ``paged_decode_attention``
+call, each row over its sinks, the pages of its block table read in place and its exact tail (the arithmetic of
+``decode_attention``, the fused path of ``attn_implementation="kivi"``); a later prefill chunk (many query rows:
+compute-bound, where the fused decode kernel is slow) by SDPA over the dense states, the pages dequantized, causal
+within the chunk (KiviCache's dense path, ``attn_implementation="sdpa"``).
 """
 
 from __future__ import annotations
@@ -45,13 +46,19 @@ def kivi_paged_attention_forward(module, query, key, value, attention_mask, drop
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     op = kernel("decode_attention", step_of_layer.backend)
     out = torch.empty(1, query.shape[2], query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+    decode = step_of_layer.decode
+    if decode is not None:  # every decode row of the batch in one call, each over its own pages
+        rows = query[0, :, decode.q_index].transpose(0, 1).unsqueeze(2)  # [N, Hq, 1, D]
+        paged = kernel("paged_decode_attention", step_of_layer.backend)
+        result = paged(rows, *decode.args, scaling, *step_of_layer.rotations)
+        out[0, decode.q_index] = result[:, :, 0]
     for step in step_of_layer.requests:
         rows = query[:, :, step.q_start : step.q_start + step.q_len]
         if step.prefill:
             result, _ = sdpa_attention_forward(
                 module, rows, step.keys.tail, step.values.tail, None, scaling=scaling, is_causal=True
             )
-        elif step.q_len == 1:
+        elif step.q_len == 1:  # a decode row before the sinks are full
             result = op(rows, *decode_args(step.keys, step.values, None, scaling, 0.0)).transpose(1, 2)
         else:  # a later prefill chunk: compute-bound, so SDPA over the dense states (the history dequantized)
             past = step.keys.sinks.shape[2] + step.keys.count + step.keys.tail.shape[2] - step.q_len

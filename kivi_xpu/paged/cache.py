@@ -41,12 +41,22 @@ class RequestStep(NamedTuple):
     prefill: bool
 
 
+class DecodeRows(NamedTuple):
+    """The decode rows of a layer's forward (one query row each, sinks full), for one ``paged_decode_attention``
+    call: query rows ``q_index`` of the flat batch; ``args``: the op's arguments after ``query``."""
+
+    q_index: torch.Tensor
+    args: tuple
+
+
 class LayerStep(NamedTuple):
-    """What ``update`` leaves for attention in ``kwargs[STEP_KEY]``: the backend whose kernels read the pages and
-    one :class:`RequestStep` per request of the batch."""
+    """What ``update`` leaves for attention in ``kwargs[STEP_KEY]``: the backend whose kernels read the pages, the
+    batch's decode rows (or ``None``) and one :class:`RequestStep` per other request (prefill and prompt chunks)."""
 
     backend: str
+    decode: DecodeRows | None
     requests: list[RequestStep]
+    rotations: tuple  # (key rotation, value rotation): None or Q [D, D] float32
 
 
 class _Request(NamedTuple):
@@ -142,6 +152,8 @@ class KiviPagedCache(PagedAttentionCache):
         self._slot_of_request: dict[str, int] = {}
         self._slot_of_first_block: dict[int, int] = {}
         self._requests: list[_Request] = []
+        self._decode: list[_Request] = []
+        self._others: list[_Request] = []
         self._key_rotation = rotation_matrix(settings.key_rotation, head_dim, self.device)
         self._value_rotation = rotation_matrix(settings.value_rotation, head_dim, self.device)
 
@@ -221,6 +233,23 @@ class KiviPagedCache(PagedAttentionCache):
             requests.append(_Request(slot, past, q_start, q_len, blocks.to(torch.int64)))
         return requests
 
+    def _plan_decode(self) -> None:
+        """Splits the forward's requests into decode rows (one token after full sinks: one batched store and one
+        attention call per layer) and the others; the decode rows' query index, slots and block table, once per
+        forward."""
+        s = self.settings.sink_tokens
+        decode = [r for r in self._requests if r.q_len == 1 and r.past >= s]
+        self._others = [r for r in self._requests if not (r.q_len == 1 and r.past >= s)]
+        self._decode = decode
+        if not decode:
+            return
+        self._decode_q = torch.tensor([r.q_start for r in decode], device=self.device)
+        self._decode_slots = torch.tensor([r.slot for r in decode], device=self.device)
+        table = torch.zeros(len(decode), max(r.blocks.numel() for r in decode), dtype=torch.int64)
+        for i, r in enumerate(decode):
+            table[i, : r.blocks.numel()] = r.blocks
+        self._decode_table = table.to(self.device)
+
     @torch.compiler.disable
     def update(self, key_states, value_states, layer_idx: int, kwargs: dict[str, Any]):
         """Stores ``key_states`` / ``value_states [1, H, sum(q_len), D]`` of every request of the batch and leaves
@@ -228,12 +257,78 @@ class KiviPagedCache(PagedAttentionCache):
         steps, not them)."""
         if layer_idx == self.first_layer or not self._requests:
             self._requests = self._plan(kwargs)
+            self._plan_decode()
         kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][FULL_ATTENTION]
         kwargs["max_length_k"] = kwargs["max_length_k"][FULL_ATTENTION]
         pages = self.cache_allocators[FULL_ATTENTION].pages[layer_idx]
-        steps = [self._store(layer_idx, pages, request, key_states, value_states) for request in self._requests]
-        kwargs[STEP_KEY] = LayerStep(self.backend, steps)
+        decode = self._store_decode_rows(layer_idx, pages, key_states, value_states) if self._decode else None
+        steps = [self._store(layer_idx, pages, request, key_states, value_states) for request in self._others]
+        kwargs[STEP_KEY] = LayerStep(self.backend, decode, steps, (self._key_rotation, self._value_rotation))
         return key_states, value_states
+
+    def _store_decode_rows(self, layer: int, pages: LayerPages, key_states, value_states) -> DecodeRows:
+        """Every decode row's update of one layer at once: the new tokens join their slots' windows (one indexed
+        copy per kind), the value tokens leaving the windows are quantized into their pages (one call), a key block
+        that fills its window is packed (per request, once in R steps). Returns what the attention reads."""
+        settings, s = self.settings, self.settings.sink_tokens
+        key_windows, value_windows = self.windows.keys[layer], self.windows.values[layer]
+        rows, key_rows, value_rows, leaving = [], [], [], []
+        for r in self._decode:
+            self.windows.move_values(layer, r.slot, r.past)
+            base = self.windows.value_base[layer][r.slot]
+            qk0, qv0 = settings.quantized_key_count(r.past), settings.quantized_value_count(r.past)
+            key_rows.append(r.past - qk0)
+            value_rows.append(r.past - base)
+            rows.append((r.slot, s, qk0, s, qv0, s + qv0 - base, r.past + 1))
+            if settings.quantized_value_count(r.past + 1) > qv0:
+                leaving.append((r, s + qv0 - base, qv0))
+        index = torch.tensor([key_rows, value_rows], device=self.device)
+        slots, q = self._decode_slots, self._decode_q
+        key_windows[slots, :, index[0]] = key_states[0, :, q].transpose(0, 1)
+        value_windows[slots, :, index[1]] = value_states[0, :, q].transpose(0, 1)
+        if leaving:
+            self._pack_leaving_values(pages, value_windows, leaving)
+        for r, (_, _, qk0, *_), key_row in zip(self._decode, rows, key_rows, strict=True):
+            if settings.quantized_key_count(r.past + 1) > qk0:  # the window is full: its block leaves it
+                tail = key_windows[r.slot, :, s : s + key_row + 1].unsqueeze(0)
+                self._pack_keys(pages, r.blocks, qk0, tail[:, :, : settings.quantized_key_count(r.past + 1) - qk0])
+        args = (
+            key_windows,
+            value_windows,
+            pages.key_codes,
+            pages.key_scales,
+            pages.key_zeros,
+            pages.value_codes,
+            pages.value_scales,
+            pages.value_zeros,
+            self._decode_table,
+            torch.tensor(rows, dtype=torch.int64, device=self.device),
+            settings.key_bits,
+            settings.value_group_size,
+            settings.value_bits,
+        )
+        return DecodeRows(q, args)
+
+    def _pack_leaving_values(self, pages: LayerPages, value_windows, leaving) -> None:
+        """Quantizes the value tokens leaving the windows (``(request, window row, packed position)`` each) into
+        their pages' rows: one quantization of all of them (the rotation folded in, as KiviCache's), one indexed
+        copy per section."""
+        t, settings = self.settings.key_group_size, self.settings
+        slots = torch.tensor([r.slot for r, _, _ in leaving], device=self.device)
+        window_rows = torch.tensor([row for _, row, _ in leaving], device=self.device)
+        x = value_windows[slots, :, window_rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        heads, n, dim = x.shape[1:]
+        codes = pages.value_codes.new_empty(1, heads, n, pages.value_codes.shape[3])
+        scales = pages.value_scales.new_empty(1, heads, n, pages.value_scales.shape[3])
+        zeros = torch.empty_like(scales)
+        kernel("quantize_values_into", self.backend)(
+            x.contiguous(), codes, scales, zeros, 0, settings.value_group_size, settings.value_bits,
+            self._value_rotation,
+        )  # fmt: skip
+        blocks = torch.tensor([int(r.blocks[position // t]) for r, _, position in leaving], device=self.device)
+        page_rows = torch.tensor([position % t for _, _, position in leaving], device=self.device)
+        for section, part in ((pages.value_codes, codes), (pages.value_scales, scales), (pages.value_zeros, zeros)):
+            section[blocks, :, page_rows] = part[0].transpose(0, 1)
 
     def _store(self, layer: int, pages: LayerPages, request: _Request, key_states, value_states) -> RequestStep:
         """One request's update of one layer: returns what its attention reads."""
