@@ -300,6 +300,7 @@ def test_the_native_decode_step_rechecks_what_it_relies_on():
 def test_every_declared_op_is_covered_by_opcheck():
     covered = set(QUANTIZATION_OPS) | {"packed_key_scores", "packed_value_combine", "decode_attention"}
     covered |= {"quantize_values_into", "append_decode_step"}
+    covered |= {"paged_decode_attention"}  # tests/test_paged_attention.py
     assert set(ops.OPS) == covered
 
 
