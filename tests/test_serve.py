@@ -233,6 +233,34 @@ def test_continuous_batching_on_kivi_pages_answers_as_direct_generate_under_load
         raise AssertionError(f"{err}\nserver log:\n{process.log()}") from None
 
 
+def test_disconnected_streams_give_their_slots_back(batching_server, model_dir, expected):
+    """Eight streams (as many as the server's slots) each read one chunk and disconnect; transformers' server cancels
+    them, and the eight requests after them are served and answer as `generate` (a leaked slot would leave them
+    queued until the client's timeout)."""
+    url, process = batching_server
+    try:
+        for _ in range(2):
+            streams = [
+                client(url).chat.completions.create(
+                    model=str(model_dir),
+                    messages=[{"role": "user", "content": prompt}],
+                    temperature=0,
+                    max_tokens=200,
+                    stream=True,
+                )  # fmt: skip
+                for prompt in PROMPTS * 2
+            ]
+            for stream in streams:
+                next(iter(stream))
+                stream.close()
+        prompts = PROMPTS * 2
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            answers = list(pool.map(lambda p: chat(url, model_dir, p), prompts))
+        assert answers == [expected[p] for p in prompts]
+    except (AssertionError, openai.APIError) as err:
+        raise AssertionError(f"{err}\nserver log:\n{process.log()}") from None
+
+
 def test_compile_is_refused(model_dir, capsys):
     assert main(["serve", "--compile", str(model_dir)]) == 2
     assert "--compile is not supported by kivi-xpu serve" in capsys.readouterr().err
