@@ -23,6 +23,7 @@ from transformers.generation.continuous_batching.cache_allocators import FullAtt
 
 from ..algorithm import KiviSettings
 from ..ops.checks import codes_per_byte
+from ..ops.reference import gather_pages
 
 _ALIGN = 64  # bytes: every section of a page starts on a cache line
 
@@ -96,13 +97,12 @@ class LayerPages:
     def keys(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed keys of ``pages`` (int64 block ids, in token order) as one history: codes
         ``[1, H, D, n*T/P]``, scales and zeros ``[1, H, D, n]`` (copies)."""
-        return tuple(_tokens_last(x.index_select(0, pages)) for x in (self.key_codes, self.key_scales, self.key_zeros))
+        return gather_pages("keys", self.key_codes, self.key_scales, self.key_zeros, pages)
 
     def values(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed values of ``pages`` as one history: codes ``[1, H, n*T, D/P]``, scales and zeros
         ``[1, H, n*T, D/Gv]`` (copies)."""
-        parts = (self.value_codes, self.value_scales, self.value_zeros)
-        return tuple(x.index_select(0, pages).transpose(0, 1).flatten(1, 2).unsqueeze(0).contiguous() for x in parts)
+        return gather_pages("values", self.value_codes, self.value_scales, self.value_zeros, pages)
 
     def store_keys(self, pages: torch.Tensor, codes, scales, zeros) -> None:
         """Writes packed keys of ``len(pages)`` whole pages (codes ``[1, H, D, n*T/P]``, metadata ``[1, H, D, n]``)."""
@@ -110,12 +110,6 @@ class LayerPages:
         for pool, part in ((self.key_codes, codes), (self.key_scales, scales), (self.key_zeros, zeros)):
             h, d, width = part.shape[1], part.shape[2], part.shape[3] // n
             pool.index_copy_(0, pages, part[0].view(h, d, n, width).permute(2, 0, 1, 3))
-
-
-def _tokens_last(x: torch.Tensor) -> torch.Tensor:
-    """``[n, H, D, w]`` pages -> ``[1, H, D, n*w]``: the key layout of one history, tokens along the last axis."""
-    n, h, d, w = x.shape
-    return x.permute(1, 2, 0, 3).reshape(1, h, d, n * w).contiguous()
 
 
 class KiviPageAllocator(FullAttentionCacheAllocator):
