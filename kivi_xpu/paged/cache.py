@@ -67,6 +67,20 @@ class _Request(NamedTuple):
     blocks: torch.Tensor  # int64 block ids of pages 0, 1, ... (ceil((past + q_len) / T) of them)
 
 
+class _DecodePlan(NamedTuple):
+    """What every layer's store and attention of a forward's decode rows need, worked out once per forward."""
+
+    requests: list[_Request]
+    bases: list[int]  # where each request's value rows start in its slot (after move_values)
+    q_index: torch.Tensor  # [N] their query rows in the flat batch
+    slots: torch.Tensor  # [N]
+    window_rows: torch.Tensor  # [2, N] the new token's key row and value row in the slot
+    table: torch.Tensor  # [N, pages] block table
+    table_rows: torch.Tensor  # [N, 7] paged_decode_attention's requests table
+    leaving: torch.Tensor | None  # [4, n] value tokens leaving: slot, window row, block, page row
+    key_blocks: list[tuple[_Request, int, int]]  # (request, packed keys before, keys leaving now)
+
+
 class PageBudget(NamedTuple):
     """How a byte budget splits into exact slots and 2-bit pages (whole sectors, two of them trash)."""
 
@@ -152,7 +166,7 @@ class KiviPagedCache(PagedAttentionCache):
         self._slot_of_request: dict[str, int] = {}
         self._slot_of_first_block: dict[int, int] = {}
         self._requests: list[_Request] = []
-        self._decode: list[_Request] = []
+        self._decode_plan: _DecodePlan | None = None
         self._others: list[_Request] = []
         self._key_rotation = rotation_matrix(settings.key_rotation, head_dim, self.device)
         self._value_rotation = rotation_matrix(settings.value_rotation, head_dim, self.device)
@@ -235,20 +249,40 @@ class KiviPagedCache(PagedAttentionCache):
 
     def _plan_decode(self) -> None:
         """Splits the forward's requests into decode rows (one token after full sinks: one batched store and one
-        attention call per layer) and the others; the decode rows' query index, slots and block table, once per
-        forward."""
-        s = self.settings.sink_tokens
+        attention call per layer) and the others, and works out once per forward what every layer's store and
+        attention of the decode rows need (all layers hold the same counts)."""
+        s, t, settings = self.settings.sink_tokens, self.settings.key_group_size, self.settings
         decode = [r for r in self._requests if r.q_len == 1 and r.past >= s]
         self._others = [r for r in self._requests if not (r.q_len == 1 and r.past >= s)]
-        self._decode = decode
+        self._decode_plan = None
         if not decode:
             return
-        self._decode_q = torch.tensor([r.q_start for r in decode], device=self.device)
-        self._decode_slots = torch.tensor([r.slot for r in decode], device=self.device)
         table = torch.zeros(len(decode), max(r.blocks.numel() for r in decode), dtype=torch.int64)
+        rows, bases, window_rows, leaving, key_blocks = [], [], [], [], []
         for i, r in enumerate(decode):
             table[i, : r.blocks.numel()] = r.blocks
-        self._decode_table = table.to(self.device)
+            qk0, qv0 = settings.quantized_key_count(r.past), settings.quantized_value_count(r.past)
+            base = self.windows.value_base_for(r.past)  # where move_values puts the slot's value rows
+            bases.append(base)
+            window_rows.append((r.past - qk0, r.past - base))  # the new token's key and value rows
+            rows.append((r.slot, s, qk0, s, qv0, s + qv0 - base, r.past + 1))
+            if settings.quantized_value_count(r.past + 1) > qv0:  # the oldest exact value token leaves
+                leaving.append((r.slot, s + qv0 - base, int(r.blocks[qv0 // t]), qv0 % t))
+            qk1 = settings.quantized_key_count(r.past + 1)
+            if qk1 > qk0:  # the key window is full: its block leaves it
+                key_blocks.append((r, qk0, qk1 - qk0))
+        device = self.device
+        self._decode_plan = _DecodePlan(
+            decode,
+            bases,
+            torch.tensor([r.q_start for r in decode], device=device),
+            torch.tensor([r.slot for r in decode], device=device),
+            torch.tensor(window_rows, device=device).T.contiguous(),
+            table.to(device),
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(leaving, device=device).T.contiguous() if leaving else None,
+            key_blocks,
+        )
 
     @torch.compiler.disable
     def update(self, key_states, value_states, layer_idx: int, kwargs: dict[str, Any]):
@@ -261,37 +295,29 @@ class KiviPagedCache(PagedAttentionCache):
         kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][FULL_ATTENTION]
         kwargs["max_length_k"] = kwargs["max_length_k"][FULL_ATTENTION]
         pages = self.cache_allocators[FULL_ATTENTION].pages[layer_idx]
-        decode = self._store_decode_rows(layer_idx, pages, key_states, value_states) if self._decode else None
+        plan = self._decode_plan
+        decode = None if plan is None else self._store_decode_rows(plan, layer_idx, pages, key_states, value_states)
         steps = [self._store(layer_idx, pages, request, key_states, value_states) for request in self._others]
         kwargs[STEP_KEY] = LayerStep(self.backend, decode, steps, (self._key_rotation, self._value_rotation))
         return key_states, value_states
 
-    def _store_decode_rows(self, layer: int, pages: LayerPages, key_states, value_states) -> DecodeRows:
+    def _store_decode_rows(self, plan: _DecodePlan, layer: int, pages: LayerPages, key_states, value_states):
         """Every decode row's update of one layer at once: the new tokens join their slots' windows (one indexed
         copy per kind), the value tokens leaving the windows are quantized into their pages (one call), a key block
-        that fills its window is packed (per request, once in R steps). Returns what the attention reads."""
+        that fills its window is packed (per request, once in R steps). Returns the :class:`DecodeRows` attention
+        reads."""
         settings, s = self.settings, self.settings.sink_tokens
         key_windows, value_windows = self.windows.keys[layer], self.windows.values[layer]
-        rows, key_rows, value_rows, leaving = [], [], [], []
-        for r in self._decode:
-            self.windows.move_values(layer, r.slot, r.past)
-            base = self.windows.value_base[layer][r.slot]
-            qk0, qv0 = settings.quantized_key_count(r.past), settings.quantized_value_count(r.past)
-            key_rows.append(r.past - qk0)
-            value_rows.append(r.past - base)
-            rows.append((r.slot, s, qk0, s, qv0, s + qv0 - base, r.past + 1))
-            if settings.quantized_value_count(r.past + 1) > qv0:
-                leaving.append((r, s + qv0 - base, qv0))
-        index = torch.tensor([key_rows, value_rows], device=self.device)
-        slots, q = self._decode_slots, self._decode_q
-        key_windows[slots, :, index[0]] = key_states[0, :, q].transpose(0, 1)
-        value_windows[slots, :, index[1]] = value_states[0, :, q].transpose(0, 1)
-        if leaving:
-            self._pack_leaving_values(pages, value_windows, leaving)
-        for r, (_, _, qk0, *_), key_row in zip(self._decode, rows, key_rows, strict=True):
-            if settings.quantized_key_count(r.past + 1) > qk0:  # the window is full: its block leaves it
-                tail = key_windows[r.slot, :, s : s + key_row + 1].unsqueeze(0)
-                self._pack_keys(pages, r.blocks, qk0, tail[:, :, : settings.quantized_key_count(r.past + 1) - qk0])
+        held = self.windows.value_base[layer]
+        for r, base in zip(plan.requests, plan.bases, strict=True):
+            if held[r.slot] != base:  # once in G steps per request: the value rows move down
+                self.windows.move_values(layer, r.slot, r.past)
+        key_windows[plan.slots, :, plan.window_rows[0]] = key_states[0, :, plan.q_index].transpose(0, 1)
+        value_windows[plan.slots, :, plan.window_rows[1]] = value_states[0, :, plan.q_index].transpose(0, 1)
+        if plan.leaving is not None:
+            self._pack_leaving_values(pages, value_windows, plan.leaving)
+        for r, qk0, count in plan.key_blocks:
+            self._pack_keys(pages, r.blocks, qk0, key_windows[r.slot, :, s : s + count].unsqueeze(0))
         args = (
             key_windows,
             value_windows,
@@ -301,23 +327,22 @@ class KiviPagedCache(PagedAttentionCache):
             pages.value_codes,
             pages.value_scales,
             pages.value_zeros,
-            self._decode_table,
-            torch.tensor(rows, dtype=torch.int64, device=self.device),
+            plan.table,
+            plan.table_rows,
             settings.key_bits,
             settings.value_group_size,
             settings.value_bits,
         )
-        return DecodeRows(q, args)
+        return DecodeRows(plan.q_index, args)
 
-    def _pack_leaving_values(self, pages: LayerPages, value_windows, leaving) -> None:
-        """Quantizes the value tokens leaving the windows (``(request, window row, packed position)`` each) into
-        their pages' rows: one quantization of all of them (the rotation folded in, as KiviCache's), one indexed
+    def _pack_leaving_values(self, pages: LayerPages, value_windows, leaving: torch.Tensor) -> None:
+        """Quantizes the value tokens leaving the windows (``leaving [4, n]``: slots, window rows, blocks, page rows)
+        into their pages' rows: one quantization of all of them (the rotation folded in, as KiviCache's), one indexed
         copy per section."""
-        t, settings = self.settings.key_group_size, self.settings
-        slots = torch.tensor([r.slot for r, _, _ in leaving], device=self.device)
-        window_rows = torch.tensor([row for _, row, _ in leaving], device=self.device)
+        settings = self.settings
+        slots, window_rows, blocks, page_rows = leaving
         x = value_windows[slots, :, window_rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        heads, n, dim = x.shape[1:]
+        heads, n = x.shape[1:3]
         codes = pages.value_codes.new_empty(1, heads, n, pages.value_codes.shape[3])
         scales = pages.value_scales.new_empty(1, heads, n, pages.value_scales.shape[3])
         zeros = torch.empty_like(scales)
@@ -325,8 +350,6 @@ class KiviPagedCache(PagedAttentionCache):
             x.contiguous(), codes, scales, zeros, 0, settings.value_group_size, settings.value_bits,
             self._value_rotation,
         )  # fmt: skip
-        blocks = torch.tensor([int(r.blocks[position // t]) for r, _, position in leaving], device=self.device)
-        page_rows = torch.tensor([position % t for _, _, position in leaving], device=self.device)
         for section, part in ((pages.value_codes, codes), (pages.value_scales, scales), (pages.value_zeros, zeros)):
             section[blocks, :, page_rows] = part[0].transpose(0, 1)
 
