@@ -11,6 +11,7 @@
 #include "decode_attention.h"
 #include "isa.h"
 #include "kernels.h"
+#include "torch_dtype.h"
 
 namespace kivi::cpu {
 namespace {
@@ -20,12 +21,10 @@ using decode::Packed;
 using decode::Problem;
 
 Dtype float_dtype(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return kF32;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: TORCH_CHECK(false, "decode_attention: `", name, "` must be float32, float16 or bfloat16, got ", t.dtype());
-  }
+  Dtype dtype;
+  TORCH_CHECK(kernel_dtype(t.scalar_type(), &dtype), "decode_attention: `", name,
+              "` must be float32, float16 or bfloat16, got ", t.dtype());
+  return dtype;
 }
 
 void check_cpu_rank4(const at::Tensor& t, const char* name) {

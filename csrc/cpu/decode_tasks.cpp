@@ -90,7 +90,8 @@ void run_problems(const Problem* problems, const int64_t* first_task, int64_t co
   // Each thread claims its next task before running the current one and prefetches that task's packed bytes, so
   // their DRAM misses overlap a whole task of arithmetic (in a model the history is cold).
   const auto problem_of = [&](int64_t task) {
-    return count == 1 ? int64_t{0} : int64_t(std::upper_bound(first_task, first_task + count + 1, task) - first_task) - 1;
+    if (count == 1) return int64_t{0};
+    return int64_t(std::upper_bound(first_task, first_task + count + 1, task) - first_task) - 1;
   };
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, (tasks + grain - 1) / grain, 1, [&](int64_t, int64_t) {

@@ -12,6 +12,7 @@
 #include "decode_attention.h"
 #include "isa.h"
 #include "kernels.h"
+#include "torch_dtype.h"
 
 namespace kivi::cpu {
 namespace {
@@ -24,14 +25,10 @@ using decode::Problem;
 enum Column : int { kSlot, kSinks, kKeyCount, kKeyTailRow, kValueCount, kValueTailRow, kLength, kColumns };
 
 Dtype dtype_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return kF32;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default:
-      TORCH_CHECK_TYPE(false, "paged_decode_attention: `", name, "` must be float32, float16 or bfloat16, got ",
-                       t.dtype());
-  }
+  Dtype dtype;
+  TORCH_CHECK_TYPE(kernel_dtype(t.scalar_type(), &dtype), "paged_decode_attention: `", name,
+                   "` must be float32, float16 or bfloat16, got ", t.dtype());
+  return dtype;
 }
 
 void check_cpu(const at::Tensor& t, const char* name, int64_t rank) {
@@ -85,7 +82,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                     "paged_decode_attention: `value_windows` must share the dtype of `key_windows`");
   const int64_t N = query.size(0), q_heads = query.size(1), D = query.size(3);
   const int64_t slots = key_windows.size(0), H = key_windows.size(1);
-  TORCH_CHECK_VALUE(query.size(2) == 1, "paged_decode_attention: one query row per request (`query` [N, Hq, 1, D]), got ",
+  TORCH_CHECK_VALUE(query.size(2) == 1,
+                    "paged_decode_attention: one query row per request (`query` [N, Hq, 1, D]), got ",
                     query.sizes());
   TORCH_CHECK_VALUE(H > 0 && q_heads % H == 0 && D > 0 && D <= decode::kMaxDim && key_windows.size(3) == D,
                     "paged_decode_attention: `query` ", query.sizes(), " and `key_windows` ", key_windows.sizes(),
@@ -110,7 +108,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                    "paged_decode_attention: scales and zeros must share a dtype");
   TORCH_CHECK_VALUE(key_codes.size(2) == D && key_scales.size(2) == D && key_scales.size(3) == 1 &&
                         key_zeros.strides() == key_scales.strides() && key_zeros.sizes() == key_scales.sizes(),
-                    "paged_decode_attention: key pages must be codes [blocks, H, ", D, ", T/P] and scales/zeros [blocks, H, ",
+                    "paged_decode_attention: key pages must be codes [blocks, H, ", D,
+                    ", T/P] and scales/zeros [blocks, H, ",
                     D, ", 1] with equal strides, got ", key_codes.sizes(), " and ", key_scales.sizes());
   TORCH_CHECK_VALUE(value_group > 0 && Dv % value_group == 0 && Dv <= decode::kMaxDim &&
                         value_codes.size(2) == T && value_scales.size(2) == T &&

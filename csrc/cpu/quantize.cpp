@@ -11,6 +11,7 @@
 #include "kernels.h"
 #include "quantize.h"
 #include "quantize_job.h"
+#include "torch_dtype.h"
 
 namespace kivi::cpu {
 namespace {
@@ -45,16 +46,9 @@ Kernels kernels() {
 }
 
 Dtype float_dtype(at::ScalarType type, const char* name) {
-  switch (type) {
-    case at::kFloat:
-      return kF32;
-    case at::kHalf:
-      return kF16;
-    case at::kBFloat16:
-      return kBF16;
-    default:
-      TORCH_CHECK_TYPE(false, "`", name, "` must be one of (float32, float16, bfloat16), got ", type);
-  }
+  Dtype dtype;
+  TORCH_CHECK_TYPE(kernel_dtype(type, &dtype), "`", name, "` must be one of (float32, float16, bfloat16), got ", type);
+  return dtype;
 }
 
 void check_bits_and_group(int64_t group_size, int64_t bits) {
