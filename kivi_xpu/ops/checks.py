@@ -437,7 +437,7 @@ def check_paged_decode_args(query, key_windows, value_windows, key_codes, key_sc
     if (
         key_scales.shape != key_zeros.shape
         or tuple(key_scales.shape[2:]) != (head_dim, 1)
-        or key_codes.shape[2] != (head_dim)
+        or key_codes.shape[2] != head_dim
     ):
         raise ValueError(
             f"key pages must be codes [blocks, H, {head_dim}, T/P] and scales/zeros [blocks, H, {head_dim}, 1], got "

@@ -252,8 +252,9 @@ class KiviPagedCache(PagedAttentionCache):
         attention call per layer) and the others, and works out once per forward what every layer's store and
         attention of the decode rows need (all layers hold the same counts)."""
         s, t, settings = self.settings.sink_tokens, self.settings.key_group_size, self.settings
-        decode = [r for r in self._requests if r.q_len == 1 and r.past >= s]
-        self._others = [r for r in self._requests if not (r.q_len == 1 and r.past >= s)]
+        decode, self._others = [], []
+        for r in self._requests:
+            (decode if r.q_len == 1 and r.past >= s else self._others).append(r)
         self._decode_plan = None
         if not decode:
             return
@@ -354,7 +355,8 @@ class KiviPagedCache(PagedAttentionCache):
             section[blocks, :, page_rows] = part[0].transpose(0, 1)
 
     def _store(self, layer: int, pages: LayerPages, request: _Request, key_states, value_states) -> RequestStep:
-        """One request's update of one layer: returns what its attention reads."""
+        """One request's update of one layer, for a request that is not a decode row (a prefill, a prompt chunk, or
+        a token before the sinks are full): returns what its attention reads."""
         s, settings = self.settings.sink_tokens, self.settings
         slot, past, m = request.slot, request.past, request.q_len
         new_k = key_states[:, :, request.q_start : request.q_start + m]
@@ -366,22 +368,14 @@ class KiviPagedCache(PagedAttentionCache):
         self.windows.move_values(layer, slot, past)
         base = self.windows.value_base[layer][slot]
         held_sinks = min(past, s)
-        if m == 1 and past >= s:
-            # A decode step: the token joins the window rows; the tails are views of the slot.
-            key_row, value_row = s + past - s - qk0, s + past - s - base
-            key_rows[:, key_row] = new_k[0, :, 0]
-            value_rows[:, value_row] = new_v[0, :, 0]
-            key_tail = key_rows[:, s : key_row + 1].unsqueeze(0)
-            value_tail = value_rows[:, s + qv0 - base : value_row + 1].unsqueeze(0)
-        else:
-            # Exact tokens after the packed ones: window rows then the new tokens (sinks-bound ones first).
-            key_tail = torch.cat([key_rows[:, s : s + max(0, past - s - qk0)].unsqueeze(0), new_k], dim=2)
-            value_tail = torch.cat([value_rows[:, s + qv0 - base : s + max(0, past - s) - base].unsqueeze(0), new_v],
-                                   dim=2)  # fmt: skip
-            to_sinks = min(m, s - held_sinks)
-            if to_sinks > 0:
-                key_rows[:, held_sinks : held_sinks + to_sinks] = new_k[0, :, :to_sinks]
-                value_rows[:, held_sinks : held_sinks + to_sinks] = new_v[0, :, :to_sinks]
+        # Exact tokens after the packed ones: window rows then the new tokens (sinks-bound ones first).
+        key_tail = torch.cat([key_rows[:, s : s + max(0, past - s - qk0)].unsqueeze(0), new_k], dim=2)
+        value_tail = torch.cat([value_rows[:, s + qv0 - base : s + max(0, past - s) - base].unsqueeze(0), new_v],
+                               dim=2)  # fmt: skip
+        to_sinks = min(m, s - held_sinks)
+        if to_sinks > 0:
+            key_rows[:, held_sinks : held_sinks + to_sinks] = new_k[0, :, :to_sinks]
+            value_rows[:, held_sinks : held_sinks + to_sinks] = new_v[0, :, :to_sinks]
         step = RequestStep(
             request.q_start,
             m,
@@ -390,15 +384,12 @@ class KiviPagedCache(PagedAttentionCache):
             past == 0,
         )
         # Tokens leaving the exact window now (attention still reads them exact, from the tails above).
-        first_after_sinks = max(0, s - past)  # tail index of position s (the tails start at s + q0 or at past)
+        start = max(0, s - past)  # tail index of position s (the tails start at s + q0 or at past)
         if qk1 > qk0:
-            start = first_after_sinks if past < s else 0
             self._pack_keys(pages, request.blocks, qk0, key_tail[:, :, start : start + qk1 - qk0])
         if qv1 > qv0:
-            start = first_after_sinks if past < s else 0
             self._pack_values(pages, request.blocks, qv0, value_tail[:, :, start : start + qv1 - qv0])
-        if not (m == 1 and past >= s):
-            self._rewrite_windows(layer, slot, length, key_tail, value_tail, past)
+        self._rewrite_windows(layer, slot, length, key_tail, value_tail, past)
         return step
 
     def _rewrite_windows(self, layer: int, slot: int, length: int, key_tail, value_tail, past: int) -> None:
