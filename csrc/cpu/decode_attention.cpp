@@ -12,6 +12,7 @@
 #include "decode_attention.h"
 #include "isa.h"
 #include "kernels.h"
+#include "query_rows.h"
 #include "torch_dtype.h"
 
 namespace kivi::cpu {
@@ -230,23 +231,12 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   p.chunk = chunk_tokens(p.n - p.sinks, key_group, batch * kv_heads);
   p.chunks = std::max<int64_t>(1, (p.n - p.sinks + p.chunk - 1) / p.chunk);
 
-  // fp32 query times scaling, rounded as the twin does (one temporary for an fp32 query)
-  const at::Tensor q32 = query.scalar_type() == at::kFloat ? query : query.to(at::kFloat);
-  const at::Tensor q = (q32 * scaling).contiguous();
-  p.query = q.data_ptr<float>();
   const float* key_q = rotation(key_rotation, "key_rotation", head_dim);
   const float* value_q = rotation(value_rotation, "value_rotation", p.value_dim);
-  at::Tensor value_qt;  // Qᵀ contiguous: (packed sum) Qᵀ as rows times a matrix
-  if (value_q != nullptr) {
-    value_qt = value_rotation->t().contiguous();
-    value_q = value_qt.data_ptr<float>();
-  }
-  at::Tensor rotated_query;
-  if (key_q != nullptr) {  // packed keys hold k Q: score them with q Q (q·k = qQ·kQ)
-    rotated_query = at::empty_like(q);
-    decode::rows_times(p.query, key_q, q.numel() / head_dim, head_dim, rotated_query.data_ptr<float>(), false);
-  }
-  p.packed_query = key_q != nullptr ? rotated_query.data_ptr<float>() : p.query;
+  if (value_q != nullptr) value_q = decode::transposed(value_q, p.value_dim);  // (packed sum) Qᵀ: rows times Qᵀ
+  const decode::QueryRows q = decode::query_rows(query, scaling, key_q);
+  p.query = q.scaled;
+  p.packed_query = q.rotated;
   p.packed_acc = value_q != nullptr ? (p.value_dim + 15) / 16 * 16 : 0;
   p.acc_width = p.packed_acc + p.value_dim;
   p.acc_row = (decode::kAccOffset + p.acc_width + 15) / 16 * 16;

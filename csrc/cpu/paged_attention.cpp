@@ -12,6 +12,7 @@
 #include "decode_attention.h"
 #include "isa.h"
 #include "kernels.h"
+#include "query_rows.h"
 #include "torch_dtype.h"
 
 namespace kivi::cpu {
@@ -157,17 +158,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   // ---- one Problem of batch 1 per request ----
   const int64_t q_per_kv = q_heads / H;
   const auto f32 = query.options().dtype(at::kFloat);
-  const at::Tensor q = (query.to(at::kFloat) * scaling).contiguous();
-  at::Tensor rotated_query;
-  if (key_q != nullptr) {  // packed keys hold k Q: score them with q Q
-    rotated_query = at::empty_like(q);
-    decode::rows_times(q.data_ptr<float>(), key_q, N * q_heads, D, rotated_query.data_ptr<float>(), false);
-  }
-  at::Tensor value_qt;
-  if (value_q != nullptr) {
-    value_qt = value_rotation->t().contiguous();
-    value_q = value_qt.data_ptr<float>();
-  }
+  const decode::QueryRows q = decode::query_rows(query, scaling, key_q);  // packed keys hold k Q: scored with q Q
+  if (value_q != nullptr) value_q = decode::transposed(value_q, Dv);  // (packed sum) Qᵀ: rows times Qᵀ
   const int64_t packed_acc = value_q != nullptr ? (Dv + 15) / 16 * 16 : 0;
   const int64_t acc_width = packed_acc + Dv, acc_row = (decode::kAccOffset + acc_width + 15) / 16 * 16;
   const int64_t chunk = T * std::max<int64_t>(1, 256 / T);  // as decode_attention: chunks of ~256 tokens
@@ -219,8 +211,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   at::Tensor partials = at::empty({partial_floats}, f32);
   for (int64_t i = 0; i < N; ++i) {
     Problem& p = problems[i];
-    p.query = q.data_ptr<float>() + i * q_heads * D;
-    p.packed_query = (key_q != nullptr ? rotated_query.data_ptr<float>() : q.data_ptr<float>()) + i * q_heads * D;
+    p.query = q.scaled + i * q_heads * D;
+    p.packed_query = q.rotated + i * q_heads * D;
     p.scores = scores.data_ptr<float>() + score_at[i];
     p.partials = partials.data_ptr<float>() + partial_at[i];
   }
