@@ -162,7 +162,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   if (value_q != nullptr) value_q = decode::transposed(value_q, Dv);  // (packed sum) Qᵀ: rows times Qᵀ
   const int64_t packed_acc = value_q != nullptr ? (Dv + 15) / 16 * 16 : 0;
   const int64_t acc_width = packed_acc + Dv, acc_row = (decode::kAccOffset + acc_width + 15) / 16 * 16;
-  const int64_t chunk = T * std::max<int64_t>(1, 256 / T);  // as decode_attention: chunks of ~256 tokens
+  // Chunks of ~256 tokens. (decode_attention's are up to 4096 because its keys are channel-major, D short runs per
+  // chunk; a page holds each key group's codes in one run. Longer chunks here are not measured.)
+  const int64_t chunk = T * std::max<int64_t>(1, 256 / T);
 
   std::vector<Problem> problems(N);
   std::vector<int64_t> first_task(N + 1, 0), score_at(N), partial_at(N);
