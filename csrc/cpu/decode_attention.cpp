@@ -164,9 +164,9 @@ void describe_mask(const c10::optional<at::Tensor>& mask_arg, Problem& p, at::Te
 // (SmolLM2-135M, Zen 4, batch 4 / 8064, one process, steps interleaved) the op took 1.01 ms per layer with chunks of
 // 256 tokens and 0.87 with 4096 (another run: 0.98 / 0.90 / 0.91 ms at 2048 / 4096 / 8192; in a phase of the VM with
 // slow memory 1.80 / 1.20 / 1.04 / 0.97 ms at 256 / 1024 / 2048 / 4096); batch 1 / 8064: 0.47 / 0.33 / 0.29 / 0.28 ms
-// at 256 / 1024 / 2048 / 4096. But at least kMinTasks tasks,
-// so that a few cores stay balanced and a thread can take over the tasks of one that lost its core. The split
-// depends on the shapes only, never on the thread count: the result is the same on any number of threads.
+// at 256 / 1024 / 2048 / 4096. But at least kMinTasks tasks, so that a few cores stay balanced and a thread can take
+// over the tasks of one that lost its core. The split depends on the shapes only, never on the thread count: the
+// result is the same on any number of threads.
 constexpr int64_t kMinChunk = 256, kMaxChunk = 4096, kMinTasks = 12;
 int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads) {
   const int64_t per_head = std::max<int64_t>(1, (kMinTasks + heads - 1) / heads);

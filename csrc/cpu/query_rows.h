@@ -1,7 +1,8 @@
 // The query side of the fused decode attention, shared by decode_attention.cpp and paged_attention.cpp: the query rows
 // in fp32 times `scaling` (and times the key rotation), and the transposed value rotation. Written as plain loops: the
 // torch ops they replace (`(query.float() * scaling).contiguous()`, `empty_like`, `rotation.t().contiguous()`) cost
-// ~20 us of a ~90 us call at batch 1 / 1k tokens, more than the rows' arithmetic.
+// more than the rows' arithmetic: in the model at batch 1 / 1k tokens the op's set-up took 74-80 k TSC cycles with
+// them and 38 k without, of a ~235 k-cycle call (Zen 4).
 #pragma once
 #include <ATen/ATen.h>
 
