@@ -56,6 +56,8 @@ CASES = [
     # 4-token key groups: a chunk holds 64 groups, so its key metadata comes in several blocks, the last one ragged
     Case(key_group=4, value_group=16, key_count=300, value_count=301, key_tail=3, meta=torch.bfloat16),
     Case(batch=3, kv_heads=2, ratio=3, length=1, key_count=1024, value_count=1000, key_tail=40, mask="bool"),
+    # 48-token key groups over several chunks: the chunks (multiples of 48) cut the 32-token blocks of the value factors
+    Case(batch=1, kv_heads=1, key_group=48, key_count=960, value_count=1000, key_tail=40, sinks=4),
     # rotated history (the default cache): the packed sums apart from the exact ones, un-rotated after the merge
     Case(rotated="kv", sinks=4, mask="bool", length=3),
     Case(rotated="k", key_count=288, value_count=300, key_tail=40, ratio=8, kv_heads=1),

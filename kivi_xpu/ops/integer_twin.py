@@ -10,9 +10,9 @@ Packed keys, group ``g`` of ``G`` tokens, query row ``r`` (scaled, and rotated w
     m  = max |qs|;  qi = round(qs * (127 / m));  a = m / 127          (qi = 0 where m == 0; round half to even)
     score_t = a * sum_d qi_d c_td + sum_d q_rd z_gd
 
-Packed values, per kernel chunk (tokens ``[k * chunk, (k + 1) * chunk)`` past the sinks, ``chunk = key_group *
-max(1, 256 // key_group)``) in blocks of ``B`` tokens from the chunk's start (32 for 2-bit codes, 16 for 4-bit), per
-row ``r`` and channel group ``g``::
+Packed values, per kernel chunk (tokens ``[k * chunk, (k + 1) * chunk)`` past the sinks, ``chunk`` as
+:func:`chunk_tokens`) in blocks of ``B`` tokens from the chunk's start (32 for 2-bit codes, 16 for 4-bit), per row
+``r`` and channel group ``g``::
 
     w_t = p_rt * s_tg;  m = max_t w_t;  wi_t = round(w_t * (255 / m));  b = m / 255
     out_rd += b * sum_{t in block} wi_t c_td + sum_t p_rt z_tg
@@ -51,9 +51,16 @@ def value_block(bits: int) -> int:
     return 32 if bits == 2 else 16
 
 
-def chunk_tokens(key_group: int) -> int:
-    """Tokens per chunk of the native kernel past the sinks (decode_attention.cpp)."""
-    return key_group * max(1, 256 // key_group)
+# The native kernel's split of the positions past the sinks (csrc/cpu/decode_tasks.cpp, chunk_tokens).
+MIN_CHUNK, MAX_CHUNK, MIN_TASKS = 256, 4096, 12
+
+
+def chunk_tokens(tokens: int, key_group: int, heads: int) -> int:
+    """Tokens per chunk of the native kernel for ``tokens`` positions past the sinks of ``heads`` (batch x kv heads)
+    histories: at least MIN_TASKS chunks in all, each 256-4096 positions, rounded up to whole key groups."""
+    per_head = max(1, -(-MIN_TASKS // heads))
+    chunk = min(max(-(-tokens // per_head), MIN_CHUNK), MAX_CHUNK)
+    return key_group * max(1, -(-chunk // key_group))
 
 
 def _by_row_sets(ok: torch.Tensor) -> torch.Tensor:
@@ -90,16 +97,16 @@ def packed_key_scores(q, codes, scales, zeros, count: int, group: int, bits: int
     return torch.where(finite.unsqueeze(-1), integer, exact).reshape(b, h, rows, count)
 
 
-def packed_value_sum(p, codes, scales, zeros, count: int, group: int, bits: int, key_group: int) -> torch.Tensor:
+def packed_value_sum(p, codes, scales, zeros, count: int, group: int, bits: int, chunk: int) -> torch.Tensor:
     """``p [B, Hkv, rows, count] @ dequantized values`` -> ``[B, Hkv, rows, Dv]``, on the integer path where the
-    settings allow it (blocks and chunks as the kernel's)."""
+    settings allow it (blocks as the kernel's, in its chunks of ``chunk`` tokens)."""
     c = unpack(codes[:, :, :count], 3, bits).float()  # [B, H, count, Dv]
     s = scales[:, :, :count].float()  # [B, H, count, groups]
     zero_part = torch.einsum("bhrt,bhtg->bhrg", p, zeros[:, :, :count].float()).repeat_interleave(group, dim=-1)
     exact = torch.einsum("bhrt,bhtd->bhrd", p, c * s.repeat_interleave(group, dim=-1))
     if not integer_values(bits, group):
         return exact + zero_part
-    chunk, block = chunk_tokens(key_group), value_block(bits)
+    block = value_block(bits)
     total = torch.zeros_like(exact)
     for c0 in range(0, count, chunk):
         c1 = min(c0 + chunk, count)
@@ -162,6 +169,7 @@ def decode_attention(
     if sinks:
         out = out + p[..., :sinks] @ value_sinks.float()
     if value_count:
+        chunk = chunk_tokens(p.shape[-1] - sinks, key_group, b * kv_heads)
         packed = packed_value_sum(
             p[..., sinks : sinks + value_count],
             value_codes,
@@ -170,7 +178,7 @@ def decode_attention(
             value_count,
             value_group,
             value_bits,
-            key_group,
+            chunk,
         )
         out = out + unrotate(packed, value_rotation)
     return out.reshape(b, hq, length, -1).to(query.dtype)
