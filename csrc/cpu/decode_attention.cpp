@@ -158,22 +158,6 @@ void describe_mask(const c10::optional<at::Tensor>& mask_arg, Problem& p, at::Te
   p.mask_col0 = keep.size(3) - p.n;  // the last n columns are this layer's positions
 }
 
-// Tokens per chunk (whole key groups) for `tokens` positions past the sinks in each of `heads` (batch x kv head)
-// sequences. Long chunks: the packed keys are stored channel-major (codes [B, H, D, tokens / P]), so a chunk reads D
-// runs of codes and metadata `code_row` bytes apart, and short runs leave the loads waiting on memory. In the model
-// (SmolLM2-135M, Zen 4, batch 4 / 8064, one process, steps interleaved) the op took 1.01 ms per layer with chunks of
-// 256 tokens and 0.87 with 4096 (another run: 0.98 / 0.90 / 0.91 ms at 2048 / 4096 / 8192; in a phase of the VM with
-// slow memory 1.80 / 1.20 / 1.04 / 0.97 ms at 256 / 1024 / 2048 / 4096); batch 1 / 8064: 0.47 / 0.33 / 0.29 / 0.28 ms
-// at 256 / 1024 / 2048 / 4096. But at least kMinTasks tasks, so that a few cores stay balanced and a thread can take
-// over the tasks of one that lost its core. The split depends on the shapes only, never on the thread count: the
-// result is the same on any number of threads.
-constexpr int64_t kMinChunk = 256, kMaxChunk = 4096, kMinTasks = 12;
-int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads) {
-  const int64_t per_head = std::max<int64_t>(1, (kMinTasks + heads - 1) / heads);
-  const int64_t chunk = std::clamp<int64_t>((tokens + per_head - 1) / per_head, kMinChunk, kMaxChunk);
-  return group * std::max<int64_t>(1, (chunk + group - 1) / group);
-}
-
 at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Tensor>& key_sinks,
                             const at::Tensor& key_codes, const at::Tensor& key_scales, const at::Tensor& key_zeros,
                             int64_t key_count, int64_t key_group, int64_t key_bits, const at::Tensor& key_tail,
@@ -228,7 +212,7 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   at::Tensor mask_keep;
   describe_mask(mask, p, mask_keep, q_heads);
 
-  p.chunk = chunk_tokens(p.n - p.sinks, key_group, batch * kv_heads);
+  p.chunk = decode::chunk_tokens(p.n - p.sinks, key_group, batch * kv_heads);
   p.chunks = std::max<int64_t>(1, (p.n - p.sinks + p.chunk - 1) / p.chunk);
 
   const float* key_q = rotation(key_rotation, "key_rotation", head_dim);

@@ -81,8 +81,13 @@ void chunk_baseline(const Problem& p, int64_t task);
 
 // ---- host side (decode_tasks.cpp), shared by decode_attention.cpp and paged_attention.cpp ----------------------
 
+// Tokens per chunk (Problem::chunk, whole key groups) for `tokens` positions past the sinks in each of `heads`
+// (batch x kv head) histories: 256-4096 tokens, at least 12 tasks in all; the shapes alone decide it (the
+// integer twin's chunk_tokens mirrors it). A paged request gets the chunks of decode_attention over its tokens.
+int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads);
+
 // Runs every task of `count` problems in torch's intra-op pool: problem i owns the global tasks
-// [first_task[i], first_task[i + 1]) (first_task has count + 1 entries); all problems share rows and chunk size.
+// [first_task[i], first_task[i + 1]) (first_task has count + 1 entries); all problems share rows.
 void run_problems(const Problem* problems, const int64_t* first_task, int64_t count);
 
 // Merges the chunks of every query row of `p` in order into out [B, Hkv, rows, value_dim] (and, with rotated values,

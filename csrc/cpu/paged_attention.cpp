@@ -162,9 +162,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   if (value_q != nullptr) value_q = decode::transposed(value_q, Dv);  // (packed sum) Qᵀ: rows times Qᵀ
   const int64_t packed_acc = value_q != nullptr ? (Dv + 15) / 16 * 16 : 0;
   const int64_t acc_width = packed_acc + Dv, acc_row = (decode::kAccOffset + acc_width + 15) / 16 * 16;
-  // Chunks of ~256 tokens. (decode_attention's are up to 4096 because its keys are channel-major, D short runs per
-  // chunk; a page holds each key group's codes in one run. Longer chunks here are not measured.)
-  const int64_t chunk = T * std::max<int64_t>(1, 256 / T);
 
   std::vector<Problem> problems(N);
   std::vector<int64_t> first_task(N + 1, 0), score_at(N), partial_at(N);
@@ -181,8 +178,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
     p.value_dim = Dv;
     p.sinks = r[kSinks];
     p.n = r[kLength];
-    p.chunk = chunk;
-    p.chunks = std::max<int64_t>(1, (p.n - p.sinks + chunk - 1) / chunk);
+    p.chunk = decode::chunk_tokens(p.n - p.sinks, T, H);  // decode_attention's over this request's tokens
+    p.chunks = std::max<int64_t>(1, (p.n - p.sinks + p.chunk - 1) / p.chunk);
     p.mask_kind = decode::kMaskNone;
     p.softcap = 0.0f;
     p.integer = current_dot() == Dot::kInt8;
