@@ -383,8 +383,12 @@ void value_rows(const Problem& P, const uint8_t* codes, int64_t meta0, int64_t t
   bool zeros_done = false;
   int64_t ch = 0;
 #if defined(KIVI_DA_INTEGER)
+  const auto locate = [&](int64_t t, const uint8_t** at, int64_t* meta) {
+    *at = codes + t * V.code_row;
+    *meta = meta0 + t * V.meta_row;
+  };
   if (BITS != 8 && P.integer && integer_values(BITS, G) &&
-      int8_value_rows<(BITS < 8 ? BITS : 2), NR>(V, codes, meta0, t0, t1, Dv, prob, acc))
+      int8_value_rows<(BITS < 8 ? BITS : 2), NR>(V, locate, t0, t1, Dv, prob, acc))
     return;
 #endif
   if (G % VW == 0) {  // whole vectors per group; the first block also sums the zeros when they fit a vector
@@ -421,10 +425,42 @@ void value_rows(const Problem& P, const uint8_t* codes, int64_t meta0, int64_t t
       for (int64_t d = g * G; d < (g + 1) * G; ++d) acc[r][d] += zsum[r][g];
 }
 
-// Packed tokens [t0, t1) of one storage run (codes / meta0: its token 0); prob[r] indexed by that run's tokens.
+// Paged packed tokens [t0, t1) of (batch, kv head) bh for NR rows, prob[r] indexed by packed token: one pass of the
+// integer path over all their pages when each page holds whole blocks of its factors (else, or for a non-finite
+// weight, page by page): a page of 32 tokens is one block, and a call per page repeated the sums' set-up and
+// epilogue for each. In one process (4 requests x 8064 tokens of SmolLM2-135M histories, Zen 4, 30 layers in turn):
+// 1.18 -> 1.11 ms per call; 1 request: 0.312 -> 0.300 ms.
+template <int BITS, int NR>
+void paged_value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const float* const* prob,
+                      float* const* acc) {
+  const Packed& V = P.values;
+  const int64_t T = V.page_tokens;
+#if defined(KIVI_DA_INTEGER)
+  if (BITS != 8 && P.integer && integer_values(BITS, V.group) && T % kValueBlock<(BITS < 8 ? BITS : 2)> == 0 &&
+      t0 % T == 0) {
+    const auto locate = [&](int64_t t, const uint8_t** at, int64_t* meta) {
+      const int64_t page = t / T, block = V.pages[page], row = t - page * T;
+      *at = V.codes + block * V.code_page + bh * V.code_head + row * V.code_row;
+      *meta = block * V.meta_page + bh * V.meta_head + row * V.meta_row;
+    };
+    if (int8_value_rows<(BITS < 8 ? BITS : 2), NR>(V, locate, t0, t1, P.value_dim, prob, acc)) return;
+  }
+#endif
+  for (int64_t first = t0; first < t1;) {
+    const int64_t page = first / T, last = min64(t1, (page + 1) * T), block = V.pages[page];
+    const float* page_prob[NR];
+    for (int r = 0; r < NR; ++r) page_prob[r] = prob[r] + page * T;
+    value_rows<BITS, NR>(P, V.codes + block * V.code_page + bh * V.code_head, block * V.meta_page + bh * V.meta_head,
+                         first - page * T, last - page * T, page_prob, acc);
+    first = last;
+  }
+}
+
+// Packed tokens [t0, t1) of one storage run (codes / meta0: its token 0), or with `paged` those of bh's pages; prob[r]
+// indexed by that run's tokens.
 template <int BITS>
 void value_run(const Problem& P, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, const float* prob,
-               float* acc, int64_t acc_row) {
+               float* acc, int64_t acc_row, int64_t paged_bh = -1) {
   const float* p[4];
   float* a[4];
   for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
@@ -432,6 +468,15 @@ void value_run(const Problem& P, const uint8_t* codes, int64_t meta0, int64_t t0
     for (int i = 0; i < nr; ++i) {
       p[i] = prob + (r0 + i) * P.score_row;
       a[i] = acc + (r0 + i) * acc_row;
+    }
+    if (paged_bh >= 0) {
+      switch (nr) {
+        case 1: paged_value_rows<BITS, 1>(P, paged_bh, t0, t1, p, a); break;
+        case 2: paged_value_rows<BITS, 2>(P, paged_bh, t0, t1, p, a); break;
+        case 3: paged_value_rows<BITS, 3>(P, paged_bh, t0, t1, p, a); break;
+        default: paged_value_rows<BITS, 4>(P, paged_bh, t0, t1, p, a); break;
+      }
+      continue;
     }
     switch (nr) {
       case 1: value_rows<BITS, 1>(P, codes, meta0, t0, t1, p, a); break;
@@ -453,14 +498,7 @@ void packed_values(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const f
     value_run<BITS>(P, V.codes + bh * V.code_head, bh * V.meta_head, t0, t1, prob_of_token0, acc, acc_row);
     return;
   }
-  const int64_t T = V.page_tokens;
-  for (int64_t first = t0; first < t1;) {
-    const int64_t page = first / T, last = min64(t1, (page + 1) * T);
-    const int64_t block = V.pages[page];
-    value_run<BITS>(P, V.codes + block * V.code_page + bh * V.code_head, block * V.meta_page + bh * V.meta_head,
-                    first - page * T, last - page * T, prob_of_token0 + page * T, acc, acc_row);
-    first = last;
-  }
+  value_run<BITS>(P, nullptr, 0, t0, t1, prob_of_token0, acc, acc_row, bh);
 }
 
 // ---- softmax of one chunk -----------------------------------------------------------------------------------------

@@ -261,10 +261,12 @@ inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n,
 
 // acc[r][0, Dv) += the packed values of NR rows over packed tokens [t0, t1): sum_t p_rt * (s_tg * c_td + z_tg), the
 // codes' part in blocks of kValueBlock tokens from t0 (see the top of this file), the zeros' part in fp32; prob[r] is
-// indexed by packed token. False, with `acc` untouched, when a weight p * s is not finite (the caller then takes the
-// fp32 path). Needs integer_values(BITS, V.group).
-template <int BITS, int NR>
-inline bool int8_value_rows(const Packed& V, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, int64_t Dv,
+// indexed by packed token. locate(tb, &codes, &meta) gives the storage of the block from token tb: its first token's
+// codes and the element offset of its metadata, the block's tokens `code_row` bytes / `meta_row` elements apart. False,
+// with `acc` untouched, when a weight p * s is not finite (the caller then takes the fp32 path). Needs
+// integer_values(BITS, V.group).
+template <int BITS, int NR, typename Locate>
+inline bool int8_value_rows(const Packed& V, Locate locate, int64_t t0, int64_t t1, int64_t Dv,
                             const float* const* prob, float* const* acc) {
   constexpr int P = 8 / BITS;
   // Planes per pass: up to 12 int16 sums in registers (with 3 rows a few spill, which measured faster than a second
@@ -286,8 +288,11 @@ inline bool int8_value_rows(const Packed& V, const uint8_t* codes, int64_t meta0
   uint8_t ragged[4 * kMaxDim / 2];  // the last tokens of a block that is not a whole number of 4 tokens, zero-padded
   for (int64_t tb = t0; tb < t1; tb += TB) {
     const int64_t n = min64(TB, t1 - tb), quads = (n + 3) / 4;
-    block_meta<TB>(V.scales, V.meta, meta0 + tb * groups, n, groups, buffer, scale);
-    block_meta<TB>(V.zeros, V.meta, meta0 + tb * groups, n, groups, buffer, zero);
+    const uint8_t* block;
+    int64_t meta;
+    locate(tb, &block, &meta);
+    block_meta<TB>(V.scales, V.meta, meta, n, groups, buffer, scale);
+    block_meta<TB>(V.zeros, V.meta, meta, n, groups, buffer, zero);
     for (int r = 0; r < NR; ++r) {
       const float* p = prob[r] + tb;
       if (n < TB) {
@@ -299,7 +304,6 @@ inline bool int8_value_rows(const Packed& V, const uint8_t* codes, int64_t meta0
         if (b[r][g] != b[r][g]) return false;
       }
     }
-    const uint8_t* block = codes + tb * V.code_row;
     const int64_t whole = n / 4;  // quads read in place; a ragged last one from a zero-padded copy
     if (whole < quads) {
       for (int64_t i = 0; i < 4 * V.code_row; ++i) ragged[i] = 0;
