@@ -172,35 +172,6 @@ inline void load_key_meta(const void* base, Dtype dtype, int64_t offset, int64_t
   }
 }
 
-// Asks the L2 for the code and metadata lines of the key groups [g, g + kMetaGroups) (clipped to g1) of (batch,
-// kv head) bh in channel-major storage: D runs `code_row` bytes apart, too many streams for the hardware prefetchers.
-// packed_scores asks kPrefetchBlocks blocks ahead. In the model (SmolLM2-135M, batch 4 / 8064, chunks of 4096 tokens,
-// Zen 4; TSC cycles of the key scoring summed over the tasks of 20 steps, two runs each): none 1.45 / 1.51 G, two
-// blocks ahead into L1 1.30 / 1.34 G, into L2 (locality 1) 1.24 / 1.25 G, four blocks ahead into L2 1.29 / 1.29 G.
-// The same work with the history warm in the caches takes ~0.8 G.
-constexpr int64_t kPrefetchBlocks = 2;
-
-// Every cache line of the `bytes` (> 0) from `start`, into the L2 (the last byte too: a run need not start a line).
-inline void prefetch_run_to_l2(const char* start, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(start + b, 0, 1);
-  __builtin_prefetch(start + bytes - 1, 0, 1);
-}
-
-inline void prefetch_key_block(const Packed& K, int64_t bh, int64_t g, int64_t g1, int64_t D) {
-  if (g >= g1) return;
-  const int64_t groups = min64(kMetaGroups, g1 - g), meta_size = K.meta == kF32 ? 4 : 2;
-  const char* codes = reinterpret_cast<const char*>(K.codes + bh * K.code_head + g * (K.group * K.bits / 8));
-  const char* scales = static_cast<const char*>(K.scales) + (bh * K.meta_head + g) * meta_size;
-  const char* zeros = static_cast<const char*>(K.zeros) + (bh * K.meta_head + g) * meta_size;
-  const int64_t code_run = groups * K.group * K.bits / 8, meta_run = groups * meta_size;
-  for (int64_t d = 0; d < D; ++d) {
-    const int64_t meta = d * K.meta_row * meta_size;
-    prefetch_run_to_l2(codes + d * K.code_row, code_run);
-    prefetch_run_to_l2(scales + meta, meta_run);
-    prefetch_run_to_l2(zeros + meta, meta_run);
-  }
-}
-
 template <int BITS>
 void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const float* q, float* scores,
                    int64_t pos0) {
@@ -212,11 +183,10 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
 #if defined(KIVI_DA_INTEGER)
   const bool integer = BITS != 8 && P.integer && integer_keys(BITS, G, D);
 #endif
-  // (decode_tasks.cpp prefetched this chunk's codes and metadata while the thread ran its previous task)
+  // (decode_tasks.cpp read this chunk's codes and metadata into the caches when the task started)
   for (int64_t gb = g0; gb < g1; gb += kMetaGroups) {
     const int64_t block = min64(kMetaGroups, g1 - gb);
     if (K.pages == nullptr) {
-      prefetch_key_block(K, bh, gb + kPrefetchBlocks * kMetaGroups, g1, D);
       load_key_meta(K.scales, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, scales);
       load_key_meta(K.zeros, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, zeros);
     } else {  // a page's group: its D channels' metadata are contiguous

@@ -1,6 +1,7 @@
-// The host side of the fused decode attention shared by decode_attention.cpp and paged_attention.cpp: the tasks of one
-// or more problems in torch's intra-op pool (each thread prefetching its next task's packed bytes), the in-order merge
-// of the chunks, and the per-ISA dispatch of the row-times-matrix helpers (see decode_attention.h).
+// The host side of the fused decode attention shared by decode_attention.cpp and paged_attention.cpp: the chunk size,
+// the tasks of one or more problems in torch's intra-op pool (each thread reading its task's packed keys into the
+// caches first), the in-order merge of the chunks, and the per-ISA dispatch of the row-times-matrix helpers (see
+// decode_attention.h).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -14,55 +15,44 @@
 namespace kivi::cpu::decode {
 namespace {
 
-// Asks for the packed bytes task `task` will read (run_chunk's split): per key channel one run of code bytes and
-// of metadata (D runs code_row bytes apart, which the hardware prefetcher does not follow), the values' rows (one
-// contiguous block per kind of buffer). In the model (Zen 4, batch 4 / 8064) the op took 1.39-1.41 ms per layer with
-// this against 1.50 ms prefetching each chunk at its own start (one run each: within the noise), L1 or L2 alike.
-void prefetch_chunk(const Problem& p, int64_t task) {
+// Reads one byte of every cache line of the packed keys task `task` will score (run_chunk's split), channel run by
+// channel run in storage order, so that the kernel, which walks all D channels group by group, finds them in the
+// caches. Real loads, not prefetches: in the model (SmolLM2-135M, Zen 4, KiviCaches of random history, one per
+// variant, steps interleaved in one process, fused op per layer call) batch 4 / 8064 took 0.804-0.904 ms per call with
+// the earlier prefetches (each thread's next task into L1, each key block two blocks ahead into L2) and 0.634-0.644
+// ms with this read and no prefetch; batch 4 / 4096 0.443 -> 0.355, batch 1 / 8064 0.219 -> 0.192, batch 1 / 1k
+// 0.090 / 0.092 ms. Also measured: the next task read one task ahead, 0.72 ms; the key blocks read two blocks ahead
+// inside the kernel, 0.83 ms; the values read too, 0.685 ms (each value buffer is one contiguous run, which the
+// hardware prefetcher follows). Why real loads win where prefetches did not is not measured (no counters in these
+// VMs); each channel run of a chunk lies in another 4 KiB page, and a prefetch may be dropped where a load walks the
+// page tables.
+void read_task_keys(const Problem& p, int64_t task) {
   const int64_t c = task % p.chunks, bh = task / p.chunks, S = p.sinks;
   const int64_t p0 = c == 0 ? 0 : S + c * p.chunk, p1 = std::min(S + (c + 1) * p.chunk, p.n);
-  const auto lines = [](const void* start, int64_t bytes) {
-    const char* at = static_cast<const char*>(start);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b);
-    if (bytes > 0) __builtin_prefetch(at + bytes - 1);
-  };
   const Packed& K = p.keys;
   const int64_t k0 = std::max(p0, S), k1 = std::min(p1, S + K.count);
-  if (k0 < k1 && K.pages != nullptr) {  // paged: each group is one run of codes and one of metadata per kind
-    const int64_t meta_size = K.meta == kF32 ? 4 : 2;
-    for (int64_t g = (k0 - S) / K.group; g < (k1 - S) / K.group; ++g) {
-      lines(K.codes + K.pages[g] * K.code_page + bh * K.code_head, K.code_head);
+  if (k0 >= k1) return;
+  const auto lines = [](const void* start, int64_t bytes) {
+    const volatile uint8_t* at = static_cast<const uint8_t*>(start);  // volatile: each read happens
+    for (int64_t b = 0; b < bytes; b += 64) at[b];
+    at[bytes - 1];  // a run need not start a line
+  };
+  const int64_t meta_size = K.meta == kF32 ? 4 : 2, g0 = (k0 - S) / K.group, g1 = (k1 - S) / K.group;
+  if (K.pages != nullptr) {  // each group is one page: one run of codes and one of metadata per kind
+    for (int64_t g = g0; g < g1; ++g) {
+      lines(K.codes + K.pages[g] * K.code_page + bh * K.code_head, p.head_dim * K.code_row);
       const int64_t meta = (K.pages[g] * K.meta_page + bh * K.meta_head) * meta_size;
-      lines(static_cast<const char*>(K.scales) + meta, K.meta_head * meta_size);
-      lines(static_cast<const char*>(K.zeros) + meta, K.meta_head * meta_size);
+      lines(static_cast<const char*>(K.scales) + meta, p.head_dim * meta_size);
+      lines(static_cast<const char*>(K.zeros) + meta, p.head_dim * meta_size);
     }
-  } else if (k0 < k1) {
-    const int64_t meta_size = K.meta == kF32 ? 4 : 2, g0 = (k0 - S) / K.group, g1 = (k1 - S) / K.group;
-    const int64_t run = (g1 - g0) * K.group * K.bits / 8;
-    for (int64_t d = 0; d < p.head_dim; ++d) {
-      lines(K.codes + bh * K.code_head + d * K.code_row + g0 * (K.group * K.bits / 8), run);
-      const int64_t meta = (bh * K.meta_head + d * K.meta_row + g0) * meta_size;
-      lines(static_cast<const char*>(K.scales) + meta, (g1 - g0) * meta_size);
-      lines(static_cast<const char*>(K.zeros) + meta, (g1 - g0) * meta_size);
-    }
+    return;
   }
-  const Packed& V = p.values;
-  const int64_t v0 = std::max(p0, S) - S, v1 = std::min(p1, S + V.count) - S;
-  if (v0 < v1 && V.pages != nullptr) {
-    const int64_t meta_size = V.meta == kF32 ? 4 : 2, T = V.page_tokens;
-    for (int64_t page = v0 / T; page * T < v1; ++page) {
-      const int64_t rows = std::min(v1, (page + 1) * T) - std::max(v0, page * T), row0 = std::max(v0 - page * T, 0l);
-      lines(V.codes + V.pages[page] * V.code_page + bh * V.code_head + row0 * V.code_row, rows * V.code_row);
-      const int64_t meta = (V.pages[page] * V.meta_page + bh * V.meta_head + row0 * V.meta_row) * meta_size;
-      lines(static_cast<const char*>(V.scales) + meta, rows * V.meta_row * meta_size);
-      lines(static_cast<const char*>(V.zeros) + meta, rows * V.meta_row * meta_size);
-    }
-  } else if (v0 < v1) {
-    const int64_t meta_size = V.meta == kF32 ? 4 : 2;
-    lines(V.codes + bh * V.code_head + v0 * V.code_row, (v1 - v0) * V.code_row);
-    const int64_t meta = (bh * V.meta_head + v0 * V.meta_row) * meta_size;
-    lines(static_cast<const char*>(V.scales) + meta, (v1 - v0) * V.meta_row * meta_size);
-    lines(static_cast<const char*>(V.zeros) + meta, (v1 - v0) * V.meta_row * meta_size);
+  const int64_t run = (g1 - g0) * K.group * K.bits / 8;
+  for (int64_t d = 0; d < p.head_dim; ++d) {
+    lines(K.codes + bh * K.code_head + d * K.code_row + g0 * (K.group * K.bits / 8), run);
+    const int64_t meta = (bh * K.meta_head + d * K.meta_row + g0) * meta_size;
+    lines(static_cast<const char*>(K.scales) + meta, (g1 - g0) * meta_size);
+    lines(static_cast<const char*>(K.zeros) + meta, (g1 - g0) * meta_size);
   }
 }
 
@@ -102,23 +92,18 @@ void run_problems(const Problem* problems, const int64_t* first_task, int64_t co
   const int64_t grain = std::max<int64_t>(1, 8192 / (chunk * std::max<int64_t>(1, problems[0].rows / 4)));
   // Tasks are handed out one at a time from a shared counter instead of split evenly up front: when another process
   // takes the core of one of torch's threads mid-step, the other threads run its share instead of waiting for it.
-  // Every task writes only its own partial, so the result does not depend on which thread ran it.
-  // Each thread claims its next task before running the current one and prefetches that task's packed bytes, so
-  // their DRAM misses overlap a whole task of arithmetic (in a model the history is cold).
+  // Every task writes only its own partial, so the result does not depend on which thread ran it. A thread first
+  // reads its task's packed keys into the caches (read_task_keys: in a model the history is cold).
   const auto problem_of = [&](int64_t task) {
     if (count == 1) return int64_t{0};
     return int64_t(std::upper_bound(first_task, first_task + count + 1, task) - first_task) - 1;
   };
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, (tasks + grain - 1) / grain, 1, [&](int64_t, int64_t) {
-    int64_t task = next_task++, owner = task < tasks ? problem_of(task) : 0;
-    if (task < tasks) prefetch_chunk(problems[owner], task - first_task[owner]);
-    while (task < tasks) {
-      const int64_t ahead = next_task++, ahead_owner = ahead < tasks ? problem_of(ahead) : 0;
-      if (ahead < tasks) prefetch_chunk(problems[ahead_owner], ahead - first_task[ahead_owner]);
+    for (int64_t task = next_task++; task < tasks; task = next_task++) {
+      const int64_t owner = problem_of(task);
+      read_task_keys(problems[owner], task - first_task[owner]);
       kernel(problems[owner], task - first_task[owner]);
-      task = ahead;
-      owner = ahead_owner;
     }
   });
 }
