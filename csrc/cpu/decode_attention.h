@@ -87,7 +87,7 @@ void chunk_baseline(const Problem& p, int64_t task);
 int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads);
 
 // Runs every task of `count` problems in torch's intra-op pool: problem i owns the global tasks
-// [first_task[i], first_task[i + 1]) (first_task has count + 1 entries); all problems share rows.
+// [first_task[i], first_task[i + 1]) (first_task has count + 1 entries).
 void run_problems(const Problem* problems, const int64_t* first_task, int64_t count);
 
 // Merges the chunks of every query row of `p` in order into out [B, Hkv, rows, value_dim] (and, with rotated values,
