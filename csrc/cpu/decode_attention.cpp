@@ -218,31 +218,35 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   const float* key_q = rotation(key_rotation, "key_rotation", head_dim);
   const float* value_q = rotation(value_rotation, "value_rotation", p.value_dim);
   if (value_q != nullptr) value_q = decode::transposed(value_q, p.value_dim);  // (packed sum) Qᵀ: rows times Qᵀ
-  const decode::QueryRows q = decode::query_rows(query, scaling, key_q);
-  p.query = q.scaled;
-  p.packed_query = q.rotated;
   p.packed_acc = value_q != nullptr ? (p.value_dim + 15) / 16 * 16 : 0;
   p.acc_width = p.packed_acc + p.value_dim;
   p.acc_row = (decode::kAccOffset + p.acc_width + 15) / 16 * 16;
-  const auto f32 = query.options().dtype(at::kFloat);
   const int64_t shift = (16 - p.sinks % 16) % 16;
   p.score_row = (shift + p.n + 15) / 16 * 16;
-  at::Tensor scores = at::empty({batch, kv_heads, p.rows, p.score_row}, f32);  // 64-byte aligned (torch's allocator)
-  at::Tensor partials = at::empty({batch, kv_heads, p.chunks, p.rows, p.acc_row}, f32);
-  p.scores = scores.data_ptr<float>() + shift;
-  p.partials = partials.data_ptr<float>();
+  // One allocation for the query rows, the scores [B, Hkv, rows, score_row], the partials [B, Hkv, chunks, rows,
+  // acc_row] and, with rotated values, the packed sum [B, Hkv, rows, Dv] (each part 64-byte aligned).
+  const int64_t out_floats = batch * kv_heads * p.rows * p.value_dim;
+  const int64_t score_floats = batch * kv_heads * p.rows * p.score_row + 16;
+  const int64_t partial_floats = batch * kv_heads * p.chunks * p.rows * p.acc_row;
+  const int64_t packed_floats = value_q != nullptr ? (out_floats + 15) / 16 * 16 : 0;
+  const decode::QueryRows q =
+      decode::query_rows(query, scaling, key_q, score_floats + partial_floats + packed_floats);
+  p.query = q.scaled;
+  p.packed_query = q.rotated;
+  p.scores = q.workspace + shift;
+  p.partials = q.workspace + score_floats;
+  float* packed_sum = p.partials + partial_floats;
 
   const int64_t first_task[2] = {0, batch * kv_heads * p.chunks};
   decode::run_problems(&p, first_task, 1);
 
-  at::Tensor out = at::empty({batch, kv_heads, p.rows, p.value_dim}, f32);
+  at::Tensor out = at::empty({batch, kv_heads, p.rows, p.value_dim}, query.options().dtype(at::kFloat));
   if (value_q == nullptr) {
     decode::merge_chunks(p, out.data_ptr<float>(), nullptr);
   } else {  // exact sum + (packed sum) Qᵀ
-    at::Tensor packed_sum = at::zeros_like(out);
-    decode::merge_chunks(p, out.data_ptr<float>(), packed_sum.data_ptr<float>());
-    decode::rows_times(packed_sum.data_ptr<float>(), value_q, out.numel() / p.value_dim, p.value_dim,
-                       out.data_ptr<float>(), true);
+    std::fill(packed_sum, packed_sum + out_floats, 0.0f);
+    decode::merge_chunks(p, out.data_ptr<float>(), packed_sum);
+    decode::rows_times(packed_sum, value_q, out_floats / p.value_dim, p.value_dim, out.data_ptr<float>(), true);
   }
   return out.view({batch, q_heads, length, p.value_dim}).to(query.scalar_type());
 }

@@ -6,6 +6,7 @@
 // (paged_decode_attention).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -157,8 +158,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 
   // ---- one Problem of batch 1 per request ----
   const int64_t q_per_kv = q_heads / H;
-  const auto f32 = query.options().dtype(at::kFloat);
-  const decode::QueryRows q = decode::query_rows(query, scaling, key_q);  // packed keys hold k Q: scored with q Q
   if (value_q != nullptr) value_q = decode::transposed(value_q, Dv);  // (packed sum) Qᵀ: rows times Qᵀ
   const int64_t packed_acc = value_q != nullptr ? (Dv + 15) / 16 * 16 : 0;
   const int64_t acc_width = packed_acc + Dv, acc_row = (decode::kAccOffset + acc_width + 15) / 16 * 16;
@@ -206,27 +205,33 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
     p.acc_width = acc_width;
     p.packed_acc = packed_acc;
   }
-  at::Tensor scores = at::empty({score_floats + 16}, f32);  // 64-byte aligned (torch's allocator)
-  at::Tensor partials = at::empty({partial_floats}, f32);
+  // The query rows (packed keys hold k Q: scored with q Q), then in the same allocation the scores, the partials and,
+  // with rotated values, the packed sums [N, Hq, Dv] (each part 64-byte aligned: score_floats is a multiple of 16).
+  const int64_t out_floats = N * q_heads * Dv, packed_floats = value_q != nullptr ? (out_floats + 15) / 16 * 16 : 0;
+  const decode::QueryRows q =
+      decode::query_rows(query, scaling, key_q, score_floats + 16 + partial_floats + packed_floats);
+  float* const scores = q.workspace;
+  float* const partials = scores + score_floats + 16;
+  float* const packed_sum = partials + partial_floats;
   for (int64_t i = 0; i < N; ++i) {
     Problem& p = problems[i];
     p.query = q.scaled + i * q_heads * D;
     p.packed_query = q.rotated + i * q_heads * D;
-    p.scores = scores.data_ptr<float>() + score_at[i];
-    p.partials = partials.data_ptr<float>() + partial_at[i];
+    p.scores = scores + score_at[i];
+    p.partials = partials + partial_at[i];
   }
 
   decode::run_problems(problems.data(), first_task.data(), N);
 
-  at::Tensor out = at::empty({N, q_heads, Dv}, f32);
-  at::Tensor packed_sum = value_q != nullptr ? at::zeros_like(out) : at::Tensor();
+  at::Tensor out = at::empty({N, q_heads, Dv}, query.options().dtype(at::kFloat));
+  if (value_q != nullptr) std::fill(packed_sum, packed_sum + out_floats, 0.0f);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       decode::merge_chunks(problems[i], out.data_ptr<float>() + i * q_heads * Dv,
-                           value_q != nullptr ? packed_sum.data_ptr<float>() + i * q_heads * Dv : nullptr);
+                           value_q != nullptr ? packed_sum + i * q_heads * Dv : nullptr);
   });
   if (value_q != nullptr)  // exact sum + (packed sum) Qᵀ
-    decode::rows_times(packed_sum.data_ptr<float>(), value_q, N * q_heads, Dv, out.data_ptr<float>(), true);
+    decode::rows_times(packed_sum, value_q, N * q_heads, Dv, out.data_ptr<float>(), true);
   return out.view({N, q_heads, 1, Dv}).to(query.scalar_type());
 }
 

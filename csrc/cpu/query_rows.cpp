@@ -8,12 +8,14 @@
 
 namespace kivi::cpu::decode {
 
-QueryRows query_rows(const at::Tensor& query, double scaling, const float* key_rotation) {
+QueryRows query_rows(const at::Tensor& query, double scaling, const float* key_rotation, int64_t workspace_floats) {
   const at::Tensor q32 = query.scalar_type() == at::kFloat ? query : query.to(at::kFloat);
   const int64_t B = q32.size(0), H = q32.size(1), L = q32.size(2), D = q32.size(3), rows = B * H * L;
+  const int64_t row_floats = ((key_rotation != nullptr ? 2 : 1) * rows * D + 15) / 16 * 16;  // workspace 64-byte aligned
   QueryRows out;
-  out.storage = at::empty({key_rotation != nullptr ? 2 : 1, rows, D}, q32.options().dtype(at::kFloat));
+  out.storage = at::empty({row_floats + workspace_floats}, q32.options().dtype(at::kFloat));  // (64-byte aligned)
   float* scaled = out.storage.data_ptr<float>();
+  out.workspace = scaled + row_floats;
   const float* src = q32.data_ptr<float>();
   const int64_t sb = q32.stride(0), sh = q32.stride(1), sl = q32.stride(2), sd = q32.stride(3);
   const float s = (float)scaling;
