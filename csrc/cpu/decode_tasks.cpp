@@ -67,13 +67,13 @@ void (*chunk_kernel(Isa isa))(const Problem&, int64_t) {
 
 }  // namespace
 
-// (see decode_attention.h) Long chunks: the packed keys are stored channel-major (codes [B, H, D, tokens / P]), so a chunk reads D
-// runs of codes and metadata `code_row` bytes apart, and short runs leave the loads waiting on memory. In the model
-// (SmolLM2-135M, Zen 4, batch 4 / 8064, one process, steps interleaved) the op took 1.01 ms per layer with chunks of
-// 256 tokens and 0.87 with 4096 (another run: 0.98 / 0.90 / 0.91 ms at 2048 / 4096 / 8192; in a phase of the VM with
-// slow memory 1.80 / 1.20 / 1.04 / 0.97 ms at 256 / 1024 / 2048 / 4096); batch 1 / 8064: 0.47 / 0.33 / 0.29 / 0.28 ms
-// at 256 / 1024 / 2048 / 4096. But at least kMinTasks tasks, so that a few cores stay balanced and a thread can take
-// over the tasks of one that lost its core. The split depends on the shapes only, never on the thread count: the
+// (see decode_attention.h) Long chunks: the packed keys are stored channel-major (codes [B, H, D, tokens / P]), so a
+// chunk reads D runs of codes and metadata `code_row` bytes apart, and short runs leave the loads waiting on memory. In
+// the model (SmolLM2-135M, Zen 4, batch 4 / 8064, one process, steps interleaved) the op took 1.01 ms per layer with
+// chunks of 256 tokens and 0.87 with 4096 (another run: 0.98 / 0.90 / 0.91 ms at 2048 / 4096 / 8192; in a phase of the
+// VM with slow memory 1.80 / 1.20 / 1.04 / 0.97 ms at 256 / 1024 / 2048 / 4096); batch 1 / 8064: 0.47 / 0.33 / 0.29 /
+// 0.28 ms at 256 / 1024 / 2048 / 4096. But at least kMinTasks tasks, so that a few cores stay balanced and a thread can
+// take over the tasks of one that lost its core. The split depends on the shapes only, never on the thread count: the
 // result is the same on any number of threads.
 constexpr int64_t kMinChunk = 256, kMaxChunk = 4096, kMinTasks = 12;
 int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads) {

@@ -11,7 +11,8 @@ namespace kivi::cpu::decode {
 QueryRows query_rows(const at::Tensor& query, double scaling, const float* key_rotation, int64_t workspace_floats) {
   const at::Tensor q32 = query.scalar_type() == at::kFloat ? query : query.to(at::kFloat);
   const int64_t B = q32.size(0), H = q32.size(1), L = q32.size(2), D = q32.size(3), rows = B * H * L;
-  const int64_t row_floats = ((key_rotation != nullptr ? 2 : 1) * rows * D + 15) / 16 * 16;  // workspace 64-byte aligned
+  // the workspace starts 64-byte aligned after the rows
+  const int64_t row_floats = ((key_rotation != nullptr ? 2 : 1) * rows * D + 15) / 16 * 16;
   QueryRows out;
   out.storage = at::empty({row_floats + workspace_floats}, q32.options().dtype(at::kFloat));  // (64-byte aligned)
   float* scaled = out.storage.data_ptr<float>();

@@ -21,7 +21,8 @@ struct QueryRows {
   const float* rotated;
   float* workspace;
 };
-QueryRows query_rows(const at::Tensor& query, double scaling, const float* key_rotation, int64_t workspace_floats);
+QueryRows query_rows(const at::Tensor& query, double scaling, const float* key_rotation,
+                     int64_t workspace_floats);
 
 // Qᵀ (row-major) of a contiguous float32 Q [dim, dim]: the packed value sums are rotated back as rows times Qᵀ. Kept
 // per thread and reused while the next call passes a Q of the same contents (a model has one or two rotations).
