@@ -426,11 +426,14 @@ void paged_value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, cons
   }
 }
 
-// Packed tokens [t0, t1) of one storage run (codes / meta0: its token 0), or with `paged` those of bh's pages; prob[r]
-// indexed by that run's tokens.
-template <int BITS>
-void value_run(const Problem& P, const uint8_t* codes, int64_t meta0, int64_t t0, int64_t t1, const float* prob,
-               float* acc, int64_t acc_row, int64_t paged_bh = -1) {
+// The query rows of a value sum in sets of up to 4 (what value_rows and paged_value_rows take as NR): for each set
+// f(RowSet<NR>{}, prob, acc) with prob[i] / acc[i] the probabilities / accumulator of its row i.
+template <int N>
+struct RowSet {
+  static constexpr int kRows = N;
+};
+template <typename F>
+inline void for_row_sets(const Problem& P, const float* prob, float* acc, int64_t acc_row, F f) {
   const float* p[4];
   float* a[4];
   for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
@@ -439,36 +442,29 @@ void value_run(const Problem& P, const uint8_t* codes, int64_t meta0, int64_t t0
       p[i] = prob + (r0 + i) * P.score_row;
       a[i] = acc + (r0 + i) * acc_row;
     }
-    if (paged_bh >= 0) {
-      switch (nr) {
-        case 1: paged_value_rows<BITS, 1>(P, paged_bh, t0, t1, p, a); break;
-        case 2: paged_value_rows<BITS, 2>(P, paged_bh, t0, t1, p, a); break;
-        case 3: paged_value_rows<BITS, 3>(P, paged_bh, t0, t1, p, a); break;
-        default: paged_value_rows<BITS, 4>(P, paged_bh, t0, t1, p, a); break;
-      }
-      continue;
-    }
     switch (nr) {
-      case 1: value_rows<BITS, 1>(P, codes, meta0, t0, t1, p, a); break;
-      case 2: value_rows<BITS, 2>(P, codes, meta0, t0, t1, p, a); break;
-      case 3: value_rows<BITS, 3>(P, codes, meta0, t0, t1, p, a); break;
-      default: value_rows<BITS, 4>(P, codes, meta0, t0, t1, p, a); break;
+      case 1: f(RowSet<1>{}, p, a); break;
+      case 2: f(RowSet<2>{}, p, a); break;
+      case 3: f(RowSet<3>{}, p, a); break;
+      default: f(RowSet<4>{}, p, a); break;
     }
   }
 }
 
 // Packed tokens [t0, t1) of (batch, kv head) bh, probabilities at prob[r * score_row + pos_of_t0 + t - t0]: one run
-// of contiguous storage, or one per page of paged storage.
+// of contiguous storage, or the pages of paged storage.
 template <int BITS>
 void packed_values(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const float* prob, int64_t pos_of_t0,
                    float* acc, int64_t acc_row) {
   const Packed& V = P.values;
   const float* prob_of_token0 = prob + pos_of_t0 - t0;  // indexed by packed token
-  if (V.pages == nullptr) {
-    value_run<BITS>(P, V.codes + bh * V.code_head, bh * V.meta_head, t0, t1, prob_of_token0, acc, acc_row);
-    return;
-  }
-  value_run<BITS>(P, nullptr, 0, t0, t1, prob_of_token0, acc, acc_row, bh);
+  for_row_sets(P, prob_of_token0, acc, acc_row, [&](auto rows, const float* const* p, float* const* a) {
+    constexpr int NR = decltype(rows)::kRows;
+    if (V.pages == nullptr)
+      value_rows<BITS, NR>(P, V.codes + bh * V.code_head, bh * V.meta_head, t0, t1, p, a);
+    else
+      paged_value_rows<BITS, NR>(P, bh, t0, t1, p, a);
+  });
 }
 
 // ---- softmax of one chunk -----------------------------------------------------------------------------------------
