@@ -129,6 +129,27 @@ inline void key_group(const float (*qs)[kMaxDim], const float* bias, const uint8
   }
 }
 
+#if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
+// r[i] lane j -> r[j] lane i for 8 vectors of 8 floats.
+inline void transpose8x8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // lane i of rows 0..3 (u[i]) and of rows 4..7 (u[i + 4])
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
+
 // Key metadata of `count` consecutive groups for channels [0, D): channel d's row starts at `offset + d * row` (its
 // groups contiguous) -> out[i * kMaxDim + d] in fp32 (group-major: each group's values are one contiguous vector). One
 // pass over each channel's row serves every group of the block (the rows lie `row` elements apart, so reading them
@@ -142,21 +163,8 @@ inline void load_key_meta_rows(const void* base, int64_t offset, int64_t row, in
     for (; d0 + 8 <= D; d0 += 8) {
       __m256 r[8];
       for (int i = 0; i < 8; ++i) r[i] = load_dtype<Vec256>(base, DT, offset + (d0 + i) * row);
-      __m256 t[8], u[8];
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-      }
-      for (int i = 0; i < 4; ++i) {  // group i from channels d0..d0+3 (u[i]) and d0+4..d0+7 (u[i + 4])
-        _mm256_storeu_ps(out + i * kMaxDim + d0, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-        _mm256_storeu_ps(out + (i + 4) * kMaxDim + d0, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
-      }
+      transpose8x8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + i * kMaxDim + d0, r[i]);
     }
   }
 #endif
@@ -172,17 +180,122 @@ inline void load_key_meta(const void* base, Dtype dtype, int64_t offset, int64_t
   }
 }
 
+#if defined(KIVI_DA_INTEGER)
+// Key metadata of groups [gb, gb + block) (block <= kBlockGroups) channel-major in fp32, what key_block_factors
+// reads: out[d * kBlockGroups + i] = channel d of group gb + i, zeros for i >= block. Contiguous storage keeps a
+// channel's groups side by side (one vector load per channel); a page holds one group's D channels (each page's row
+// loaded, then transposed in 8 x 8 blocks).
+template <Dtype DT>
+inline void load_key_meta_channels(const void* base, int64_t offset, int64_t row, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; ++d)
+    _mm256_store_ps(out + d * kBlockGroups, load_dtype<Vec256>(base, DT, offset + d * row));
+}
+inline void load_key_meta_by_channel(const Packed& K, const void* base, int64_t bh, int64_t gb, int64_t block,
+                                     int64_t D, float* out) {
+  constexpr int64_t W = kBlockGroups;
+  if (K.pages == nullptr) {
+    const int64_t offset = bh * K.meta_head + gb;
+    if (block == W) {  // the dtype switch outside the loop
+      switch (K.meta) {
+        case kF32: return load_key_meta_channels<kF32>(base, offset, K.meta_row, D, out);
+        case kF16: return load_key_meta_channels<kF16>(base, offset, K.meta_row, D, out);
+        default: return load_key_meta_channels<kBF16>(base, offset, K.meta_row, D, out);
+      }
+    }
+    for (int64_t d = 0; d < D; ++d)  // the last block of a range: only its groups are read
+      for (int64_t i = 0; i < W; ++i)
+        out[d * W + i] = i < block ? load_scalar(base, K.meta, offset + d * K.meta_row + i) : 0.0f;
+    return;
+  }
+  alignas(32) float rows[W][kMaxDim];
+  for (int64_t i = 0; i < W; ++i) {
+    if (i < block)
+      load_row(base, K.meta, K.pages[gb + i] * K.meta_page + bh * K.meta_head, D, rows[i]);
+    else
+      for (int64_t d = 0; d < D; ++d) rows[i][d] = 0.0f;
+  }
+  int64_t d0 = 0;
+  for (; d0 + 8 <= D; d0 += 8) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(rows[i] + d0);
+    transpose8x8(r);
+    for (int k = 0; k < 8; ++k) _mm256_store_ps(out + (d0 + k) * W, r[k]);
+  }
+  for (; d0 < D; ++d0)
+    for (int64_t i = 0; i < W; ++i) out[d0 * W + i] = rows[i][d0];
+}
+
+// Packed key groups [g0, g1) of (batch, kv head) bh on integer arithmetic (needs integer_keys), kBlockGroups groups
+// at a time: the block's metadata channel-major, each set of up to 4 query rows' factors for the whole block, then
+// each group's dot products. A group where one of the set's q * s is not finite takes the fp32 path (key_group), as
+// the integer twin says.
+template <int BITS>
+void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const float* q, float* scores,
+                        int64_t pos0) {
+  const Packed& K = P.keys;
+  const int64_t D = P.head_dim, G = K.group;
+  alignas(32) float scale[kMaxDim * kBlockGroups], zero[kMaxDim * kBlockGroups];
+  KeyBlockFactors f;
+  for (int64_t gb = g0; gb < g1; gb += kBlockGroups) {
+    const int64_t block = min64(kBlockGroups, g1 - gb);
+    load_key_meta_by_channel(K, K.scales, bh, gb, block, D, scale);
+    load_key_meta_by_channel(K, K.zeros, bh, gb, block, D, zero);
+    for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
+      const int nr = (int)min64(4, P.rows - r0);
+      const float* qr[4];
+      for (int j = 0; j < nr; ++j) qr[j] = q + (r0 + j) * D;
+      switch (nr) {
+        case 1: key_block_factors<1>(qr, scale, zero, D, &f); break;
+        case 2: key_block_factors<2>(qr, scale, zero, D, &f); break;
+        case 3: key_block_factors<3>(qr, scale, zero, D, &f); break;
+        default: key_block_factors<4>(qr, scale, zero, D, &f); break;
+      }
+      for (int64_t i = 0; i < block; ++i) {
+        const int64_t g = gb + i;
+        const uint8_t* codes = K.pages == nullptr ? K.codes + bh * K.code_head + g * (G * BITS / 8)
+                                                  : K.codes + K.pages[g] * K.code_page + bh * K.code_head;
+        float* out[4];
+        for (int j = 0; j < nr; ++j) out[j] = scores + (r0 + j) * P.score_row + pos0 + (g - g0) * G;
+        if ((f.finite >> i) & 1) {
+          switch (nr) {
+            case 1: int8_key_group<BITS, 1>(f, i, codes, K.code_row, D, G, out); break;
+            case 2: int8_key_group<BITS, 2>(f, i, codes, K.code_row, D, G, out); break;
+            case 3: int8_key_group<BITS, 3>(f, i, codes, K.code_row, D, G, out); break;
+            default: int8_key_group<BITS, 4>(f, i, codes, K.code_row, D, G, out); break;
+          }
+          continue;
+        }
+        float qs[4][kMaxDim], bias[4];  // a non-finite q * s: the fp32 products, as the dense product would meet it
+        for (int j = 0; j < nr; ++j) {
+          for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[j][d] * scale[d * kBlockGroups + i];
+          bias[j] = f.bias[j][i];
+        }
+        switch (nr) {
+          case 1: key_group<BITS, 1>(qs, bias, codes, K.code_row, D, G, out); break;
+          case 2: key_group<BITS, 2>(qs, bias, codes, K.code_row, D, G, out); break;
+          case 3: key_group<BITS, 3>(qs, bias, codes, K.code_row, D, G, out); break;
+          default: key_group<BITS, 4>(qs, bias, codes, K.code_row, D, G, out); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Packed key groups [g0, g1) of (batch, kv head) bh -> scores from position pos0: on integer arithmetic where the
+// ISA and the settings allow (int8_packed_scores), else on fp32 with the metadata group-major.
 template <int BITS>
 void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const float* q, float* scores,
                    int64_t pos0) {
   const Packed& K = P.keys;
   const int64_t D = P.head_dim, G = K.group;
+#if defined(KIVI_DA_INTEGER)
+  if (BITS != 8 && P.integer && integer_keys(BITS, G, D))
+    return int8_packed_scores<(BITS < 8 ? BITS : 2)>(P, bh, g0, g1, q, scores, pos0);
+#endif
   const uint8_t* codes = K.codes + bh * K.code_head;
   float scales[kMaxDim * kMetaGroups], zeros[kMaxDim * kMetaGroups], qs[4][kMaxDim], bias[4];
   float* out[4];
-#if defined(KIVI_DA_INTEGER)
-  const bool integer = BITS != 8 && P.integer && integer_keys(BITS, G, D);
-#endif
   // (decode_tasks.cpp read this chunk's codes and metadata into the caches when the task started)
   for (int64_t gb = g0; gb < g1; gb += kMetaGroups) {
     const int64_t block = min64(kMetaGroups, g1 - gb);
@@ -204,32 +317,11 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
       const float *scale = scales + i * kMaxDim, *zero = zeros + i * kMaxDim;
       for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
         const int nr = (int)min64(4, P.rows - r0);
-        for (int j = 0; j < nr; ++j) out[j] = scores + (r0 + j) * P.score_row + pos;
-#if defined(KIVI_DA_INTEGER)
-        if (integer) {  // the int8 factors (and, for a fallback, qs and bias) of every row in one pass
-          QueryBytes factors[4];
-          float a[4];
-          bool finite = true;
-          for (int j = 0; j < nr; ++j)
-            finite &= key_factors(q + (r0 + j) * D, scale, zero, D, qs[j], &bias[j], &factors[j], &a[j]);
-          if (finite) {
-            constexpr int B = BITS < 8 ? BITS : 2;  // (8-bit codes never take this path)
-            switch (nr) {
-              case 1: int8_key_group<B, 1>(factors, a, bias, group_codes, K.code_row, D, G, out); break;
-              case 2: int8_key_group<B, 2>(factors, a, bias, group_codes, K.code_row, D, G, out); break;
-              case 3: int8_key_group<B, 3>(factors, a, bias, group_codes, K.code_row, D, G, out); break;
-              default: int8_key_group<B, 4>(factors, a, bias, group_codes, K.code_row, D, G, out); break;
-            }
-            continue;
-          }  // else a non-finite q * s: the fp32 path below, as the dense product would
-        } else
-#endif
-        {
-          for (int j = 0; j < nr; ++j) {
-            const float* qr = q + (r0 + j) * D;
-            for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[d] * scale[d];
-            bias[j] = dot(qr, zero, D);
-          }
+        for (int j = 0; j < nr; ++j) {
+          out[j] = scores + (r0 + j) * P.score_row + pos;
+          const float* qr = q + (r0 + j) * D;
+          for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[d] * scale[d];
+          bias[j] = dot(qr, zero, D);
         }
         switch (nr) {
           case 1: key_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;

@@ -77,60 +77,79 @@ inline __m256i broadcast4(const void* p) {
 
 // ---- keys -------------------------------------------------------------------------------------------------------
 
-// The int8 query factors of one row for one key group: 4 consecutive channels' factors are one int32 (the loop
-// broadcasts it), channels past D are zeros (a multiple of 32 bytes is written).
-struct QueryBytes {
-  alignas(32) int8_t q[kMaxDim];
+// The key factors of up to 4 query rows for a block of kBlockGroups key groups, the groups in the vector lanes (the
+// metadata's channel-major order: no horizontal reductions, no transposes of the metadata). For row r, channel quad
+// x and group i, q[r][x][i] holds the int8 factors of channels 4x..4x+3 as one int32 (what the dot loop broadcasts);
+// a[r][i] = max |qs| / 127 and bias[r][i] = q . zero of group i; bit i of `finite` is set when group i's q * s are
+// finite for every row (else the fp32 path scores that group).
+constexpr int64_t kBlockGroups = 8;
+struct KeyBlockFactors {
+  alignas(32) int32_t q[4][kMaxDim / 4][kBlockGroups];
+  alignas(32) float a[4][kBlockGroups], bias[4][kBlockGroups];
+  int finite;
 };
 
-// One query row against one key group, in one pass over the channels: qs = q * scale (kept for an fp32 fallback),
-// bias = q . zero, factors = round(qs * 127 / max |qs|) and a = max |qs| / 127. False when a qs is Inf or NaN (the
-// fp32 path then scores the group, with qs and bias as returned).
-inline bool key_factors(const float* q, const float* scale, const float* zero, int64_t D, float* qs, float* bias,
-                        QueryBytes* factors, float* a) {
-  const int64_t D32 = (D + 31) / 32 * 32;
-  __m256 m = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+// Fills `f` for NR rows q[r] (D floats each) from the block's scales and zeros, channel-major fp32: scale[d * 8 + i]
+// is channel d of group i (zeros in the lanes of absent groups): qs = q * s, m = max |qs|, factors round(qs * (127 /
+// m)) to nearest even, a = m / 127 (all zero where m == 0).
+template <int NR>
+inline void key_block_factors(const float* const* q, const float* scale, const float* zero, int64_t D,
+                              KeyBlockFactors* f) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d), x = _mm256_mul_ps(qv, _mm256_loadu_ps(scale + d));
-    _mm256_storeu_ps(qs + d, x);
-    m = _mm256_max_ps(_mm256_andnot_ps(sign, x), m);  // a NaN lane is dropped: the rounding below catches it
-    if ((d / 8) % 2 == 0)
-      b0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(zero + d), b0);
-    else
-      b1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(zero + d), b1);
+  __m256 m[NR][2], bias[NR][2];  // two chains per row: the max and the FMA wait on their previous channel
+  for (int r = 0; r < NR; ++r) m[r][0] = m[r][1] = bias[r][0] = bias[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 2) {  // D % 4 == 0
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      const __m256 s = _mm256_load_ps(scale + (d + c) * 8), z = _mm256_load_ps(zero + (d + c) * 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const __m256 qd = _mm256_set1_ps(q[r][d + c]), x = _mm256_mul_ps(qd, s);
+        m[r][c] = _mm256_max_ps(_mm256_andnot_ps(sign, x), m[r][c]);  // a NaN lane is dropped: the rounding catches it
+        bias[r][c] = _mm256_fmadd_ps(qd, z, bias[r][c]);
+      }
+    }
   }
-  float mx = Vec256::reduce_max(m), bs = Vec256::reduce_add(_mm256_add_ps(b0, b1));
-  for (; d < D; ++d) {
-    qs[d] = q[d] * scale[d];
-    mx = __builtin_fabsf(qs[d]) > mx ? __builtin_fabsf(qs[d]) : mx;
-    bs += q[d] * zero[d];
+  // int32 lane i of a 4x4 byte transpose within each 128-bit half: the 4 channels' factors of group i
+  const __m256i by_group = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,  //
+                                            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256 limit = _mm256_set1_ps(__FLT_MAX__);
+  int finite = (1 << kBlockGroups) - 1;
+  for (int r = 0; r < NR; ++r) {
+    const __m256 mx = _mm256_max_ps(m[r][0], m[r][1]);
+    _mm256_store_ps(f->a[r], _mm256_div_ps(mx, _mm256_set1_ps(127.0f)));
+    _mm256_store_ps(f->bias[r], _mm256_add_ps(bias[r][0], bias[r][1]));
+    // 127 / m, 0 where m == 0 (all factors 0); an Inf m gives 0 too, and Inf * 0 = NaN is caught below
+    const __m256 positive = _mm256_cmp_ps(mx, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(127.0f), mx), positive);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(mx, limit, _CMP_LE_OQ));
+    __m256i bad = _mm256_setzero_si256();
+    for (int64_t x = 0; x < D / 4; ++x) {
+      __m256i v[4];
+      for (int k = 0; k < 4; ++k) {
+        const int64_t d = 4 * x + k;
+        const __m256 qs = _mm256_mul_ps(_mm256_set1_ps(q[r][d]), _mm256_load_ps(scale + d * 8));
+        v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(qs, inv));
+      }
+      // packs keep 128-bit halves: bytes 4k + i (i < 4) of each half come from v[k] lane i (low half) or 4 + i
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      // vcvtps2dq gives INT32_MIN for NaN, which saturates to -128: a finite |qs * inv| <= 127 never does
+      bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(bytes, _mm256_set1_epi8(-128)));
+      _mm256_store_si256((__m256i*)f->q[r][x], _mm256_shuffle_epi8(bytes, by_group));
+    }
+    // bad bytes sit at bytes 4k + i of each half, i.e. in no fixed lane: shuffle them by group too
+    bad = _mm256_shuffle_epi8(bad, by_group);
+    finite &= _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bad, _mm256_setzero_si256())));
   }
-  for (int64_t e = D; e < D32; ++e) qs[e] = 0.0f;  // qs rows hold kMaxDim floats
-  *bias = bs;
-  if (!(mx <= __FLT_MAX__)) return false;  // Inf
-  *a = mx / 127.0f;
-  const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
-  __m256i bad = _mm256_setzero_si256();
-  for (int64_t i = 0; i < D32; i += 32) {
-    __m256i v[4];
-    for (int k = 0; k < 4; ++k) v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs + i + 8 * k), inv));
-    // packs interleave 128-bit lanes: the 4-byte units come out as v0lo v1lo v2lo v3lo v0hi v1hi v2hi v3hi
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-    // vcvtps2dq gives INT32_MIN for NaN, which saturates to -128: a finite |qs * inv| <= 127 never does
-    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(bytes, _mm256_set1_epi8(-128)));
-    _mm256_store_si256((__m256i*)(factors->q + i),
-                       _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  }
-  return _mm256_testz_si256(bad, bad);
+  f->finite = finite;
 }
 
-// Scores of one key group of G tokens (a multiple of kTileCodes) for NR rows: out[r][t] = a[r] * sum_d qi[r][d] *
-// c_td + bias[r]. codes points at channel 0's first byte of the group, channels `code_row` bytes apart; D % 4 == 0.
+// Scores of group i of a block for NR rows, G tokens (a multiple of kTileCodes): out[r][t] = a * sum_d qi_d * c_td +
+// bias with row r's factors of that group in f. codes points at channel 0's first byte of the group, channels
+// `code_row` bytes apart; D % 4 == 0.
 template <int BITS, int NR>
-inline void int8_key_group(const QueryBytes* qb, const float* a, const float* bias, const uint8_t* codes,
-                           int64_t code_row, int64_t D, int64_t G, float* const* out) {
+inline void int8_key_group(const KeyBlockFactors& f, int64_t i, const uint8_t* codes, int64_t code_row, int64_t D,
+                           int64_t G, float* const* out) {
   constexpr int P = 8 / BITS;
   // Planes per pass: up to 12 int16 sums in registers (with 3 rows a few spill, which measured faster than a second
   // pass over the tiles); 4 rows of 2-bit codes take two passes of 2 planes.
@@ -157,7 +176,7 @@ inline void int8_key_group(const QueryBytes* qb, const float* a, const float* bi
           const __m256i t = tile4x8(c + 4 * q * code_row, code_row);
           __m256i w[NR];
 #pragma GCC unroll 16
-          for (int r = 0; r < NR; ++r) w[r] = broadcast4(qb[r].q + 4 * q);
+          for (int r = 0; r < NR; ++r) w[r] = _mm256_set1_epi32(f.q[r][q][i]);
 #pragma GCC unroll 16
           for (int k = 0; k < KH; ++k) {
             const __m256i pl = plane<BITS>(t, k0 + k);
@@ -177,7 +196,7 @@ inline void int8_key_group(const QueryBytes* qb, const float* a, const float* bi
     }
     // Lane j of plane k is token P * j + k of the tile: transpose the planes back into token order.
     for (int r = 0; r < NR; ++r) {
-      const __m256 scale = _mm256_set1_ps(a[r]), b = _mm256_set1_ps(bias[r]);
+      const __m256 scale = _mm256_set1_ps(f.a[r][i]), b = _mm256_set1_ps(f.bias[r][i]);
       __m256 f[P];
       for (int k = 0; k < P; ++k)
         f[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)sum[r][k])), scale, b);
