@@ -67,6 +67,22 @@ inline void axpy(float p, const float* x, float* acc, int64_t count) {
   for (; i < count; ++i) acc[i] += p * x[i];
 }
 
+// The kernels take the number of query rows they handle together (1-4) as a template argument, so their sums stay in
+// registers: with_row_count(nr, f) calls f(RowSet<nr>{}), and f reads the count as decltype(rows)::kRows.
+template <int N>
+struct RowSet {
+  static constexpr int kRows = N;
+};
+template <typename F>
+inline void with_row_count(int nr, F f) {
+  switch (nr) {
+    case 1: f(RowSet<1>{}); break;
+    case 2: f(RowSet<2>{}); break;
+    case 3: f(RowSet<3>{}); break;
+    default: f(RowSet<4>{}); break;
+  }
+}
+
 #if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
 #define KIVI_DA_INTEGER 1
 #include "decode_int8.h"  // the integer dot products (KIVI_XPU_CPU_DOT=int8)
@@ -244,39 +260,27 @@ void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, co
       const int nr = (int)min64(4, P.rows - r0);
       const float* qr[4];
       for (int j = 0; j < nr; ++j) qr[j] = q + (r0 + j) * D;
-      switch (nr) {
-        case 1: key_block_factors<1>(qr, scale, zero, D, &f); break;
-        case 2: key_block_factors<2>(qr, scale, zero, D, &f); break;
-        case 3: key_block_factors<3>(qr, scale, zero, D, &f); break;
-        default: key_block_factors<4>(qr, scale, zero, D, &f); break;
-      }
-      for (int64_t i = 0; i < block; ++i) {
-        const int64_t g = gb + i;
-        const uint8_t* codes = K.pages == nullptr ? K.codes + bh * K.code_head + g * (G * BITS / 8)
-                                                  : K.codes + K.pages[g] * K.code_page + bh * K.code_head;
-        float* out[4];
-        for (int j = 0; j < nr; ++j) out[j] = scores + (r0 + j) * P.score_row + pos0 + (g - g0) * G;
-        if ((f.finite >> i) & 1) {
-          switch (nr) {
-            case 1: int8_key_group<BITS, 1>(f, i, codes, K.code_row, D, G, out); break;
-            case 2: int8_key_group<BITS, 2>(f, i, codes, K.code_row, D, G, out); break;
-            case 3: int8_key_group<BITS, 3>(f, i, codes, K.code_row, D, G, out); break;
-            default: int8_key_group<BITS, 4>(f, i, codes, K.code_row, D, G, out); break;
+      with_row_count(nr, [&](auto rows) {
+        constexpr int NR = decltype(rows)::kRows;
+        key_block_factors<NR>(qr, scale, zero, D, &f);
+        for (int64_t i = 0; i < block; ++i) {
+          const int64_t g = gb + i;
+          const uint8_t* codes = K.pages == nullptr ? K.codes + bh * K.code_head + g * (G * BITS / 8)
+                                                    : K.codes + K.pages[g] * K.code_page + bh * K.code_head;
+          float* out[NR];
+          for (int j = 0; j < NR; ++j) out[j] = scores + (r0 + j) * P.score_row + pos0 + (g - g0) * G;
+          if ((f.finite >> i) & 1) {
+            int8_key_group<BITS, NR>(f, i, codes, K.code_row, D, G, out);
+            continue;
           }
-          continue;
+          float qs[NR][kMaxDim], bias[NR];  // a non-finite q * s: the fp32 products, as the dense product would meet it
+          for (int j = 0; j < NR; ++j) {
+            for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[j][d] * scale[d * kBlockGroups + i];
+            bias[j] = f.bias[j][i];
+          }
+          key_group<BITS, NR>(qs, bias, codes, K.code_row, D, G, out);
         }
-        float qs[4][kMaxDim], bias[4];  // a non-finite q * s: the fp32 products, as the dense product would meet it
-        for (int j = 0; j < nr; ++j) {
-          for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[j][d] * scale[d * kBlockGroups + i];
-          bias[j] = f.bias[j][i];
-        }
-        switch (nr) {
-          case 1: key_group<BITS, 1>(qs, bias, codes, K.code_row, D, G, out); break;
-          case 2: key_group<BITS, 2>(qs, bias, codes, K.code_row, D, G, out); break;
-          case 3: key_group<BITS, 3>(qs, bias, codes, K.code_row, D, G, out); break;
-          default: key_group<BITS, 4>(qs, bias, codes, K.code_row, D, G, out); break;
-        }
-      }
+      });
     }
   }
 }
@@ -323,12 +327,9 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
           for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[d] * scale[d];
           bias[j] = dot(qr, zero, D);
         }
-        switch (nr) {
-          case 1: key_group<BITS, 1>(qs, bias, group_codes, K.code_row, D, G, out); break;
-          case 2: key_group<BITS, 2>(qs, bias, group_codes, K.code_row, D, G, out); break;
-          case 3: key_group<BITS, 3>(qs, bias, group_codes, K.code_row, D, G, out); break;
-          default: key_group<BITS, 4>(qs, bias, group_codes, K.code_row, D, G, out); break;
-        }
+        with_row_count(nr, [&](auto rows) {
+          key_group<BITS, decltype(rows)::kRows>(qs, bias, group_codes, K.code_row, D, G, out);
+        });
       }
     }
   }
@@ -520,10 +521,6 @@ void paged_value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, cons
 
 // The query rows of a value sum in sets of up to 4 (what value_rows and paged_value_rows take as NR): for each set
 // f(RowSet<NR>{}, prob, acc) with prob[i] / acc[i] the probabilities / accumulator of its row i.
-template <int N>
-struct RowSet {
-  static constexpr int kRows = N;
-};
 template <typename F>
 inline void for_row_sets(const Problem& P, const float* prob, float* acc, int64_t acc_row, F f) {
   const float* p[4];
@@ -534,12 +531,7 @@ inline void for_row_sets(const Problem& P, const float* prob, float* acc, int64_
       p[i] = prob + (r0 + i) * P.score_row;
       a[i] = acc + (r0 + i) * acc_row;
     }
-    switch (nr) {
-      case 1: f(RowSet<1>{}, p, a); break;
-      case 2: f(RowSet<2>{}, p, a); break;
-      case 3: f(RowSet<3>{}, p, a); break;
-      default: f(RowSet<4>{}, p, a); break;
-    }
+    with_row_count(nr, [&](auto rows) { f(rows, p, a); });
   }
 }
 

@@ -89,19 +89,21 @@ struct KeyBlockFactors {
   int finite;
 };
 
-// Fills `f` for NR rows q[r] (D floats each) from the block's scales and zeros, channel-major fp32: scale[d * 8 + i]
-// is channel d of group i (zeros in the lanes of absent groups): qs = q * s, m = max |qs|, factors round(qs * (127 /
-// m)) to nearest even, a = m / 127 (all zero where m == 0).
+// Fills `f` for NR rows q[r] (D floats each) from the block's scales and zeros, channel-major fp32:
+// scale[d * kBlockGroups + i] is channel d of group i (zeros in the lanes of absent groups): qs = q * s, m = max |qs|,
+// factors round(qs * (127 / m)) to nearest even, a = m / 127 (all zero where m == 0).
 template <int NR>
 inline void key_block_factors(const float* const* q, const float* scale, const float* zero, int64_t D,
                               KeyBlockFactors* f) {
+  static_assert(kBlockGroups == 8, "a block's groups are the 8 lanes of one __m256");
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 m[NR][2], bias[NR][2];  // two chains per row: the max and the FMA wait on their previous channel
   for (int r = 0; r < NR; ++r) m[r][0] = m[r][1] = bias[r][0] = bias[r][1] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 2) {  // D % 4 == 0
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) {
-      const __m256 s = _mm256_load_ps(scale + (d + c) * 8), z = _mm256_load_ps(zero + (d + c) * 8);
+      const __m256 s = _mm256_load_ps(scale + (d + c) * kBlockGroups);
+      const __m256 z = _mm256_load_ps(zero + (d + c) * kBlockGroups);
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
         const __m256 qd = _mm256_set1_ps(q[r][d + c]), x = _mm256_mul_ps(qd, s);
@@ -128,7 +130,7 @@ inline void key_block_factors(const float* const* q, const float* scale, const f
       __m256i v[4];
       for (int k = 0; k < 4; ++k) {
         const int64_t d = 4 * x + k;
-        const __m256 qs = _mm256_mul_ps(_mm256_set1_ps(q[r][d]), _mm256_load_ps(scale + d * 8));
+        const __m256 qs = _mm256_mul_ps(_mm256_set1_ps(q[r][d]), _mm256_load_ps(scale + d * kBlockGroups));
         v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(qs, inv));
       }
       // packs keep 128-bit halves: bytes 4k + i (i < 4) of each half come from v[k] lane i (low half) or 4 + i
