@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -251,9 +252,44 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   return out.view({batch, q_heads, length, p.value_dim}).to(query.scalar_type());
 }
 
+// Time-stamp-counter ticks per second, measured once against the steady clock (the TSC of the CPUs this runs on is
+// invariant: constant_tsc / nonstop_tsc).
+double tick_rate() {
+  static const double rate = [] {
+    const auto t0 = std::chrono::steady_clock::now();
+    const unsigned long long c0 = __builtin_ia32_rdtsc();
+    while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(20)) {
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return double(__builtin_ia32_rdtsc() - c0) / seconds;
+  }();
+  return rate;
+}
+
+// The phases' thread seconds since the last reset (decode_attention.h: Phase), by name.
+pybind11::dict phase_seconds(bool reset) {
+  static const char* const names[decode::kPhaseCount] = {
+      "read_keys", "exact_scores", "packed_scores", "key_meta", "key_factors", "softmax",
+      "exact_values", "packed_values", "value_meta", "value_factors", "merge"};
+  pybind11::dict out;
+  const double rate = tick_rate();
+  for (int i = 0; i < decode::kPhaseCount; ++i) {
+    out[names[i]] = double(decode::phase_ticks[i]) / rate;
+    if (reset) decode::phase_ticks[i] = 0;
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_decode_attention(pybind11::module& m) {
+  m.def(
+      "set_phase_timing", [](bool on) { decode::phase_timing = on; },
+      "Turns the phase timers of the fused decode attention on or off (off by default)", pybind11::arg("on"));
+  m.def("phase_seconds", &phase_seconds,
+        "Thread seconds per phase of the fused decode attention (summed over threads) since the last reset, by "
+        "name; `reset` zeroes them (see csrc/cpu/decode_attention.h: Phase)",
+        pybind11::arg("reset") = true);
   m.def("decode_attention", &decode_attention,
         "Fused KIVI decode attention over [sinks | packed history | exact tail] -> [B, Hq, L, Dv] (see "
         "kivi_xpu/ops/reference.py (decode_attention) for the exact semantics)",

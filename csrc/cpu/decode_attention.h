@@ -79,6 +79,31 @@ void chunk_avx512(const Problem& p, int64_t task);
 void chunk_avx2(const Problem& p, int64_t task);
 void chunk_baseline(const Problem& p, int64_t task);
 
+// ---- phase timing (kivi-xpu bench --phases) ------------------------------------------------------------------------
+
+// Where a call's time goes: each phase's time-stamp-counter ticks, summed over the threads that ran it (see
+// phase_timer.h). The packed keys' and values' phases include their metadata and factor phases.
+enum Phase : int {
+  kPhaseReadKeys,       // each task's packed keys read into the caches first (decode_tasks.cpp)
+  kPhaseExactScores,    // scores of the exact sinks and tail
+  kPhasePackedScores,   // scores of the packed keys
+  kPhaseKeyMeta,        //   of which: their scales and zeros loaded (integer path)
+  kPhaseKeyFactors,     //   of which: the int8 query factors (integer path)
+  kPhaseSoftmax,        // mask, softcap and exp of a chunk's scores
+  kPhaseExactValues,    // the exact sinks' and tail's values
+  kPhasePackedValues,   // the packed values
+  kPhaseValueMeta,      //   of which: their scales and zeros loaded (integer path)
+  kPhaseValueFactors,   //   of which: the uint8 probability factors (integer path)
+  kPhaseMerge,          // the in-order merge of the chunks
+  kPhaseCount
+};
+// Off unless set (decode_attention.cpp: set_phase_timing); a phase then costs a load and a branch. The timers add to
+// their thread's ticks, which run_problems adds to the totals after each task (one atomic add per phase and task
+// instead of one per block).
+extern bool phase_timing;
+extern uint64_t phase_ticks[kPhaseCount];
+extern thread_local uint64_t thread_phase_ticks[kPhaseCount];
+
 // ---- host side (decode_tasks.cpp), shared by decode_attention.cpp and paged_attention.cpp ----------------------
 
 // Tokens per chunk (Problem::chunk, whole key groups) for `tokens` positions past the sinks in each of `heads`

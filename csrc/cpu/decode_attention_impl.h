@@ -18,7 +18,8 @@
 namespace kivi::cpu::decode {
 namespace {
 
-#include "simd.h"  // the vector layer, with internal linkage here
+#include "simd.h"         // the vector layer, with internal linkage here
+#include "phase_timer.h"  // PhaseTimer, likewise
 
 using FV = FloatVec;  // 16 lanes AVX-512, 8 AVX2, 4 baseline (Vec4)
 using vf = FV::F;
@@ -254,15 +255,21 @@ void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, co
   KeyBlockFactors f;
   for (int64_t gb = g0; gb < g1; gb += kBlockGroups) {
     const int64_t block = min64(kBlockGroups, g1 - gb);
-    load_key_meta_by_channel(K, K.scales, bh, gb, block, D, scale);
-    load_key_meta_by_channel(K, K.zeros, bh, gb, block, D, zero);
+    {
+      PhaseTimer timer(kPhaseKeyMeta);
+      load_key_meta_by_channel(K, K.scales, bh, gb, block, D, scale);
+      load_key_meta_by_channel(K, K.zeros, bh, gb, block, D, zero);
+    }
     for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
       const int nr = (int)min64(4, P.rows - r0);
       const float* qr[4];
       for (int j = 0; j < nr; ++j) qr[j] = q + (r0 + j) * D;
       with_row_count(nr, [&](auto rows) {
         constexpr int NR = decltype(rows)::kRows;
-        key_block_factors<NR>(qr, scale, zero, D, &f);
+        {
+          PhaseTimer timer(kPhaseKeyFactors);
+          key_block_factors<NR>(qr, scale, zero, D, &f);
+        }
         for (int64_t i = 0; i < block; ++i) {
           const int64_t g = gb + i;
           const uint8_t* codes = K.pages == nullptr ? K.codes + bh * K.code_head + g * (G * BITS / 8)
@@ -613,10 +620,14 @@ inline void run_chunk(const Problem& P, int64_t task) {
   float* partial = P.partials + task * P.rows * acc_row;
 
   // Scores: sinks [0, S), packed [S, S + kc), tail [S + kc, n), each clipped to the chunk.
-  const int64_t kc = P.keys.count;
-  if (p0 < S) exact_scores(P, P.key_sinks, b, h, p0, min64(p1, S) - p0, q, scores, p0);
-  const int64_t k0 = max64(p0, S), k1 = min64(p1, S + kc);
+  const int64_t kc = P.keys.count, k0 = max64(p0, S), k1 = min64(p1, S + kc), tail0 = max64(p0, S + kc);
+  {
+    PhaseTimer timer(kPhaseExactScores);
+    if (p0 < S) exact_scores(P, P.key_sinks, b, h, p0, min64(p1, S) - p0, q, scores, p0);
+    if (tail0 < p1) exact_scores(P, P.key_tail, b, h, tail0 - S - kc, p1 - tail0, q, scores, tail0);
+  }
   if (k0 < k1) {
+    PhaseTimer timer(kPhasePackedScores);
     const int64_t g0 = (k0 - S) / P.keys.group, g1 = (k1 - S) / P.keys.group;
     switch (P.keys.bits) {
       case 2: packed_scores<2>(P, bh, g0, g1, packed_q, scores, k0); break;
@@ -624,30 +635,36 @@ inline void run_chunk(const Problem& P, int64_t task) {
       default: packed_scores<8>(P, bh, g0, g1, packed_q, scores, k0); break;
     }
   }
-  const int64_t tail0 = max64(p0, S + kc);
-  if (tail0 < p1) exact_scores(P, P.key_tail, b, h, tail0 - S - kc, p1 - tail0, q, scores, tail0);
 
-  for (int64_t r = 0; r < P.rows; ++r) {
-    float* out = partial + r * acc_row;
-    out[0] = chunk_softmax(P, b, h, r, scores + r * P.score_row, p0, p1, out + 1);
-    for (int64_t d = 0; d < P.acc_width; ++d) out[kAccOffset + d] = 0.0f;
+  {
+    PhaseTimer timer(kPhaseSoftmax);
+    for (int64_t r = 0; r < P.rows; ++r) {
+      float* out = partial + r * acc_row;
+      out[0] = chunk_softmax(P, b, h, r, scores + r * P.score_row, p0, p1, out + 1);
+      for (int64_t d = 0; d < P.acc_width; ++d) out[kAccOffset + d] = 0.0f;
+    }
   }
 
   // Values: sinks [0, S), packed [S, S + vc), tail [S + vc, n).
-  const int64_t vc = P.values.count;
+  const int64_t vc = P.values.count, v0 = max64(p0, S), v1 = min64(p1, S + vc), vt0 = max64(p0, S + vc);
   float* acc = partial + kAccOffset;
   float* packed_acc = acc + P.packed_acc;  // a separate sum for rotated packed values (or the same)
-  if (p0 < S) exact_values(P, P.value_sinks, b, h, p0, min64(p1, S) - p0, scores, p0, acc, acc_row);
-  const int64_t v0 = max64(p0, S), v1 = min64(p1, S + vc);
+  if (p0 < S) {
+    PhaseTimer timer(kPhaseExactValues);
+    exact_values(P, P.value_sinks, b, h, p0, min64(p1, S) - p0, scores, p0, acc, acc_row);
+  }
   if (v0 < v1) {
+    PhaseTimer timer(kPhasePackedValues);
     switch (P.values.bits) {
       case 2: packed_values<2>(P, bh, v0 - S, v1 - S, scores, v0, packed_acc, acc_row); break;
       case 4: packed_values<4>(P, bh, v0 - S, v1 - S, scores, v0, packed_acc, acc_row); break;
       default: packed_values<8>(P, bh, v0 - S, v1 - S, scores, v0, packed_acc, acc_row); break;
     }
   }
-  const int64_t vt0 = max64(p0, S + vc);
-  if (vt0 < p1) exact_values(P, P.value_tail, b, h, vt0 - S - vc, p1 - vt0, scores, vt0, acc, acc_row);
+  if (vt0 < p1) {  // (after the packed values, which may add to the same sums: the order the twins add in)
+    PhaseTimer timer(kPhaseExactValues);
+    exact_values(P, P.value_tail, b, h, vt0 - S - vc, p1 - vt0, scores, vt0, acc, acc_row);
+  }
 }
 
 }  // namespace

@@ -312,19 +312,27 @@ inline bool int8_value_rows(const Packed& V, Locate locate, int64_t t0, int64_t 
     const uint8_t* block;
     int64_t meta;
     locate(tb, &block, &meta);
-    block_meta<TB>(V.scales, V.meta, meta, n, groups, buffer, scale);
-    block_meta<TB>(V.zeros, V.meta, meta, n, groups, buffer, zero);
-    for (int r = 0; r < NR; ++r) {
-      const float* p = prob[r] + tb;
-      if (n < TB) {
-        for (int64_t t = 0; t < TB; ++t) padded[r][t] = t < n ? p[t] : 0.0f;
-        p = padded[r];
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        b[r][g] = value_factors<TB>(p, scale[g], zero[g], wi[r][g], zsum[r][g]);
-        if (b[r][g] != b[r][g]) return false;
-      }
+    {
+      PhaseTimer timer(kPhaseValueMeta);
+      block_meta<TB>(V.scales, V.meta, meta, n, groups, buffer, scale);
+      block_meta<TB>(V.zeros, V.meta, meta, n, groups, buffer, zero);
     }
+    const bool finite = [&] {
+      PhaseTimer timer(kPhaseValueFactors);
+      for (int r = 0; r < NR; ++r) {
+        const float* p = prob[r] + tb;
+        if (n < TB) {
+          for (int64_t t = 0; t < TB; ++t) padded[r][t] = t < n ? p[t] : 0.0f;
+          p = padded[r];
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          b[r][g] = value_factors<TB>(p, scale[g], zero[g], wi[r][g], zsum[r][g]);
+          if (b[r][g] != b[r][g]) return false;
+        }
+      }
+      return true;
+    }();
+    if (!finite) return false;
     const int64_t whole = n / 4;  // quads read in place; a ragged last one from a zero-padded copy
     if (whole < quads) {
       for (int64_t i = 0; i < 4 * V.code_row; ++i) ragged[i] = 0;

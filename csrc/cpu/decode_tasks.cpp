@@ -13,7 +13,14 @@
 #include "isa.h"
 
 namespace kivi::cpu::decode {
+
+bool phase_timing = false;
+uint64_t phase_ticks[kPhaseCount] = {};
+thread_local uint64_t thread_phase_ticks[kPhaseCount] = {};
+
 namespace {
+
+#include "phase_timer.h"
 
 // Reads one byte of every cache line of the packed keys task `task` will score (run_chunk's split), channel run by
 // channel run in storage order, so that the kernel, which walks all D channels group by group, finds them in the
@@ -56,12 +63,58 @@ void read_task_keys(const Problem& p, int64_t task) {
   }
 }
 
+// Adds the calling thread's phase ticks to the totals and zeroes them.
+void flush_phase_ticks() {
+  for (int i = 0; i < kPhaseCount; ++i) {
+    if (thread_phase_ticks[i] == 0) continue;
+    __atomic_fetch_add(&phase_ticks[i], thread_phase_ticks[i], __ATOMIC_RELAXED);
+    thread_phase_ticks[i] = 0;
+  }
+}
+
 void (*chunk_kernel(Isa isa))(const Problem&, int64_t) {
   switch (isa) {
     case Isa::kAvx512Vnni: return decode::chunk_avx512_vnni;
     case Isa::kAvx512: return decode::chunk_avx512;
     case Isa::kAvx2: return decode::chunk_avx2;
     default: return decode::chunk_baseline;
+  }
+}
+
+// Rows [begin, end) of merge_chunks (below).
+void merge_rows(const Problem& p, float* out, float* packed_out, int64_t begin, int64_t end) {
+  PhaseTimer timer(kPhaseMerge);
+  const int64_t width = p.acc_width, acc_row = p.acc_row, Dv = p.value_dim;
+  float o[2 * decode::kMaxDim];
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t bh = row / p.rows, r = row % p.rows;
+    const float* first = p.partials + (bh * p.chunks * p.rows + r) * acc_row;
+    const int64_t chunk_step = p.rows * acc_row;
+    float m = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+    for (int64_t c = 0; c < p.chunks; ++c) {
+      const float mc = first[c * chunk_step];
+      nan |= std::isnan(mc);
+      m = mc > m ? mc : m;
+    }
+    float* result = out + row * Dv;
+    if (!nan && m == -std::numeric_limits<float>::infinity()) {  // fully masked row: zeros, by definition
+      for (int64_t d = 0; d < Dv; ++d) result[d] = 0.0f;
+      continue;
+    }
+    if (nan) m = std::numeric_limits<float>::quiet_NaN();
+    float total = 0.0f;
+    for (int64_t d = 0; d < width; ++d) o[d] = 0.0f;
+    for (int64_t c = 0; c < p.chunks; ++c) {
+      const float* part = first + c * chunk_step;
+      const float w = part[0] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(part[0] - m);
+      total += w * part[1];
+      for (int64_t d = 0; d < width; ++d) o[d] += w * part[decode::kAccOffset + d];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < Dv; ++d) result[d] = o[d] * inv;
+    if (packed_out != nullptr)
+      for (int64_t d = 0; d < Dv; ++d) packed_out[row * Dv + d] = o[p.packed_acc + d] * inv;
   }
 }
 
@@ -101,8 +154,12 @@ void run_problems(const Problem* problems, const int64_t* first_task, int64_t co
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
     for (int64_t task = next_task++; task < tasks; task = next_task++) {
       const int64_t owner = problem_of(task);
-      read_task_keys(problems[owner], task - first_task[owner]);
+      {
+        PhaseTimer timer(kPhaseReadKeys);
+        read_task_keys(problems[owner], task - first_task[owner]);
+      }
       kernel(problems[owner], task - first_task[owner]);
+      if (phase_timing) flush_phase_ticks();
     }
   });
 }
@@ -112,39 +169,9 @@ void run_problems(const Problem* problems, const int64_t* first_task, int64_t co
 // packed sum], merged into `out` and `packed_out` (the caller rotates the latter back); `out` rows are value_dim
 // floats. A fully masked row gives zeros in `out` (and leaves `packed_out` alone: the caller zero-fills it).
 void merge_chunks(const Problem& p, float* out, float* packed_out) {
-  const int64_t width = p.acc_width, acc_row = p.acc_row, rows = p.batch * p.kv_heads * p.rows, Dv = p.value_dim;
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    float o[2 * decode::kMaxDim];
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t bh = row / p.rows, r = row % p.rows;
-      const float* first = p.partials + (bh * p.chunks * p.rows + r) * acc_row;
-      const int64_t chunk_step = p.rows * acc_row;
-      float m = -std::numeric_limits<float>::infinity();
-      bool nan = false;
-      for (int64_t c = 0; c < p.chunks; ++c) {
-        const float mc = first[c * chunk_step];
-        nan |= std::isnan(mc);
-        m = mc > m ? mc : m;
-      }
-      float* result = out + row * Dv;
-      if (!nan && m == -std::numeric_limits<float>::infinity()) {  // fully masked row: zeros, by definition
-        for (int64_t d = 0; d < Dv; ++d) result[d] = 0.0f;
-        continue;
-      }
-      if (nan) m = std::numeric_limits<float>::quiet_NaN();
-      float total = 0.0f;
-      for (int64_t d = 0; d < width; ++d) o[d] = 0.0f;
-      for (int64_t c = 0; c < p.chunks; ++c) {
-        const float* part = first + c * chunk_step;
-        const float w = part[0] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(part[0] - m);
-        total += w * part[1];
-        for (int64_t d = 0; d < width; ++d) o[d] += w * part[decode::kAccOffset + d];
-      }
-      const float inv = 1.0f / total;
-      for (int64_t d = 0; d < Dv; ++d) result[d] = o[d] * inv;
-      if (packed_out != nullptr)
-        for (int64_t d = 0; d < Dv; ++d) packed_out[row * Dv + d] = o[p.packed_acc + d] * inv;
-    }
+  at::parallel_for(0, p.batch * p.kv_heads * p.rows, 64, [&](int64_t begin, int64_t end) {
+    merge_rows(p, out, packed_out, begin, end);
+    if (phase_timing) flush_phase_ticks();
   });
 }
 
