@@ -661,6 +661,30 @@ def test_fused_op_timer_records_each_layer_call_with_the_bytes_the_layer_holds()
     assert op_stats([], steps=1) is None
 
 
+def test_bench_phases_split_the_native_fused_op_calls(assets, tmp_path, capsys):
+    pytest.importorskip("kivi_xpu._cpu", reason="--phases times the native kernels")
+    model_dir, _ = assets
+    path = tmp_path / "out.json"
+    args = ["bench", "--model", model_dir, "--contexts", 64, "--batch-sizes", 2, "--new-tokens", 4, "--warmup", 1]
+    args += ["--repeats", 2, "--caches", "dynamic", "kivi-fused", "--backend", "native", "--phases", *KIVI]
+    code, out, err = run([*args, "--json", path, "--no-progress"], capsys)
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["dynamic"]["fused_op_phase_ms"] is None
+    phases = rows["kivi-fused"]["fused_op_phase_ms"]
+    assert phases["packed_scores"] > 0 and phases["packed_values"] > 0 and phases["softmax"] > 0
+    assert phases["key_meta"] + phases["key_factors"] <= phases["packed_scores"]
+    header = next(line for line in out.splitlines() if "| thread ms per call |" in line)
+    assert "| key products |" in header and "| value factors |" in header
+    row = next(line for line in out.splitlines() if line.startswith("| kivi-fused") and line.count("%") == 10)
+    assert abs(sum(float(cell.strip()[:-1]) for cell in row.split("|") if cell.strip().endswith("%")) - 100) < 0.1
+
+
+def test_bench_phases_are_refused_with_other_modes(capsys):
+    code, _, err = run(["bench", "--curve", "--phases", "--no-progress"], capsys)
+    assert code == 2 and "--phases times the fused attention of the caches side by side" in err
+
+
 def test_bench_reports_the_fused_op_time_and_its_share_of_the_read_bandwidth(assets, tmp_path, capsys):
     model_dir, _ = assets
     path = tmp_path / "out.json"

@@ -25,7 +25,10 @@ what this configuration needed on top of the model, during the prefill and durin
 The limit: for the caches read by the fused attention, each call of the fused op in the timed decode steps is
 timed (:func:`kivi_xpu.tools.timing.fused_op_timer`) with the packed bytes it reads; the row gives one call's time,
 its GB/s of packed bytes and that rate's share of the machine's read bandwidth, measured after the runs with the same
-threads (:func:`kivi_xpu.tools.machine.read_bandwidth`).
+threads (:func:`kivi_xpu.tools.machine.read_bandwidth`). With ``--phases`` the native kernel's own timers also
+split each call into its phases (the task-start read of the packed keys, their metadata, factors and integer
+products, the softmax, the values' metadata, factors and products, the exact sinks and tail, the merge): a second
+table gives each phase's share of the call's thread time (:func:`kivi_xpu.tools.timing.fused_op_phases`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..runtime import load_native_extension
 from .budget import budget
 from .cli import (
     Flatten,
@@ -58,9 +62,17 @@ from .machine import read_bandwidth, report_header
 from .memory import KvBytes, PeakMemory, kv_bytes, release_freed_memory
 from .options import ToolError
 from .plots import bench_plot, budget_plot, check_matplotlib, curve_plot
-from .report import bench_table, budget_table, curve_table, machine_line
+from .report import bench_table, budget_table, curve_table, machine_line, phases_table
 from .specs import CacheSpec, make_cache, third_party_failure
-from .timing import OpStats, add_step_ratios, competitors, fused_op_timer, op_stats, timed_decode
+from .timing import (
+    OpStats,
+    add_step_ratios,
+    competitors,
+    fused_op_phases,
+    fused_op_timer,
+    op_stats,
+    timed_decode,
+)
 from .workload import BenchOptions, prepare, prompts
 
 DEFAULTS = BenchOptions()
@@ -108,6 +120,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="N CPU-bound competitor processes run during every measured run of every cache (default 0)",
     )
     p.add_argument(
+        "--phases",
+        action="store_true",
+        help="split each call of the native fused attention into its phases with the kernel's own timers (a second "
+        "table: where a call's time goes); the timers make the calls ~5-10%% slower",
+    )
+    p.add_argument(
         "--curve",
         action="store_true",
         help="long-context curve: decode ms/token and KV bytes against --contexts for dynamic, static and KIVI "
@@ -145,6 +163,7 @@ class Run:
     peak_decode_bytes: int | None  # same, during the decode steps
     peak_process_bytes: int | None  # the process's absolute peak resident set during the run
     op: OpStats | None  # the fused attention op's calls during the timed steps (None: no fused attention)
+    phase_ms: dict[str, float] | None = None  # --phases: thread ms per call and phase (None: not timed)
 
     @property
     def tokens_per_s(self) -> float:
@@ -184,6 +203,9 @@ class Row:
     fused_op_exact_bytes: int | None = None  # read per call besides: the exact sinks and tail of keys and values
     fused_op_gb_per_s: float | None = None  # packed bytes / seconds of a call (1e9 bytes per GB)
     fused_op_bandwidth_fraction: float | None = None  # fused_op_gb_per_s / the machine's measured read bandwidth
+    # --phases: thread ms per call in each phase of the native kernel (csrc/cpu/decode_attention.h: Phase; median
+    # over the runs), summed over the threads that ran the call
+    fused_op_phase_ms: dict[str, float] | None = None
     runs: list[dict] = field(default_factory=list)
 
 
@@ -205,8 +227,14 @@ def run_once(
     del logits
     release_freed_memory()
     meter.reset()
-    with fused_op_timer() as calls:
-        decoded, decode_seconds = timed_decode(model, cache, token, new_tokens - 1, warmup, bar, calls.clear)
+    timed_phases = options.phases and spec.attn_implementation == "kivi"
+    with fused_op_timer() as calls, fused_op_phases(timed_phases) as phases:
+
+        def on_timed():
+            calls.clear()
+            phases.restart()
+
+        decoded, decode_seconds = timed_decode(model, cache, token, new_tokens - 1, warmup, bar, on_timed)
     tokens += decoded
     peak_decode = meter.peak()
     run = Run(
@@ -219,6 +247,8 @@ def run_once(
         None if baseline is None else peak_decode - baseline,
         None if baseline is None else max(peak_prefill, peak_decode),
         op_stats(calls, new_tokens - 1 - warmup),
+        # (all zero: the fused op ran on another backend, which has no phase timers)
+        {k: 1000 * s / len(calls) for k, s in phases.seconds.items()} if any(phases.seconds.values()) else None,
     )
     del cache
     model.set_attn_implementation("sdpa")
@@ -254,6 +284,7 @@ def summarize(spec: CacheSpec, context: int, runs: list[Run]) -> Row:
         peak_process_bytes=None if None in peaks[2] else max(peaks[2]),
         generated_tokens=first.tokens.shape[1],
         **fused_op_fields([r.op for r in runs]),
+        fused_op_phase_ms=phase_medians([r.phase_ms for r in runs]),
         runs=[
             {
                 "prefill_seconds": r.prefill_seconds,
@@ -277,6 +308,13 @@ def fused_op_fields(stats: list[OpStats | None]) -> dict:
         "fused_op_exact_bytes": int(statistics.median(s.exact_bytes for s in stats)),
         "fused_op_gb_per_s": statistics.median(s.gb_per_s for s in stats),
     }
+
+
+def phase_medians(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Each phase's median over the runs' thread ms per call; ``None`` unless every run was timed."""
+    if not runs or None in runs:
+        return None
+    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
 
 
 def measure(
@@ -332,6 +370,15 @@ def benchmark(options: BenchOptions) -> dict:
             f"--new-tokens ({options.new_tokens}) must exceed --warmup ({options.warmup}) + 1: the prefill yields the "
             "first token, the warm-up steps are not timed, and at least one decode step must be"
         )
+    if options.phases and (options.curve or options.kv_budget is not None):
+        raise ToolError(
+            "--phases times the fused attention of the caches side by side, not with --curve or --kv-budget"
+        )
+    if options.phases:
+        try:
+            load_native_extension()
+        except RuntimeError as error:
+            raise ToolError(f"--phases needs the native CPU kernels (their timers): {error}") from error
     check_output_path(options.json, "--json")
     check_output_path(options.plot, "--plot")
     if options.plot:
@@ -388,7 +435,10 @@ def command(args) -> None:
         "kivi-xpu bench --kv-budget": (budget_table, budget_plot),
         "kivi-xpu bench --curve": (curve_table, curve_plot),
     }.get(payload["tool"], (bench_table, bench_plot))
-    print(table(payload), machine_line(payload), sep="\n", flush=True)
+    print(table(payload), flush=True)
+    if any(row.get("fused_op_phase_ms") for row in payload["rows"]):
+        print("\n" + phases_table(payload), flush=True)
+    print(machine_line(payload), flush=True)
     if options.plot:
         plot(payload, options.plot)
     if options.json:

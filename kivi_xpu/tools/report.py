@@ -63,6 +63,43 @@ def _steps(r: dict) -> str:
     return f"{r['ms_per_step']:.2f} | {_ratio(r['step_speedup_vs_dynamic'])} | {_ratio(r['step_speedup_vs_static'])}"
 
 
+# The columns of phases_table: a name and the thread ms of a call it covers, from the kernel's phases
+# (csrc/cpu/decode_attention.h: Phase; the packed keys' and values' phases include their metadata and factors).
+PHASE_COLUMNS = (
+    ("read keys", lambda p: p["read_keys"]),
+    ("key meta", lambda p: p["key_meta"]),
+    ("key factors", lambda p: p["key_factors"]),
+    ("key products", lambda p: p["packed_scores"] - p["key_meta"] - p["key_factors"]),
+    ("softmax", lambda p: p["softmax"]),
+    ("value meta", lambda p: p["value_meta"]),
+    ("value factors", lambda p: p["value_factors"]),
+    ("value products", lambda p: p["packed_values"] - p["value_meta"] - p["value_factors"]),
+    ("exact sinks + tail", lambda p: p["exact_scores"] + p["exact_values"]),
+    ("merge", lambda p: p["merge"]),
+)
+
+
+def phases_table(payload: dict) -> str:
+    """Where a fused attention call's time goes (``kivi-xpu bench --phases``): per row with phase timings, the thread
+    ms of one call (summed over the threads that ran it) and each phase's share of it."""
+    names = " | ".join(name for name, _ in PHASE_COLUMNS)
+    lines = [
+        f"| cache | context | batch | attn op ms | thread ms per call | {names} |",
+        "|---" * (5 + len(PHASE_COLUMNS)) + "|",
+    ]
+    for r in payload["rows"]:
+        phases = r.get("fused_op_phase_ms")
+        if not phases:
+            continue
+        spent = [column(phases) for _, column in PHASE_COLUMNS]
+        total = sum(spent)
+        shares = " | ".join(f"{100 * ms / total:.1f}%" if total > 0 else "—" for ms in spent)
+        lines.append(
+            f"| {r['cache']} | {r['context']} | {r['batch']} | {r['fused_op_ms']:.3f} | {total:.3f} | {shares} |"
+        )
+    return "\n".join(lines)
+
+
 CURVE_HEADER = (
     "| cache | context | batch | ms/step | step speedup vs Dynamic | step speedup vs Static | decode tok/s | KV MiB | "
     "fill s | notes |\n"

@@ -16,6 +16,7 @@ import torch
 
 from .. import attention
 from ..ops.checks import KindOperands
+from ..runtime import load_native_extension
 from .options import ToolError
 
 # Float work in a loop that ends by itself after MAX_SECONDS, or as soon as its parent is gone (its parent id
@@ -123,6 +124,39 @@ def fused_op_timer():
         yield calls
     finally:
         attention.decode_attention = original
+
+
+class PhaseTimes:
+    """Thread seconds per phase of the native fused attention's calls (``csrc/cpu/decode_attention.h``: ``Phase``;
+    the threads of one call add up), filled in ``seconds`` when its :func:`fused_op_phases` block ends."""
+
+    def __init__(self, native):
+        self._native, self.seconds = native, {}
+
+    def restart(self) -> None:
+        """Forgets the calls timed so far (e.g. those of the warm-up steps)."""
+        if self._native is not None:
+            self._native.phase_seconds(reset=True)
+
+
+@contextlib.contextmanager
+def fused_op_phases(enabled: bool = True):
+    """Times the phases of every native CPU fused attention call within the block (``kivi-xpu bench --phases``):
+    yields a :class:`PhaseTimes`. The timers cost ~5-10 % of a call, so the op times measured alongside are that
+    much longer; they are turned off after the block, also on an error. Without ``enabled``, or for calls of other
+    backends, nothing is timed."""
+    native = load_native_extension() if enabled else None
+    times = PhaseTimes(native)
+    if native is None:
+        yield times
+        return
+    times.restart()
+    native.set_phase_timing(True)
+    try:
+        yield times
+    finally:
+        native.set_phase_timing(False)
+        times.seconds = native.phase_seconds(reset=True)
 
 
 class OpStats(NamedTuple):

@@ -28,6 +28,7 @@ class BenchOptions(ToolOptions):
     text: str | None = None  # prompts from this text file, "wikipedia" or "news" instead of random ids
     plot: str | None = None  # PNG path
     contend: int = 0  # CPU-bound competitor processes running during every measured run
+    phases: bool = False  # time the phases of the native fused attention's calls (kivi_xpu.tools.timing)
     curve: bool = False  # the long-context curve on a tiny random Llama (kivi_xpu.tools.curve) instead
     kv_budget: float | None = None  # MiB: decode throughput at equal KV memory (kivi_xpu.tools.budget) instead
     max_batch: int = 256  # the largest batch --kv-budget tries
