@@ -680,6 +680,14 @@ def test_bench_phases_split_the_native_fused_op_calls(assets, tmp_path, capsys):
     assert abs(sum(float(cell.strip()[:-1]) for cell in row.split("|") if cell.strip().endswith("%")) - 100) < 0.1
 
 
+def test_bench_phases_say_when_no_native_call_was_timed(assets, capsys):
+    model_dir, _ = assets
+    args = ["bench", "--model", model_dir, "--contexts", 32, "--batch-sizes", 1, "--new-tokens", 3, "--warmup", 1]
+    code, out, err = run([*args, "--repeats", 1, "--caches", "kivi-dense", "--phases", "--no-progress", *KIVI], capsys)
+    assert code == 0, err
+    assert "--phases: no call of the native fused attention was timed" in out and "thread ms per call" not in out
+
+
 def test_bench_phases_are_refused_with_other_modes(capsys):
     code, _, err = run(["bench", "--curve", "--phases", "--no-progress"], capsys)
     assert code == 2 and "--phases times the fused attention of the caches side by side" in err

@@ -438,6 +438,12 @@ def command(args) -> None:
     print(table(payload), flush=True)
     if any(row.get("fused_op_phase_ms") for row in payload["rows"]):
         print("\n" + phases_table(payload), flush=True)
+    elif options.phases:
+        print(
+            "--phases: no call of the native fused attention was timed (no kivi-fused row ran on the native CPU "
+            "kernels: see --backend)",
+            flush=True,
+        )
     print(machine_line(payload), flush=True)
     if options.plot:
         plot(payload, options.plot)
