@@ -268,13 +268,10 @@ double tick_rate() {
 
 // The phases' thread seconds since the last reset (decode_attention.h: Phase), by name.
 pybind11::dict phase_seconds(bool reset) {
-  static const char* const names[decode::kPhaseCount] = {
-      "read_keys", "exact_scores", "packed_scores", "key_meta", "key_factors", "softmax",
-      "exact_values", "packed_values", "value_meta", "value_factors", "merge"};
   pybind11::dict out;
   const double rate = tick_rate();
   for (int i = 0; i < decode::kPhaseCount; ++i) {
-    out[names[i]] = double(decode::phase_ticks[i]) / rate;
+    out[decode::kPhaseNames[i]] = double(decode::phase_ticks[i]) / rate;
     if (reset) decode::phase_ticks[i] = 0;
   }
   return out;

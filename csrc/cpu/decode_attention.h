@@ -97,6 +97,12 @@ enum Phase : int {
   kPhaseMerge,          // the in-order merge of the chunks
   kPhaseCount
 };
+// The phases' names in the enum's order: the keys of kivi_xpu._cpu.phase_seconds(), which
+// kivi_xpu/tools/report.py (PHASE_COLUMNS) reads.
+constexpr const char* kPhaseNames[] = {"read_keys",   "exact_scores", "packed_scores", "key_meta",
+                                       "key_factors", "softmax",      "exact_values",  "packed_values",
+                                       "value_meta",  "value_factors", "merge"};
+static_assert(sizeof(kPhaseNames) / sizeof(kPhaseNames[0]) == kPhaseCount, "a name for every phase");
 // Off unless set (decode_attention.cpp: set_phase_timing); a phase then costs a load and a branch. The timers add to
 // their thread's ticks, which run_problems adds to the totals after each task (one atomic add per phase and task
 // instead of one per block).
