@@ -115,7 +115,7 @@ def test_phase_timers_split_a_call_and_change_nothing(isa, dot):
         native.set_phase_timing(False)
     seconds = native.phase_seconds(reset=True)
     assert torch.equal(on, off)
-    top = ("read_keys", "exact_scores", "packed_scores", "softmax", "exact_values", "packed_values", "merge")
+    top = ("read_inputs", "exact_scores", "packed_scores", "softmax", "exact_values", "packed_values", "merge")
     assert all(seconds[name] > 0 for name in top), seconds
     within = {"packed_scores": ("key_meta", "key_factors"), "packed_values": ("value_meta", "value_factors")}
     for parent, parts in within.items():

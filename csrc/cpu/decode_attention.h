@@ -84,7 +84,7 @@ void chunk_baseline(const Problem& p, int64_t task);
 // Where a call's time goes: each phase's time-stamp-counter ticks, summed over the threads that ran it (see
 // phase_timer.h). The packed keys' and values' phases include their metadata and factor phases.
 enum Phase : int {
-  kPhaseReadKeys,       // each task's packed keys read into the caches first (decode_tasks.cpp)
+  kPhaseReadInputs,     // each task's packed keys and exact rows read into the caches first (decode_tasks.cpp)
   kPhaseExactScores,    // scores of the exact sinks and tail
   kPhasePackedScores,   // scores of the packed keys
   kPhaseKeyMeta,        //   of which: their scales and zeros loaded (integer path)
@@ -99,7 +99,7 @@ enum Phase : int {
 };
 // The phases' names in the enum's order: the keys of kivi_xpu._cpu.phase_seconds(), which
 // kivi_xpu/tools/report.py (PHASE_COLUMNS) reads.
-constexpr const char* kPhaseNames[] = {"read_keys",   "exact_scores", "packed_scores", "key_meta",
+constexpr const char* kPhaseNames[] = {"read_inputs", "exact_scores", "packed_scores", "key_meta",
                                        "key_factors", "softmax",      "exact_values",  "packed_values",
                                        "value_meta",  "value_factors", "merge"};
 static_assert(sizeof(kPhaseNames) / sizeof(kPhaseNames[0]) == kPhaseCount, "a name for every phase");

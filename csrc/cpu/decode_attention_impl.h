@@ -84,6 +84,22 @@ inline void with_row_count(int nr, F f) {
   }
 }
 
+// The query rows in sets of up to 4 (what the kernels take as NR): for each set f(RowSet<NR>{}, x, y) with x[i] / y[i]
+// row r0 + i of `xs` / `ys` (rows `x_row` / `y_row` elements apart), e.g. the probabilities and sums of a value pass.
+template <typename X, typename Y, typename F>
+inline void for_row_sets(const Problem& P, X* xs, int64_t x_row, Y* ys, int64_t y_row, F f) {
+  X* x[4];
+  Y* y[4];
+  for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
+    const int nr = (int)min64(4, P.rows - r0);
+    for (int i = 0; i < nr; ++i) {
+      x[i] = xs + (r0 + i) * x_row;
+      y[i] = ys + (r0 + i) * y_row;
+    }
+    with_row_count(nr, [&](auto rows) { f(rows, x, y); });
+  }
+}
+
 #if defined(KIVI_SIMD_AVX512) || defined(KIVI_SIMD_AVX2)
 #define KIVI_DA_INTEGER 1
 #include "decode_int8.h"  // the integer dot products (KIVI_XPU_CPU_DOT=int8)
@@ -91,15 +107,50 @@ inline void with_row_count(int nr, F f) {
 
 // ---- keys ---------------------------------------------------------------------------------------------------------
 
-// Scores of an exact key range: tokens [t0, t0 + count) of `keys` -> score rows at `out[r]` (already offset).
+// Scores of TB exact keys (rows `stride` elements apart from `offset`) for NR query rows: out[r][t] = q[r] . key t.
+// Each key vector is loaded once for the NR rows and the NR * TB sums are independent chains (a dot product per token
+// and row, each waiting on its previous channel vector, left the exact phases latency-bound).
+template <int NR, int TB>
+inline void exact_score_tokens(const float* const* q, const Exact& keys, int64_t offset, int64_t D, float* const* out) {
+  vf acc[NR][TB];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = FV::set1(0.0f);
+  int64_t d = 0;
+  for (; d + VW <= D; d += VW) {
+    vf k[TB];
+    for (int t = 0; t < TB; ++t) k[t] = load_dtype<FV>(keys.data, keys.dtype, offset + t * keys.stride_t + d);
+    for (int r = 0; r < NR; ++r) {
+      const vf qv = FV::load(q[r] + d);
+      for (int t = 0; t < TB; ++t) acc[r][t] = FV::fma(qv, k[t], acc[r][t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t)
+    for (int r = 0; r < NR; ++r) {
+      float s = FV::reduce_add(acc[r][t]);
+      for (int64_t e = d; e < D; ++e) s += q[r][e] * load_scalar(keys.data, keys.dtype, offset + t * keys.stride_t + e);
+      out[r][t] = s;
+    }
+}
+
+// Scores of an exact key range: tokens [t0, t0 + count) of (b, h) in `keys` -> positions pos0.. of the score rows.
 inline void exact_scores(const Problem& P, const Exact& keys, int64_t b, int64_t h, int64_t t0, int64_t count,
                          const float* q, float* scores, int64_t pos0) {
-  float row[kMaxDim];
-  const int64_t D = P.head_dim;
-  for (int64_t t = 0; t < count; ++t) {
-    load_row(keys.data, keys.dtype, b * keys.stride_b + h * keys.stride_h + (t0 + t) * keys.stride_t, D, row);
-    for (int64_t r = 0; r < P.rows; ++r) scores[r * P.score_row + pos0 + t] = dot(q + r * D, row, D);
-  }
+  const int64_t D = P.head_dim, first = b * keys.stride_b + h * keys.stride_h + t0 * keys.stride_t;
+  for_row_sets(P, q, D, scores + pos0, P.score_row, [&](auto rows, const float* const* qr, float* const* out) {
+    constexpr int NR = decltype(rows)::kRows;
+    // tokens per pass: the NR * TB sums, TB keys and a query vector in the registers (16 with AVX2, 32 with AVX-512)
+    constexpr int TB = VW >= 16 ? 4 : (NR <= 2 ? 4 : (NR == 3 ? 3 : 2));
+    float* o[NR];
+    int64_t t = 0;
+    for (; t + TB <= count; t += TB) {
+      for (int r = 0; r < NR; ++r) o[r] = out[r] + t;
+      exact_score_tokens<NR, TB>(qr, keys, first + t * keys.stride_t, D, o);
+    }
+    for (; t < count; ++t) {
+      for (int r = 0; r < NR; ++r) o[r] = out[r] + t;
+      exact_score_tokens<NR, 1>(qr, keys, first + t * keys.stride_t, D, o);
+    }
+  });
 }
 
 // One packed key group for NR rows: qs [NR][kMaxDim] = q * scale, bias[NR] = q . zero; codes points at channel 0's
@@ -344,17 +395,43 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
 
 // ---- values -------------------------------------------------------------------------------------------------------
 
-// Exact values, tokens [t0, t0 + count), probabilities at prob[r * score_row + pos0 + t]; acc rows `acc_row` floats
-// apart.
+// Channels [ch, ch + NV * VW) of the exact values (token t's row at offset + t * stride_t) for NR rows:
+// acc[r][ch..] += sum_t prob[r][t] * value_t, the sums in registers, token by token in order.
+template <int NR, int NV>
+inline void exact_value_channels(const Exact& values, int64_t offset, int64_t count, int64_t ch,
+                                 const float* const* prob, float* const* acc) {
+  vf a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = FV::load(acc[r] + ch + v * VW);
+  for (int64_t t = 0; t < count; ++t) {
+    vf x[NV];
+    for (int v = 0; v < NV; ++v)
+      x[v] = load_dtype<FV>(values.data, values.dtype, offset + t * values.stride_t + ch + v * VW);
+    for (int r = 0; r < NR; ++r) {
+      const vf p = FV::set1(prob[r][t]);
+      for (int v = 0; v < NV; ++v) a[r][v] = FV::fma(p, x[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) FV::store(acc[r] + ch + v * VW, a[r][v]);
+}
+
+// Exact values, tokens [t0, t0 + count) of (b, h), probabilities at prob[r * score_row + pos0 + t]; acc rows `acc_row`
+// floats apart.
 inline void exact_values(const Problem& P, const Exact& values, int64_t b, int64_t h, int64_t t0, int64_t count,
                          const float* prob, int64_t pos0, float* acc, int64_t acc_row) {
-  float row[kMaxDim];
-  const int64_t Dv = P.value_dim;
-  for (int64_t t = 0; t < count; ++t) {
-    load_row(values.data, values.dtype, b * values.stride_b + h * values.stride_h + (t0 + t) * values.stride_t, Dv,
-             row);
-    for (int64_t r = 0; r < P.rows; ++r) axpy(prob[r * P.score_row + pos0 + t], row, acc + r * acc_row, Dv);
-  }
+  const int64_t Dv = P.value_dim, first = b * values.stride_b + h * values.stride_h + t0 * values.stride_t;
+  for_row_sets(P, prob + pos0, P.score_row, acc, acc_row, [&](auto rows, const float* const* p, float* const* a) {
+    constexpr int NR = decltype(rows)::kRows;
+    constexpr int NV = VW >= 16 || NR <= 2 ? 4 : 2;  // the NR * NV sums, NV values and a weight in the registers
+    int64_t ch = 0;
+    for (; ch + NV * VW <= Dv; ch += NV * VW) exact_value_channels<NR, NV>(values, first, count, ch, p, a);
+    for (; ch + VW <= Dv; ch += VW) exact_value_channels<NR, 1>(values, first, count, ch, p, a);
+    for (; ch < Dv; ++ch)
+      for (int r = 0; r < NR; ++r)
+        for (int64_t t = 0; t < count; ++t)
+          a[r][ch] += p[r][t] * load_scalar(values.data, values.dtype, first + t * values.stride_t + ch);
+  });
 }
 
 // Tokens whose converted value metadata one block holds (their meta rows are adjacent: one vector conversion).
@@ -526,22 +603,6 @@ void paged_value_rows(const Problem& P, int64_t bh, int64_t t0, int64_t t1, cons
   }
 }
 
-// The query rows of a value sum in sets of up to 4 (what value_rows and paged_value_rows take as NR): for each set
-// f(RowSet<NR>{}, prob, acc) with prob[i] / acc[i] the probabilities / accumulator of its row i.
-template <typename F>
-inline void for_row_sets(const Problem& P, const float* prob, float* acc, int64_t acc_row, F f) {
-  const float* p[4];
-  float* a[4];
-  for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {
-    const int nr = (int)min64(4, P.rows - r0);
-    for (int i = 0; i < nr; ++i) {
-      p[i] = prob + (r0 + i) * P.score_row;
-      a[i] = acc + (r0 + i) * acc_row;
-    }
-    with_row_count(nr, [&](auto rows) { f(rows, p, a); });
-  }
-}
-
 // Packed tokens [t0, t1) of (batch, kv head) bh, probabilities at prob[r * score_row + pos_of_t0 + t - t0]: one run
 // of contiguous storage, or the pages of paged storage.
 template <int BITS>
@@ -549,7 +610,7 @@ void packed_values(const Problem& P, int64_t bh, int64_t t0, int64_t t1, const f
                    float* acc, int64_t acc_row) {
   const Packed& V = P.values;
   const float* prob_of_token0 = prob + pos_of_t0 - t0;  // indexed by packed token
-  for_row_sets(P, prob_of_token0, acc, acc_row, [&](auto rows, const float* const* p, float* const* a) {
+  for_row_sets(P, prob_of_token0, P.score_row, acc, acc_row, [&](auto rows, const float* const* p, float* const* a) {
     constexpr int NR = decltype(rows)::kRows;
     if (V.pages == nullptr)
       value_rows<BITS, NR>(P, V.codes + bh * V.code_head, bh * V.meta_head, t0, t1, p, a);

@@ -66,7 +66,7 @@ def _steps(r: dict) -> str:
 # The columns of phases_table: a name and the thread ms of a call it covers, from the kernel's phases
 # (csrc/cpu/decode_attention.h: Phase; the packed keys' and values' phases include their metadata and factors).
 PHASE_COLUMNS = (
-    ("read keys", lambda p: p["read_keys"]),
+    ("read inputs", lambda p: p["read_inputs"]),
     ("key meta", lambda p: p["key_meta"]),
     ("key factors", lambda p: p["key_factors"]),
     ("key products", lambda p: p["packed_scores"] - p["key_meta"] - p["key_factors"]),
