@@ -25,7 +25,6 @@ import subprocess
 import tarfile
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from kivi_xpu import KiviCache, assets
 from kivi_xpu import attention as kivi_attention
+from kivi_xpu.integration import cache_argument
 from kivi_xpu.ops.checks import decode_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +109,7 @@ def main() -> None:
     token = torch.randint(0, cfg.vocab_size, (b, 1))
     times = {name: {"op": [], "step": []} for name in builds}
     ratios = {"op": [], "step": []}
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # (past_key_values= in transformers 5.23)
+    with torch.no_grad():
         for step in range(args.steps + 2):
             pair = {}
             for name in ("A", "B") if step % 2 else ("B", "A"):
@@ -118,7 +117,7 @@ def main() -> None:
                 op_seconds.clear()
                 position = torch.tensor([n + step])
                 start = time.perf_counter()
-                model(input_ids=token, past_key_values=cache, cache_position=position,
+                model(input_ids=token, **cache_argument(cache), cache_position=position,
                       position_ids=position.expand(b, 1))  # fmt: skip
                 pair[name] = {"op": statistics.median(op_seconds), "step": time.perf_counter() - start}
                 cache.crop(-1)  # both builds step from the same history

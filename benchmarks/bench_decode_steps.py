@@ -28,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from kivi_xpu import KiviCache, assets, backend
+from kivi_xpu.integration import cache_argument
 from kivi_xpu.tools.timing import competitors
 
 p = argparse.ArgumentParser()
@@ -77,7 +78,7 @@ def step(kind, cache, tok, pos):
     if native is not None:
         native.set_dot("fp32" if kind == "kivi-fp32" else default_dot)
     t0 = time.perf_counter()
-    out = model(input_ids=tok, past_key_values=cache, cache_position=pos, position_ids=pos.expand(args.batch, 1))
+    out = model(input_ids=tok, **cache_argument(cache), cache_position=pos, position_ids=pos.expand(args.batch, 1))
     return time.perf_counter() - t0, out.logits[:, -1:].argmax(-1)
 
 
@@ -104,7 +105,7 @@ for ctx in args.ctx:
         ids = torch.randint(0, 30000, (args.batch, ctx))
         dc = DynamicCache(config=cfg)
         model.set_attn_implementation("sdpa")
-        model(input_ids=ids, past_key_values=dc, use_cache=True)
+        model(input_ids=ids, **cache_argument(dc), use_cache=True)
         kv = [(layer.keys[:, :, :ctx].clone(), layer.values[:, :, :ctx].clone()) for layer in dc.layers]
         del dc
     res = run(args.caches, kv, ctx)

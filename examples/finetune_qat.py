@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kivi_xpu import KiviCache
+from kivi_xpu.integration import cache_argument
 from kivi_xpu.qat import kivi_qat
 
 # An original text written for this example (free to use); a small model learns its spelling and word patterns.
@@ -160,7 +161,7 @@ def streaming_ppl(model, windows: torch.Tensor, make_cache) -> float:
     predictions of tokens 1..n-1 are scored)."""
     cache, nll = make_cache(), 0.0
     for t in range(windows.shape[1] - 1):
-        logits = model(windows[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(windows[:, t : t + 1], **cache_argument(cache), use_cache=True).logits[:, -1]
         nll += F.cross_entropy(logits.float(), windows[:, t + 1], reduction="sum").item()
     return math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))
 

@@ -124,6 +124,12 @@ def generate_cache_key(version: str | None = None) -> str:
     return "cache" if Version(version).release >= (5, 24) else "past_key_values"
 
 
+def cache_argument(cache) -> dict:
+    """The keyword argument that hands ``cache`` to a model's ``forward`` (``model(ids, **cache_argument(cache))``):
+    ``cache=`` from transformers 5.24, where ``past_key_values=`` warns and is removed from ``forward`` in 5.40."""
+    return {generate_cache_key(): cache}
+
+
 def _prepare_kivi_cache(original):
     @functools.wraps(original)
     def prepare(self, generation_config, model_kwargs, *args, **kwargs):

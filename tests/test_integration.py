@@ -9,6 +9,8 @@ Tiny random models (fp32, offline). Two kinds of checks:
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -240,6 +242,20 @@ def test_generate_keeps_its_cache_under_the_version_s_name(version, key):
     """transformers 5.24 renamed generate's `past_key_values` to `cache`: the kivi cache goes where generate (and
     assisted decoding, which requires it there) looks."""
     assert integration.generate_cache_key(version) == key
+
+
+@torch.no_grad()
+def test_cache_argument_hands_the_cache_to_forward_without_a_deprecation_warning(llama):
+    """The tools call `model(ids, **cache_argument(cache))`: `past_key_values=` warns from transformers 5.24 and
+    leaves `forward` in 5.40, inside the range this package supports."""
+    cache = KiviCache()
+    assert integration.cache_argument(cache) == {integration.generate_cache_key(): cache}
+    ids = prompts(batch=1, length=12)["input_ids"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        llama(ids, **integration.cache_argument(cache), use_cache=True)
+        llama(ids[:, -1:], **integration.cache_argument(cache), use_cache=True)
+    assert cache.get_seq_length() == 13
 
 
 @pytest.mark.parametrize("version", ["not-a-version", "", "5.23-custom build"])

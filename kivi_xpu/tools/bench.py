@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..integration import cache_argument
 from ..runtime import load_native_extension
 from .budget import budget
 from .cli import (
@@ -219,7 +220,7 @@ def run_once(
     meter.reset()
     cache = make_cache(spec, model.config, options, ids.shape[1] + new_tokens)
     start = time.perf_counter()
-    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(ids, **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
     prefill_seconds = time.perf_counter() - start
     peak_prefill = meter.peak()
     token = logits.argmax(-1, keepdim=True)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..integration import cache_argument
 from .cli import progress
 from .machine import report_header
 from .memory import MIB, KvBytes, accounted_bytes, kv_bytes, release_freed_memory
@@ -71,7 +72,7 @@ def prefill(model, spec: CacheSpec, ids: torch.Tensor, options: BenchOptions) ->
     """Prefills ``ids [1, context]`` into a fresh cache of ``spec`` (sized for context + new tokens)."""
     model.set_attn_implementation(spec.attn_implementation)
     cache = make_cache(spec, model.config, options, ids.shape[1] + options.new_tokens)
-    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(ids, **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
     return Prefilled(cache, logits.argmax(-1, keepdim=True))
 
 
@@ -83,7 +84,7 @@ def sequence_peak(model, spec: CacheSpec, start: Prefilled, options: BenchOption
     cache, token, tokens = copy.deepcopy(start.cache), start.token, []
     peak = accounted_bytes(cache)[1]
     for _ in range(options.new_tokens - 1):
-        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(token, **cache_argument(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
         peak = max(peak, accounted_bytes(cache)[1])
         bar.update(1)

@@ -40,6 +40,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..cache import KiviCache
+from ..integration import cache_argument
 from ..layer import KiviLayer
 from ..overrides import override_entry, settings_json
 from .cli import add_kivi_arguments, add_model_arguments, apply_process_options, positive_int, progress, tool_main
@@ -226,7 +227,7 @@ class Scorer:
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(tokens[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(tokens[:, :prefill], **cache_argument(cache), use_cache=True, logits_to_keep=1)
         # Each layer's prefill keys/values [K, H_kv, P, D] (DynamicLayer.update concatenates into new tensors, so
         # these stay the prefill's). Other layer kinds (sliding windows) keep a cut; those models prefill per run.
         self.states = [(layer.keys, layer.values) for layer in cache.layers]
@@ -249,7 +250,7 @@ class Scorer:
         self.model.set_attn_implementation(attn_implementation)
         try:
             if not self.replay:
-                self.model(self.tokens[:, : self.prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                self.model(self.tokens[:, : self.prefill], **cache_argument(cache), use_cache=True, logits_to_keep=1)
             kl = nll = 0.0
             targets = self.tokens[:, self.prefill + 1 :]
             for i, log_q in enumerate(self._steps(cache)):

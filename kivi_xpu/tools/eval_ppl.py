@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..integration import cache_argument
 from .cli import (
     add_cache_arguments,
     add_model_arguments,
@@ -144,7 +145,7 @@ def decode_nll(model, spec, windows: torch.Tensor, prefill: int, window_batch: i
     nll, held = [], None
     for chunk in windows.split(window_batch):
         cache = make_cache(spec, model.config, options, windows.shape[1])
-        model(chunk[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(chunk[:, :prefill], **cache_argument(cache), use_cache=True, logits_to_keep=1)
         losses = []
         for i, logits in enumerate(decode_logits(model, cache, chunk, prefill)):
             losses.append(F.cross_entropy(logits, chunk[:, prefill + i + 1], reduction="none"))
@@ -162,7 +163,7 @@ def decode_logits(model, cache, chunk: torch.Tensor, prefill: int):
     ``P = prefill`` tokens: yields, for step i = 0..D-1, the float32 logits ``[B, vocab]`` after feeding token
     ``P + i``, which predict token ``P + i + 1``."""
     for position in range(prefill, chunk.shape[1] - 1):
-        yield model(chunk[:, position : position + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
+        yield model(chunk[:, position : position + 1], **cache_argument(cache), use_cache=True).logits[:, -1].float()
 
 
 @torch.no_grad()
@@ -174,7 +175,7 @@ def streaming_nll(model, spec, tokens: torch.Tensor, options, bar) -> tuple:
     ids = tokens.view(1, -1)
     losses = []
     for position in range(ids.shape[1] - 1):
-        logits = model(ids[:, position : position + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(ids[:, position : position + 1], **cache_argument(cache), use_cache=True).logits[:, -1]
         losses.append(F.cross_entropy(logits.float(), ids[:, position + 1], reduction="none"))
         bar.update(1)
     model.set_attn_implementation("sdpa")

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .. import attention
+from ..integration import cache_argument
 from ..ops.checks import KindOperands
 from ..runtime import load_native_extension
 from .options import ToolError
@@ -73,7 +74,7 @@ def timed_decode(
             if on_timed is not None:
                 on_timed()
             start = time.perf_counter()
-        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(token, **cache_argument(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
         bar.update(1)
     return tokens, time.perf_counter() - start
