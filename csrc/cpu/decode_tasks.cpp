@@ -22,6 +22,22 @@ namespace {
 
 #include "phase_timer.h"
 
+// Reads one byte of every cache line of `bytes` bytes from `start` (a run need not start a line).
+void read_lines(const void* start, int64_t bytes) {
+  const volatile uint8_t* at = static_cast<const uint8_t*>(start);  // volatile: each read happens
+  for (int64_t b = 0; b < bytes; b += 64) at[b];
+  at[bytes - 1];
+}
+
+// What a task covers (run_chunk's split): (batch x kv head) bh and its positions [p0, p1).
+struct TaskSpan {
+  int64_t bh, p0, p1;
+};
+TaskSpan task_span(const Problem& p, int64_t task) {
+  const int64_t c = task % p.chunks, S = p.sinks;
+  return {task / p.chunks, c == 0 ? 0 : S + c * p.chunk, std::min(S + (c + 1) * p.chunk, p.n)};
+}
+
 // Reads one byte of every cache line of the packed keys task `task` will score (run_chunk's split), channel run by
 // channel run in storage order, so that the kernel, which walks all D channels group by group, finds them in the
 // caches. Real loads, not prefetches: in the model (SmolLM2-135M, Zen 4, KiviCaches of random history, one per
@@ -33,50 +49,40 @@ namespace {
 // hardware prefetcher follows). Why real loads win where prefetches did not is not measured (no counters in these
 // VMs); each channel run of a chunk lies in another 4 KiB page, and a prefetch may be dropped where a load walks the
 // page tables.
-void read_task_keys(const Problem& p, int64_t task) {
-  const int64_t c = task % p.chunks, bh = task / p.chunks, S = p.sinks;
-  const int64_t p0 = c == 0 ? 0 : S + c * p.chunk, p1 = std::min(S + (c + 1) * p.chunk, p.n);
+void read_task_keys(const Problem& p, const TaskSpan& task) {
+  const int64_t S = p.sinks, bh = task.bh, p0 = task.p0, p1 = task.p1;
   const Packed& K = p.keys;
   const int64_t k0 = std::max(p0, S), k1 = std::min(p1, S + K.count);
   if (k0 >= k1) return;
-  const auto lines = [](const void* start, int64_t bytes) {
-    const volatile uint8_t* at = static_cast<const uint8_t*>(start);  // volatile: each read happens
-    for (int64_t b = 0; b < bytes; b += 64) at[b];
-    at[bytes - 1];  // a run need not start a line
-  };
   const int64_t meta_size = K.meta == kF32 ? 4 : 2, g0 = (k0 - S) / K.group, g1 = (k1 - S) / K.group;
   if (K.pages != nullptr) {  // each group is one page: one run of codes and one of metadata per kind
     for (int64_t g = g0; g < g1; ++g) {
-      lines(K.codes + K.pages[g] * K.code_page + bh * K.code_head, p.head_dim * K.code_row);
+      read_lines(K.codes + K.pages[g] * K.code_page + bh * K.code_head, p.head_dim * K.code_row);
       const int64_t meta = (K.pages[g] * K.meta_page + bh * K.meta_head) * meta_size;
-      lines(static_cast<const char*>(K.scales) + meta, p.head_dim * meta_size);
-      lines(static_cast<const char*>(K.zeros) + meta, p.head_dim * meta_size);
+      read_lines(static_cast<const char*>(K.scales) + meta, p.head_dim * meta_size);
+      read_lines(static_cast<const char*>(K.zeros) + meta, p.head_dim * meta_size);
     }
     return;
   }
   const int64_t run = (g1 - g0) * K.group * K.bits / 8;
   for (int64_t d = 0; d < p.head_dim; ++d) {
-    lines(K.codes + bh * K.code_head + d * K.code_row + g0 * (K.group * K.bits / 8), run);
+    read_lines(K.codes + bh * K.code_head + d * K.code_row + g0 * (K.group * K.bits / 8), run);
     const int64_t meta = (bh * K.meta_head + d * K.meta_row + g0) * meta_size;
-    lines(static_cast<const char*>(K.scales) + meta, (g1 - g0) * meta_size);
-    lines(static_cast<const char*>(K.zeros) + meta, (g1 - g0) * meta_size);
+    read_lines(static_cast<const char*>(K.scales) + meta, (g1 - g0) * meta_size);
+    read_lines(static_cast<const char*>(K.zeros) + meta, (g1 - g0) * meta_size);
   }
 }
 
 // Reads one byte of every cache line of the exact rows (sinks and tail, keys and values) task `task` will read, for
 // the same reason as read_task_keys: the window was last read a whole step ago. In the model (SmolLM2-135M, Zen 3,
 // benchmarks/bench_ab_builds.py, with and without it) batch 1 / 1k: op 4 % faster; batch 4 / 8064: 0.99x, noise.
-void read_task_exact(const Problem& p, int64_t task) {
-  const int64_t c = task % p.chunks, bh = task / p.chunks, S = p.sinks, b = bh / p.kv_heads, h = bh % p.kv_heads;
-  const int64_t p0 = c == 0 ? 0 : S + c * p.chunk, p1 = std::min(S + (c + 1) * p.chunk, p.n);
+void read_task_exact(const Problem& p, const TaskSpan& task) {
+  const int64_t S = p.sinks, b = task.bh / p.kv_heads, h = task.bh % p.kv_heads, p0 = task.p0, p1 = task.p1;
   const auto rows = [&](const Exact& x, int64_t width, int64_t t0, int64_t t1) {
     const int64_t element = x.dtype == kF32 ? 4 : 2;
-    for (int64_t t = t0; t < t1; ++t) {
-      const volatile char* at =
-          static_cast<const char*>(x.data) + (b * x.stride_b + h * x.stride_h + t * x.stride_t) * element;
-      for (int64_t i = 0; i < width * element; i += 64) at[i];
-      at[width * element - 1];
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      read_lines(static_cast<const char*>(x.data) + (b * x.stride_b + h * x.stride_h + t * x.stride_t) * element,
+                 width * element);
   };
   if (p0 < S) {
     rows(p.key_sinks, p.head_dim, p0, std::min(p1, S));
@@ -167,8 +173,7 @@ void run_problems(const Problem* problems, const int64_t* first_task, int64_t co
   // takes the core of one of torch's threads mid-step, the other threads run its share instead of waiting for it.
   // Every task writes only its own partial, so the result does not depend on which thread ran it. A thread first
   // reads its task's packed keys and exact rows into the caches (read_task_keys, read_task_exact: in a model they
-  // are cold). Every call uses
-  // the pool, however small: in the model (SmolLM2-135M, Zen 4, interleaved A/B) batch 1 with 200 / 512 / 1024 tokens
+  // are cold). Every call uses the pool, however small: in the model (SmolLM2-135M, Zen 4, interleaved A/B) batch 1 with 200 / 512 / 1024 tokens
   // took 0.051 / 0.060 / 0.082 ms per call on one thread (which calls below ~8k token-rows of work got, a rule from
   // warm micro-benchmarks) and 0.043 / 0.048 / 0.061 ms on two.
   const auto problem_of = [&](int64_t task) {
@@ -181,8 +186,9 @@ void run_problems(const Problem* problems, const int64_t* first_task, int64_t co
       const int64_t owner = problem_of(task);
       {
         PhaseTimer timer(kPhaseReadInputs);
-        read_task_keys(problems[owner], task - first_task[owner]);
-        read_task_exact(problems[owner], task - first_task[owner]);
+        const TaskSpan span = task_span(problems[owner], task - first_task[owner]);
+        read_task_keys(problems[owner], span);
+        read_task_exact(problems[owner], span);
       }
       kernel(problems[owner], task - first_task[owner]);
       if (phase_timing) flush_phase_ticks();
