@@ -127,7 +127,13 @@ def generate_cache_key(version: str | None = None) -> str:
 def cache_argument(cache) -> dict:
     """The keyword argument that hands ``cache`` to a model's ``forward`` (``model(ids, **cache_argument(cache))``):
     ``cache=`` from transformers 5.24, where ``past_key_values=`` warns and is removed from ``forward`` in 5.40."""
-    return {generate_cache_key(): cache}
+    return {_installed_cache_key(): cache}
+
+
+@functools.cache
+def _installed_cache_key() -> str:
+    """generate_cache_key() of the installed transformers, parsed once: cache_argument runs at every decode step."""
+    return generate_cache_key()
 
 
 def _prepare_kivi_cache(original):
