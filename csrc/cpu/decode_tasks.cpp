@@ -46,7 +46,9 @@ TaskSpan task_span(const Problem& p, int64_t task) {
 // ms with this read and no prefetch; batch 4 / 4096 0.443 -> 0.355, batch 1 / 8064 0.219 -> 0.192, batch 1 / 1k
 // 0.090 / 0.092 ms. Also measured: the next task read one task ahead, 0.72 ms; the key blocks read two blocks ahead
 // inside the kernel, 0.83 ms; the values read too, 0.685 ms (each value buffer is one contiguous run, which the
-// hardware prefetcher follows). Why real loads win where prefetches did not is not measured (no counters in these
+// hardware prefetcher follows); each thread's next task claimed early and its key lines read a few at a time between
+// the value blocks of the current one (benchmarks/bench_ab_builds.py, Zen 4, batch 4 / 8064): 0.83x as fast with
+// loads, 0.92x with prefetcht0. Why real loads win where prefetches did not is not measured (no counters in these
 // VMs); each channel run of a chunk lies in another 4 KiB page, and a prefetch may be dropped where a load walks the
 // page tables.
 void read_task_keys(const Problem& p, const TaskSpan& task) {
