@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
 from kivi_xpu import KiviCache, storage, use_fused_attention
+from kivi_xpu.integration import cache_argument
 from kivi_xpu.ops import for_backend
 from kivi_xpu.ops import reference as ref
 
@@ -197,9 +198,9 @@ def test_fused_multi_token_append_matches_the_dense_path(backend_name):
         model.set_attn_implementation(attn)
         cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend=backend_name)
         with torch.no_grad():
-            model(tokens[:, :70], past_key_values=cache)
-            model(tokens[:, 70:71], past_key_values=cache)
-            logits[attn] = model(tokens[:, 71:150], past_key_values=cache).logits  # 79 tokens onto a history
+            model(tokens[:, :70], **cache_argument(cache))
+            model(tokens[:, 70:71], **cache_argument(cache))
+            logits[attn] = model(tokens[:, 71:150], **cache_argument(cache)).logits  # 79 tokens onto a history
     torch.testing.assert_close(logits["kivi"], logits["sdpa"], rtol=1e-4, atol=1e-4)
 
 
@@ -247,8 +248,8 @@ def decode_logits(model, attn, backend_name, ids, prefill=40, **cache_kwargs):
     model.set_attn_implementation(attn)
     cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend=backend_name, **cache_kwargs)
     with torch.no_grad():
-        model(ids[:, :prefill], past_key_values=cache)
-        steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(prefill, ids.shape[1])]
+        model(ids[:, :prefill], **cache_argument(cache))
+        steps = [model(ids[:, t : t + 1], **cache_argument(cache)).logits for t in range(prefill, ids.shape[1])]
     return torch.cat(steps, dim=1).float()
 
 
@@ -309,8 +310,8 @@ def test_output_attentions_returns_the_weights_of_eager_attention(backend_name):
     ):
         model.set_attn_implementation(attention)
         with torch.inference_mode():
-            steps = [model(ids[:, :20], past_key_values=cache, output_attentions=True)]
-            steps += [model(ids[:, t : t + 1], past_key_values=cache, output_attentions=True) for t in range(20, 70)]
+            steps = [model(ids[:, :20], **cache_argument(cache), output_attentions=True)]
+            steps += [model(ids[:, t : t + 1], **cache_argument(cache), output_attentions=True) for t in range(20, 70)]
         runs[attention] = steps
     for t, (kivi, eager) in enumerate(zip(runs["kivi"], runs["eager"], strict=True)):
         assert len(kivi.attentions) == model.config.num_hidden_layers

@@ -7,6 +7,7 @@ from tiny_models import tiny_llama
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from kivi_xpu import KiviCache
+from kivi_xpu.integration import cache_argument
 
 VOCAB = 256
 
@@ -51,9 +52,9 @@ def test_greedy_is_token_identical_while_inside_the_residual_window(model, backe
 
 @torch.no_grad()
 def teacher_forced_logits(model, cache, tokens, prefill):
-    out = [model(tokens[:, :prefill], past_key_values=cache, use_cache=True).logits[:, -1]]
+    out = [model(tokens[:, :prefill], **cache_argument(cache), use_cache=True).logits[:, -1]]
     for t in range(prefill, tokens.shape[1]):
-        out.append(model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        out.append(model(tokens[:, t : t + 1], **cache_argument(cache), use_cache=True).logits[:, -1])
     return torch.stack(out, dim=1)
 
 
@@ -147,7 +148,7 @@ def test_a_cache_filled_under_inference_mode_continues_outside_it_and_back(backe
     ):
         cache = KiviCache(config=model.config, group_size=32, residual_length=32, backend=backend_name)
         with first():
-            model(ids[:, :40], past_key_values=cache)  # the packed history is created here, with spare room
+            model(ids[:, :40], **cache_argument(cache))  # the packed history is created here, with spare room
         with then():
             outs.append(model.generate(ids, past_key_values=cache, **kwargs))  # appends into that room
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])

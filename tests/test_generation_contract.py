@@ -16,6 +16,7 @@ from tiny_models import tiny_llama
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from kivi_xpu import KiviCache
+from kivi_xpu.integration import cache_argument
 
 VOCAB, PROMPT, NEW = 256, 7, 20
 WIDE = {"group_size": 16, "residual_length": 64}  # PROMPT + NEW tokens never leave the window
@@ -119,13 +120,13 @@ def test_past_key_values_format(model, window):
     cache = KiviCache(config=model.config, **window)
     inputs = prompt(length=30)
     with torch.no_grad():
-        out = model(**inputs, past_key_values=cache, use_cache=True)
+        out = model(**inputs, **cache_argument(cache), use_cache=True)
     assert out.past_key_values is cache
     check_past_key_values(cache, 2, 30, model.config)
     if window is WIDE:
         expected = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(**inputs, past_key_values=expected, use_cache=True)
+            model(**inputs, **cache_argument(expected), use_cache=True)
         for (k, v, _), (dk, dv, _) in zip(cache, expected, strict=True):
             assert torch.equal(k, dk) and torch.equal(v, dv)
 
@@ -156,7 +157,7 @@ def test_continuing_from_a_deep_copied_prompt_cache(model, window):
     prefix = prompt(batch=1, length=40)
     prompt_cache = KiviCache(config=model.config, **window)
     with torch.no_grad():
-        model(**prefix, past_key_values=prompt_cache)
+        model(**prefix, **cache_argument(prompt_cache))
     held = [(k.clone(), v.clone()) for k, v, _ in prompt_cache]
     for _ in range(2):
         ids = torch.cat([prefix["input_ids"], torch.randint(1, VOCAB, (1, 5))], dim=1)
@@ -191,5 +192,5 @@ def test_left_padding_compatibility(model):
         for i, m, p in ((ids, mask, None), (padded_ids, padded_mask, position_ids)):
             cache = KiviCache(config=model.config, **WIDE)
             extra = {} if p is None else {"position_ids": p}
-            logits.append(model(input_ids=i, attention_mask=m, past_key_values=cache, **extra).logits[:, -1])
+            logits.append(model(input_ids=i, attention_mask=m, **cache_argument(cache), **extra).logits[:, -1])
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)

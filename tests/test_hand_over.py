@@ -11,6 +11,7 @@ from tiny_models import tiny_llama
 from transformers import DynamicCache
 
 from kivi_xpu import KiviCache, attention
+from kivi_xpu.integration import cache_argument
 
 
 def kivi_model():
@@ -21,7 +22,7 @@ def kivi_model():
 
 def logits(model, ids, cache):
     with torch.no_grad():
-        return model(ids, past_key_values=cache).logits
+        return model(ids, **cache_argument(cache)).logits
 
 
 def filled_cache(model, **kwargs):

@@ -17,6 +17,7 @@ import torch
 from attention_cases import CASES, Case, assert_close, build
 from native_module import native
 
+from kivi_xpu.integration import cache_argument
 from kivi_xpu.ops import integer_twin
 from kivi_xpu.ops.reference import decode_attention as decode_attention_reference
 from kivi_xpu.runtime import attention_arithmetic
@@ -287,9 +288,9 @@ def test_integer_arithmetic_in_a_model_stays_close_to_fp32():
             native.set_dot(arithmetic)
             cache = KiviCache(config=model.config, residual_length=32, group_size=32, backend="native")
             with torch.inference_mode():
-                steps = [model(tokens[:, :100], past_key_values=cache).logits[:, -1]]
+                steps = [model(tokens[:, :100], **cache_argument(cache)).logits[:, -1]]
                 for t in range(100, 259):
-                    steps.append(model(tokens[:, t : t + 1], past_key_values=cache).logits[:, -1])
+                    steps.append(model(tokens[:, t : t + 1], **cache_argument(cache)).logits[:, -1])
             logits[arithmetic] = torch.stack(steps, dim=1)
     finally:
         native.set_dot(previous)

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kivi_xpu import KiviCache, KiviLayer, KiviSettings
 from kivi_xpu.backend import select
+from kivi_xpu.integration import cache_argument
 from kivi_xpu.ops import for_backend
 from kivi_xpu.ops import reference as ref
 from kivi_xpu.rotation import ROTATIONS, rotate, rotation_matrix, unrotate
@@ -349,10 +350,10 @@ def test_fused_and_dense_paths_agree_with_options(backend_name, options, exact_a
         cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend=backend_name, **options)
         steps = []
         with torch.no_grad():
-            steps.append(model(tokens[:, :3], past_key_values=cache).logits)  # a prefill shorter than the sinks
+            steps.append(model(tokens[:, :3], **cache_argument(cache)).logits)  # a prefill shorter than the sinks
             for t in range(3, 70):
-                steps.append(model(tokens[:, t : t + 1], past_key_values=cache).logits)
-            steps.append(model(tokens[:, 70:150], past_key_values=cache).logits)  # 80 tokens onto a history
+                steps.append(model(tokens[:, t : t + 1], **cache_argument(cache)).logits)
+            steps.append(model(tokens[:, 70:150], **cache_argument(cache)).logits)  # 80 tokens onto a history
         logits[attn] = torch.cat(steps, dim=1)
         assert cache.layers[0].values_stream.packed.num_tokens > 0  # the history really was packed
     torch.testing.assert_close(logits["kivi"], logits["sdpa"], rtol=1e-4, atol=1e-4)

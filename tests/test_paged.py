@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from kivi_xpu import KiviCache, use_fused_attention
+from kivi_xpu.integration import cache_argument
 from kivi_xpu.paged import SUPPORTED_TRANSFORMERS, check_transformers_version, generate_batch, init_continuous_batching
 from kivi_xpu.paged import manager as manager_module
 from kivi_xpu.paged.cache import PageBudget
@@ -51,12 +52,12 @@ def _chunk_fed_generate(model, prompt, chunk, new_tokens, **settings) -> list[in
         for start in range(0, len(prompt), chunk):
             ids = torch.tensor([prompt[start : start + chunk]])
             positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
-            logits = model(ids, past_key_values=cache, position_ids=positions, use_cache=True).logits
+            logits = model(ids, **cache_argument(cache), position_ids=positions, use_cache=True).logits
         use_fused_attention(model)
         for _ in range(new_tokens):
             tokens.append(int(logits[0, -1].argmax()))
             positions = torch.tensor([[len(tokens) - 1]])
-            logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=positions).logits
+            logits = model(torch.tensor([[tokens[-1]]]), **cache_argument(cache), position_ids=positions).logits
     return tokens[len(prompt) :]
 
 

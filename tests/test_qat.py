@@ -8,6 +8,7 @@ from transformers import AttentionInterface, DynamicCache, Qwen2Config, Qwen2For
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from kivi_xpu import KiviCache, KiviSettings
+from kivi_xpu.integration import cache_argument
 from kivi_xpu.ops import reference as ref
 from kivi_xpu.qat import QAT_ATTENTION_NAME, decode_read_masks, fake_quantized_states, kivi_qat, qat_attention
 from kivi_xpu.rotation import ROTATIONS, rotate, rotation_matrix, unrotate
@@ -58,7 +59,7 @@ def streaming_logits(model, input_ids, cache, attention_mask=None, prefill=1):
             if attention_mask is not None:
                 kwargs["attention_mask"] = attention_mask[:, :end]
                 kwargs["position_ids"] = (attention_mask[:, :end].cumsum(-1) - 1).clamp(min=0)[:, start:end]
-            out = model(input_ids[:, start:end], past_key_values=cache, use_cache=True, **kwargs)
+            out = model(input_ids[:, start:end], **cache_argument(cache), use_cache=True, **kwargs)
             steps.append(out.logits)
     return torch.cat(steps, dim=1)
 
@@ -392,9 +393,9 @@ def test_bad_input_raises_clear_errors():
     input_ids = torch.randint(0, VOCAB, (1, 12))
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids[:, :4], past_key_values=past, use_cache=True)
+        model(input_ids[:, :4], **cache_argument(past), use_cache=True)
         with kivi_qat(model, group_size=8), pytest.raises(ValueError, match="past_key_values"):
-            model(input_ids[:, 4:], past_key_values=past, use_cache=True)
+            model(input_ids[:, 4:], **cache_argument(past), use_cache=True)
         qat = kivi_qat(model, group_size=8)
         with qat, pytest.raises(RuntimeError, match="already active"), kivi_qat(model, cache):
             pass

@@ -19,6 +19,7 @@ import kivi_xpu.assets
 from kivi_xpu import KiviCache, attention
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import GENSIM_LEE, GENSIM_WHEEL, news_text, strip_wiki_markup, wiki_articles
+from kivi_xpu.integration import cache_argument
 from kivi_xpu.tools import bench, machine, report, workload
 from kivi_xpu.tools import eval_ppl as evaluate
 from kivi_xpu.tools.loading import resolve_text
@@ -643,7 +644,7 @@ def test_fused_op_timer_records_each_layer_call_with_the_bytes_the_layer_holds()
     cache = KiviCache(config=model.config, group_size=16, residual_length=16)
     original = attention.decode_attention
     with torch.no_grad():
-        model(torch.randint(0, 256, (2, 70)), past_key_values=cache)
+        model(torch.randint(0, 256, (2, 70)), **cache_argument(cache))
         # What each layer holds before the decode step: the step's attention reads the history packed so far (its
         # codes, scales and zeros), and the sinks, the window and the new token exact.
         streams = [(layer.keys_stream, layer.values_stream) for layer in cache.layers]
@@ -651,7 +652,7 @@ def test_fused_op_timer_records_each_layer_call_with_the_bytes_the_layer_holds()
         new_token = 2 * 2 * 32 * 4  # [B, Hkv, 1, D] fp32
         exact = [sum(s.sinks.nbytes() + s.window.nbytes() + new_token for s in kinds) for kinds in streams]
         with fused_op_timer() as calls:
-            model(torch.randint(0, 256, (2, 1)), past_key_values=cache)
+            model(torch.randint(0, 256, (2, 1)), **cache_argument(cache))
     assert attention.decode_attention is original  # unwrapped after the block
     assert len(calls) == model.config.num_hidden_layers and all(c.seconds > 0 for c in calls)
     assert [c.packed_bytes for c in calls] == packed and min(packed) > 0
