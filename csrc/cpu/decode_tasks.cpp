@@ -49,9 +49,9 @@ TaskSpan task_span(const Problem& p, int64_t task) {
 // hardware prefetcher follows); each thread's next task claimed early and its key lines read a few at a time between
 // the value blocks of the current one (benchmarks/bench_ab_builds.py, Zen 4, batch 4 / 8064): 0.83x as fast with
 // loads, 0.92x with prefetcht0; the runs read array by array (all codes, then scales, then zeros), or line k of every
-// channel's codes in turn: 0.98x both, within that A/B's noise. Why real loads win where prefetches did not is not measured (no counters in these
-// VMs); each channel run of a chunk lies in another 4 KiB page, and a prefetch may be dropped where a load walks the
-// page tables.
+// channel's codes in turn: 0.98x both, within that A/B's noise. Why real loads win where prefetches did not is not
+// measured (no counters in these VMs); each channel run of a chunk lies in another 4 KiB page, and a prefetch may be
+// dropped where a load walks the page tables.
 void read_task_keys(const Problem& p, const TaskSpan& task) {
   const int64_t S = p.sinks, bh = task.bh, p0 = task.p0, p1 = task.p1;
   const Packed& K = p.keys;
