@@ -19,7 +19,6 @@ from transformers import DynamicCache, GenerationConfig, pipeline
 
 from kivi_xpu import KiviCache, KiviLayer, integration
 from kivi_xpu.assets import byte_tokenizer
-from kivi_xpu.integration import cache_argument
 
 VOCAB = TINY_LLAMA["vocab_size"]
 WIDE = {"residual_length": 512, "group_size": 32}  # wider than every text below: nothing is quantized
@@ -450,8 +449,8 @@ def test_assisted_decoding_rollbacks_leave_the_cache_as_if_the_rejected_tokens_n
 
     next_token = out.sequences[:, -1:]
     position = torch.tensor([[out.sequences.shape[1] - 1]])
-    logits = llama(next_token, position_ids=position, **cache_argument(cache)).logits
-    expected = llama(next_token, position_ids=position, **cache_argument(replay)).logits
+    logits = llama(next_token, position_ids=position, **integration.cache_argument(cache)).logits
+    expected = llama(next_token, position_ids=position, **integration.cache_argument(replay)).logits
     assert torch.equal(logits, expected)
 
 
