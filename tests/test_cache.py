@@ -214,6 +214,25 @@ def test_storage_grows_by_amortised_chunks(backend_name):
     assert layer.values_stream.packed.codes.capacity <= GROWTH_FACTOR * (steps + 16) + 16
 
 
+@pytest.mark.parametrize("tokens", [4096, 8192, 8192 + 64, 16384])
+def test_packed_key_rows_are_not_a_multiple_of_512_bytes_apart(tokens):
+    # The fused attention reads all D channel rows of the packed keys at one position together: rows a multiple of
+    # 512 bytes apart would share a few L1 sets (storage.ROW_ALIGNMENT_TO_AVOID). The values are token-major: unpadded.
+    layer = make_layer("reference", residual_length=128, group_size=32, bits=2)
+    k = torch.randn(1, 1, tokens, D)
+    layer.update(k, torch.randn(1, 1, tokens, D))
+    keys, values = layer.keys_stream.packed, layer.values_stream.packed
+    for buffer in (keys.codes, keys.scales, keys.zeros):
+        row_bytes = buffer.data.stride(2) * buffer.data.element_size()
+        assert row_bytes % 512 != 0 and buffer.capacity * buffer.data.element_size() == row_bytes
+    assert values.codes.data.stride(2) == values.codes.width  # token-major rows stay contiguous
+    # the spare row room changes nothing stored: the keys read back as the reference quantizer's
+    held = keys.num_tokens
+    codes, scales, zeros = ref.quantize_keys(k[:, :, :held], 32, 2, keys.scales.dtype)
+    expected = ref.dequantize_keys(codes, scales, zeros, held, 32, 2, torch.float32)
+    torch.testing.assert_close(keys.dequantize(torch.float32), expected)
+
+
 def test_memory_report_for_a_4096_token_llama_cache(backend_name):
     config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
     cache = KiviCache(config=config, bits=2, group_size=32, residual_length=128, backend=backend_name, preset="paper")
