@@ -110,13 +110,12 @@ class TokenBuffer:
         self.batch, self.heads, self.width, self.dim = batch, heads, width, dim
         self.dtype, self.device = dtype, torch.device(device)
         self.min_rows, self.bound = max(1, min_rows), bound
-        self._element_size = torch.empty(0, dtype=dtype).element_size()
         self.data = self._empty(0)
         self.start = self.end = 0
 
     def _empty(self, rows: int) -> torch.Tensor:
-        if self.dim == 3 and rows > 0 and rows * self._element_size % ROW_ALIGNMENT_TO_AVOID == 0:
-            rows += CACHE_LINE_BYTES // self._element_size  # see ROW_ALIGNMENT_TO_AVOID
+        if self.dim == 3 and rows > 0 and rows * self.dtype.itemsize % ROW_ALIGNMENT_TO_AVOID == 0:
+            rows += CACHE_LINE_BYTES // self.dtype.itemsize  # see ROW_ALIGNMENT_TO_AVOID
         shape = (
             (self.batch, self.heads, rows, self.width) if self.dim == 2 else (self.batch, self.heads, self.width, rows)
         )
