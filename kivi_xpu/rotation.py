@@ -47,7 +47,9 @@ def rotation_matrix(name: str, head_dim: int, device=None) -> torch.Tensor | Non
         return None
     if name != "hadamard":
         raise ValueError(f"`rotation` must be one of {ROTATIONS}, got {name!r}")
-    return _on_device(head_dim, torch.device("cpu" if device is None else device))
+    if not isinstance(device, torch.device):  # (a decode step asks three times per layer: skip the constructor)
+        device = torch.device("cpu" if device is None else device)
+    return _on_device(head_dim, device)
 
 
 @functools.cache
