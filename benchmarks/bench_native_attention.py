@@ -12,8 +12,8 @@ fused op is faster), and GB/s of packed bytes read (codes + scales + zeros of th
 With ``--cold`` each op reads the history of another of 30 layers in turn (SmolLM2-135M's count), with a 20 MB
 buffer summed (untimed) before every call: a layer's weights passing through the caches, as in the model, where the
 history comes from DRAM. Columns are then the median call of each op (cold calls wait on the memory, so the best
-one says little), the median of 3 interleaved rounds of ``--repeats`` turns. Warm (the default), one layer's history
-is read again and again from the caches: the arithmetic alone.
+one says little): the median over 3 interleaved rounds, each ``--repeats / 5`` turns through the 30 layers. Warm (the
+default), one layer's history is read again and again from the caches: the arithmetic alone.
 
     python benchmarks/bench_native_attention.py [--batch 1 4] [--context 1024 4096 8192] [--isa avx2]
         [--dot int8 fp32] [--cold]
