@@ -32,7 +32,7 @@ import torch
 
 from kivi_xpu import _cpu as native
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
-from kivi_xpu.storage import CACHE_LINE_BYTES, ROW_ALIGNMENT_TO_AVOID
+from kivi_xpu.storage import padded_channel_row
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BITS, GROUP, RESIDUAL = 9, 3, 64, 2, 32, 128
 META = torch.float16
@@ -69,11 +69,10 @@ def median_cold_seconds(calls, turns: int, weights: torch.Tensor) -> float:
 
 
 def padded_capacity(tokens: int) -> int:
-    """Token capacity of the storage for ``tokens``, padded as ``KiviCache`` pads it: channel rows of key codes a
-    multiple of 512 bytes apart get a cache line more (``kivi_xpu.storage.ROW_ALIGNMENT_TO_AVOID``: such rows evict
-    each other from the L1; 8192 tokens took 0.445 instead of 0.374 ms warm at batch 4 on Zen 4)."""
-    row_bytes = tokens * BITS // 8
-    return tokens + CACHE_LINE_BYTES * 8 // BITS if row_bytes % ROW_ALIGNMENT_TO_AVOID == 0 else tokens
+    """Token capacity of the storage for ``tokens``, padded as ``KiviCache`` pads its key code rows
+    (``kivi_xpu.storage.padded_channel_row``: rows a multiple of 512 bytes apart evict each other from the L1; 8192
+    tokens took 0.445 instead of 0.374 ms warm at batch 4 on Zen 4)."""
+    return padded_channel_row(tokens * BITS // 8, 1) * 8 // BITS
 
 
 def packed_layer(batch: int, n: int, capacity: int):
@@ -116,7 +115,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     capacity = padded_capacity(max(args.context))
     layers = LAYERS if args.cold else 1
-    weights = torch.ones(WEIGHT_BYTES // 4)
+    weights = torch.ones(WEIGHT_BYTES // 4) if args.cold else None
     for batch in args.batch:
         for n in args.context:
             fused_calls, dense_calls = [], []

@@ -36,6 +36,14 @@ ROW_ALIGNMENT_TO_AVOID = 512
 CACHE_LINE_BYTES = 64
 
 
+def padded_channel_row(elements: int, itemsize: int) -> int:
+    """Elements to allocate for a channel-major row of ``elements`` items of ``itemsize`` bytes: one cache line more
+    where the row would be a multiple of ``ROW_ALIGNMENT_TO_AVOID`` bytes (see there)."""
+    if elements > 0 and elements * itemsize % ROW_ALIGNMENT_TO_AVOID == 0:
+        return elements + CACHE_LINE_BYTES // itemsize
+    return elements
+
+
 _overflow_warned = False
 
 
@@ -114,8 +122,8 @@ class TokenBuffer:
         self.start = self.end = 0
 
     def _empty(self, rows: int) -> torch.Tensor:
-        if self.dim == 3 and rows > 0 and rows * self.dtype.itemsize % ROW_ALIGNMENT_TO_AVOID == 0:
-            rows += CACHE_LINE_BYTES // self.dtype.itemsize  # see ROW_ALIGNMENT_TO_AVOID
+        if self.dim == 3:
+            rows = padded_channel_row(rows, self.dtype.itemsize)
         shape = (
             (self.batch, self.heads, rows, self.width) if self.dim == 2 else (self.batch, self.heads, self.width, rows)
         )
