@@ -56,6 +56,7 @@ _FOLLOWING_FIELDS = (*PER_KIND_FIELDS, *PRESET_FIELDS)  # fields that may follow
 # The longest full-precision window accepted: 16M tokens, above the longest context of any model today (~10M), so
 # only a mistaken value (2**40) is refused, at construction rather than by the allocator at the first update.
 MAX_RESIDUAL_LENGTH = 2**24
+UNBOUNDED = 2**62  # KiviSettings.steady_appends of a count that grows alike forever
 
 
 def _group_advice(head_dim: int, bits: int, which: str) -> str:
@@ -216,6 +217,18 @@ class KiviSettings:
         """Values held as codes when the layer holds ``total_tokens``: all but the sinks and the newest ``R``
         (positions ``[S, S + count)``)."""
         return max(0, total_tokens - self.sink_tokens - self.residual_length)
+
+    def steady_appends(self, kind: str, total_tokens: int) -> int:
+        """One-token appends from ``total_tokens`` held on, the first included, during which the count of ``kind``
+        ("keys" or "values") held as codes grows by the same amount at each (what the one-call decode step relies on
+        between two looks at the rule); ``UNBOUNDED`` when that never changes."""
+        s, r = self.sink_tokens, self.residual_length
+        if kind == "keys":  # nothing until the window completes a block of R, then a block at once
+            count = self.quantized_key_count(total_tokens)
+            return 1 if self.quantized_key_count(total_tokens + 1) > count else s + count + r - 1 - total_tokens
+        if total_tokens + 1 > s + r:  # values: one token at every append once the window holds R
+            return UNBOUNDED
+        return s + r - total_tokens
 
     def for_model_dtype(self, dtype: torch.dtype) -> KiviSettings:
         """These settings with ``meta_dtype`` resolved for a model computing in ``dtype`` (themselves when it was

@@ -14,6 +14,7 @@ from kivi_xpu import KiviCache, KiviLayer, KiviSettings
 from kivi_xpu.backend import select
 from kivi_xpu.ops import reference as ref
 from kivi_xpu.storage import GROWTH_FACTOR
+from kivi_xpu.stream import KindStream
 
 B, H, D = 2, 3, 64
 
@@ -88,6 +89,50 @@ def test_one_call_decode_step_equals_the_general_path(backend_name, dtype, monke
     assert counts[0] == counts[1] == (settings.quantized_key_count(n), settings.quantized_value_count(n))
     taken = sum(inputs is not None for inputs in one_call_steps)
     assert len(one_call_steps) == 193 and taken == 193 - 7  # not: sinks not yet full (1), packing a key block (6)
+
+
+def test_decode_steps_look_at_the_rule_once_per_steady_run(backend_name, monkeypatch):
+    """The one-call step looks at the streaming rule and at the buffers' room once per run of steps that move as
+    many tokens into rows already there (until a key block leaves, a window moves its rows, storage grows), not at
+    every step; test_one_call_decode_step_equals_the_general_path checks what the steps leave."""
+    layer = KiviLayer(KiviSettings(2, 16, 32, sink_tokens=4, rotation="hadamard"), select(backend_name))
+    looks = []
+    budget = KindStream._steady_budget
+
+    def counted(self, leaving):
+        looks.append(self.kind)
+        return budget(self, leaving)
+
+    monkeypatch.setattr(KindStream, "_steady_budget", counted)
+    layer.update(torch.randn(B, H, 40, D), torch.randn(B, H, 40, D))
+    for _ in range(320):
+        layer.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
+    counts = layer.settings.quantized_key_count(360), layer.settings.quantized_value_count(360)
+    assert (layer.keys_stream.packed.num_tokens, layer.values_stream.packed.num_tokens) == counts
+    # keys: once after each of the 10 key blocks (and while the window grows); values: also at every window move
+    # (every R steps) and storage growth (by GROWTH_FACTOR: a few tokens at these lengths). Every step: ~316 each.
+    assert 10 <= looks.count("keys") <= 20 and 10 <= looks.count("values") <= 80, looks
+
+
+def test_steady_decode_steps_begun_under_inference_mode_end_with_it(backend_name):
+    """Buffers made under torch.inference_mode refuse in-place writes outside it: a run of steady steps begun
+    inside it ends when the mode does (the layer copies them then), and the layer stores what it would without it."""
+    settings = KiviSettings(2, 16, 32, sink_tokens=4, rotation="hadamard")
+    inside, outside = (KiviLayer(settings, select(backend_name)) for _ in range(2))
+    keys, values = torch.randn(B, H, 200, D), torch.randn(B, H, 200, D)
+    # a prefill and 55 steps inside the mode (to 95 tokens: within a run of both kinds), 50 outside it, 55 inside
+    modes = [torch.inference_mode] * 56 + [torch.no_grad] * 50 + [torch.inference_mode] * 55
+    n = 0
+    for mode in modes:
+        m = 40 if n == 0 else 1
+        k, v = keys[:, :, n : n + m], values[:, :, n : n + m]
+        with mode():
+            got = inside.update(k, v)
+        with torch.no_grad():
+            expected = outside.update(k, v)
+        n += m
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), n
+    assert torch.equal(inside.keys, outside.keys) and torch.equal(inside.values, outside.values)
 
 
 def test_a_cache_reaches_only_the_storage_it_accounts_for(backend_name):

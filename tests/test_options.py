@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kivi_xpu import KiviCache, KiviLayer, KiviSettings
+from kivi_xpu.algorithm import UNBOUNDED
 from kivi_xpu.backend import select
 from kivi_xpu.integration import cache_argument
 from kivi_xpu.ops import for_backend
@@ -158,6 +159,22 @@ def test_sink_rule_counts():
     # keys: blocks of 32 starting at position 4; values: all but the 4 sinks and the newest 32
     assert [s.quantized_key_count(n) for n in (0, 4, 35, 36, 67, 68, 100)] == [0, 0, 0, 32, 32, 64, 96]
     assert [s.quantized_value_count(n) for n in (0, 4, 36, 37, 100)] == [0, 0, 0, 1, 64]
+
+
+@pytest.mark.parametrize("sinks, residual", [(0, 32), (4, 32), (3, 16), (1, 4), (7, 8)])
+def test_steady_appends_follow_the_counts(sinks, residual):
+    """steady_appends(kind, n): the one-token appends from n on during which the kind's count grows alike, found
+    by stepping the counts themselves."""
+    s = KiviSettings(group_size=residual if residual < 32 else 32, residual_length=residual, sink_tokens=sinks)
+    counts = {"keys": s.quantized_key_count, "values": s.quantized_value_count}
+    for kind, count in counts.items():
+        for n in range(0, sinks + 4 * residual):
+            growth = count(n + 1) - count(n)
+            steps = 1
+            while steps < 10 * residual and count(n + steps + 1) - count(n + steps) == growth:
+                steps += 1
+            got = s.steady_appends(kind, n)
+            assert got == steps or (steps == 10 * residual and got == UNBOUNDED), (kind, n, got, steps)
 
 
 @pytest.mark.parametrize(
