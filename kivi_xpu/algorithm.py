@@ -222,6 +222,8 @@ class KiviSettings:
         """One-token appends from ``total_tokens`` held on, the first included, during which the count of ``kind``
         ("keys" or "values") held as codes grows by the same amount at each (what the one-call decode step relies on
         between two looks at the rule); ``UNBOUNDED`` when that never changes."""
+        if kind not in ("keys", "values"):
+            raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
         s, r = self.sink_tokens, self.residual_length
         if kind == "keys":  # nothing until the window completes a block of R, then a block at once
             count = self.quantized_key_count(total_tokens)

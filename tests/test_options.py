@@ -175,6 +175,8 @@ def test_steady_appends_follow_the_counts(sinks, residual):
                 steps += 1
             got = s.steady_appends(kind, n)
             assert got == steps or (steps == 10 * residual and got == UNBOUNDED), (kind, n, got, steps)
+    with pytest.raises(ValueError, match="`kind` must be 'keys' or 'values', got 'key'"):
+        s.steady_appends("key", 0)
 
 
 @pytest.mark.parametrize(
