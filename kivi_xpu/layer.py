@@ -10,9 +10,9 @@ from .algorithm import KiviSettings
 from .attention import DecodeInputs, dense_kind, dense_states, hand_over, runs_kivi_attention
 from .backend import Selection, select
 from .memory import KiviMemoryReport
-from .ops import kernel
+from .ops import direct_kernel
 from .ops.checks import check_float_tensor
-from .stream import KindStream
+from .stream import KindStream, SteadyRun
 from .validation import integer, name_choice
 
 ATTENTION_MODES = ("auto", "dense")
@@ -68,7 +68,8 @@ class KiviLayer(CacheLayerMixin):
         self.keys_stream: KindStream | None = None
         self.values_stream: KindStream | None = None
         self._record_past = False
-        self._checked_states = None  # see _check_states
+        self._checked_states = None  # see update
+        self._steady_run: SteadyRun | None = None  # see _decode_step; dropped by every other change of the streams
 
     def __repr__(self) -> str:
         s = self.settings
@@ -152,67 +153,68 @@ class KiviLayer(CacheLayerMixin):
         """Appends ``key_states``/``value_states`` ``[B, H_kv, m, D]`` and returns what attention should read:
         dense ``[B, H_kv, n, D]`` keys and values (``n`` = tokens held after the update), or, when the model uses
         the fused KIVI attention, only the full-precision tails (handing the rest over to that attention call)."""
-        self._check_states(key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.cumulative_length == 0:  # prefill attends to the exact states
-            self.keys_stream.append(key_states, self.record_past)
-            self.values_stream.append(value_states, self.record_past)
-            keys_out, values_out, inputs = key_states, value_states, None
+        k, v = key_states, value_states
+        # A clear error for states the layer cannot append, instead of a shape error deep inside the buffers or a
+        # layer whose keys and values silently fall out of step. States like the last ones that passed (same type,
+        # shapes, dtypes, devices: every decode step) pass at once.
+        plain = type(k) is type(v) is torch.Tensor
+        signature = (k.shape, v.shape, k.dtype, v.dtype, k.device, v.device) if plain else None
+        if signature is None or signature != self._checked_states:
+            self._check_new_states(k, v)
+            self._checked_states = signature
+        run = self._steady_run
+        step = run.step(k, v) if run is not None and k.shape[2] == 1 and not self._record_past else None
+        if step is not None:
+            keys_out, values_out, key_operands, value_operands = step
+            inputs = DecodeInputs(key_operands, value_operands, self.backend.name)
         else:
-            one_call = not self._record_past and key_states.shape[2] == 1  # a decode step, nothing to record
-            step = self._decode_step(key_states, value_states) if one_call else None
-            if step is not None:
-                keys_out, values_out, inputs = step
-            else:
-                inputs = DecodeInputs(
-                    self.keys_stream.append_and_read(key_states, self.record_past),
-                    self.values_stream.append_and_read(value_states, self.record_past),
-                    self.backend.name,
-                )
-                keys_out, values_out = inputs.keys.tail, inputs.values.tail
-            if not self.fused:
-                (keys_out, values_out), inputs = dense_states(inputs.with_tails(keys_out, values_out)), None
+            keys_out, values_out, inputs = self._append(k, v)
+        if inputs is not None and not self.fused:
+            (keys_out, values_out), inputs = dense_states(inputs.with_tails(keys_out, values_out)), None
         if self.attention == "auto":  # (also when dense: the kivi attention then tells the layer to fuse)
             hand_over(self, keys_out, values_out, inputs)
         return keys_out, values_out
 
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+        """``update`` outside a steady run: returns the key and value tails (the states themselves for a prefill)
+        and the :class:`DecodeInputs` without them (``None`` for a prefill, which attends to the exact states)."""
+        self._steady_run = None  # (it must not keep a buffer alive that this append replaces)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.cumulative_length == 0:
+            self.keys_stream.append(key_states, self.record_past)
+            self.values_stream.append(value_states, self.record_past)
+            return key_states, value_states, None
+        one_call = not self._record_past and key_states.shape[2] == 1  # a decode step, nothing to record
+        step = self._decode_step(key_states, value_states) if one_call else None
+        if step is not None:
+            return step
+        inputs = DecodeInputs(
+            self.keys_stream.append_and_read(key_states, self.record_past),
+            self.values_stream.append_and_read(value_states, self.record_past),
+            self.backend.name,
+        )
+        return inputs.keys.tail, inputs.values.tail, inputs
+
     def _decode_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple | None:
-        """A decode step's cache work (one new token, not recording) in one ``append_decode_step`` call: the tokens
-        into both windows, the value token leaving the window quantized in place. Returns the key and value tails
-        and the :class:`DecodeInputs` without them, or ``None`` (nothing done) when the step needs the general path
-        (sinks not full yet, a key block leaving)."""
+        """A decode step's cache work (one new token, not recording) in one ``append_decode_step`` call, as the first
+        step of a :class:`~kivi_xpu.stream.SteadyRun` (kept for the next steps): the tokens into both windows, the
+        value token leaving the window quantized in place. Returns the key and value tails and the
+        :class:`DecodeInputs` without them, or ``None`` (nothing done) when the step needs the general path (sinks
+        not full yet, a key block leaving)."""
         keys, values = self.keys_stream, self.values_stream
         if keys.step_leaving() != 0:
             return None
         leaving = values.step_leaving()
         if leaving is None:
             return None
-        key_count, value_count = keys.packed.num_tokens, values.packed.num_tokens  # as before this append
-        kw, vw, packed = keys.window, values.window, values.packed
-        key_tail, value_tail = kernel("append_decode_step", self.backend.name)(
-            key_states, value_states, kw.data, kw.start, kw.end, vw.data, vw.start, vw.end,
-            packed.codes.data, packed.scales.data, packed.zeros.data, packed.num_tokens, leaving,
-            packed.group_size, packed.bits, packed.rotation(packed.device),
-        )  # fmt: skip
-        keys.commit_step(0)
-        values.commit_step(leaving)
-        inputs = DecodeInputs(keys.step_operands(key_count), values.step_operands(value_count), self.backend.name)
-        return key_tail, value_tail, inputs
-
-    def _check_states(self, key_states, value_states) -> None:
-        """A clear error for states the layer cannot append, instead of a shape error deep inside the buffers or a
-        layer whose keys and values silently fall out of step. States like the last ones that passed (same type,
-        shapes, dtypes, devices: every decode step) pass at once."""
-        k, v = key_states, value_states
-        if type(k) is torch.Tensor and type(v) is torch.Tensor:
-            signature = (k.shape, v.shape, k.dtype, v.dtype, k.device, v.device)
-            if signature == self._checked_states:
-                return
-        else:
-            signature = None
-        self._check_new_states(k, v)
-        self._checked_states = signature
+        kernel = direct_kernel("append_decode_step", self.backend.name, keys.window.data)
+        self._steady_run = run = SteadyRun(keys, values, leaving, kernel)
+        step = run.step(key_states, value_states)
+        if step is None:
+            return None
+        key_tail, value_tail, key_operands, value_operands = step
+        return key_tail, value_tail, DecodeInputs(key_operands, value_operands, self.backend.name)
 
     def _check_new_states(self, key_states, value_states) -> None:
         check_float_tensor(key_states, "key_states")
@@ -235,6 +237,11 @@ class KiviLayer(CacheLayerMixin):
                 f"{got[2]}/{got[3]}, {k.dtype} on {k.device}: call cache.reset() before changing them"
             )
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave out the steady run (it holds a function of the native extension; the next decode
+        step builds it again)."""
+        return {**self.__dict__, "_steady_run": None}
+
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
@@ -248,7 +255,7 @@ class KiviLayer(CacheLayerMixin):
         """Drops every stored token; the next ``update`` starts from scratch (shapes may change)."""
         self.is_initialized = False
         self.keys_stream = self.values_stream = None
-        self._checked_states = None
+        self._checked_states = self._steady_run = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` tokens (transformers 5 passes a negative count).
@@ -265,13 +272,14 @@ class KiviLayer(CacheLayerMixin):
                 f"`crop` takes a negative number of tokens to remove (transformers >= 5), got {tokens_to_remove}"
             )
         length = max(0, self.cumulative_length + tokens_to_remove)
+        self._steady_run = None
         for stream in self._streams():
             if tokens_to_remove < 0:
                 stream.truncate(length)
             stream.forget_departed()
 
     def _select_batch(self, index: torch.Tensor) -> None:
-        self._checked_states = None  # (the batch may change)
+        self._checked_states = self._steady_run = None  # (the batch may change; the buffers do)
         for stream in self._streams():
             stream.select_batch(index)
 

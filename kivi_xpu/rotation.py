@@ -52,9 +52,20 @@ def rotation_matrix(name: str, head_dim: int, device=None) -> torch.Tensor | Non
     return _on_device(head_dim, device)
 
 
-@functools.cache
+_SHARED: dict[tuple[int, torch.device], torch.Tensor] = {}  # the matrices rotation_matrix hands out
+
+
 def _on_device(head_dim: int, device: torch.device) -> torch.Tensor:
-    return _hadamard(head_dim).to(device)
+    q = _SHARED.get((head_dim, device))
+    if q is None:
+        q = _SHARED[(head_dim, device)] = _hadamard(head_dim).to(device)
+    return q
+
+
+def is_shared(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of the matrices :func:`rotation_matrix` shares: the process's, not a cache's storage (a
+    cache may keep references to them; its memory accounting does not count them)."""
+    return any(t is q for q in _SHARED.values())
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:

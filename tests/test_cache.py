@@ -3,7 +3,9 @@ validation. Run on the reference backend and, where available, the SYCL backend.
 ``preset="paper"`` (the KIVI authors' algorithm, pinned bit for bit); the default preset's options are tested in
 test_options.py and test_rotation.py."""
 
+import copy
 import math
+import pickle
 import random
 
 import pytest
@@ -14,7 +16,7 @@ from kivi_xpu import KiviCache, KiviLayer, KiviSettings
 from kivi_xpu.backend import select
 from kivi_xpu.ops import reference as ref
 from kivi_xpu.storage import GROWTH_FACTOR
-from kivi_xpu.stream import KindStream
+from kivi_xpu.stream import KindStream, SteadyRun
 
 B, H, D = 2, 3, 64
 
@@ -73,9 +75,14 @@ def test_one_call_decode_step_equals_the_general_path(backend_name, dtype, monke
     settings = KiviSettings(2, 16, 32, sink_tokens=4, rotation="hadamard")
     fast, general = (KiviLayer(settings, select(backend_name)) for _ in range(2))
     monkeypatch.setattr(general, "_decode_step", lambda keys, values: None)
-    one_call_steps = []
-    step = fast._decode_step
-    monkeypatch.setattr(fast, "_decode_step", lambda k, v: one_call_steps.append(step(k, v)) or one_call_steps[-1])
+    one_call_steps = []  # what each SteadyRun.step gave (None: the run had ended)
+    step = SteadyRun.step
+
+    def counted(run, *states):
+        one_call_steps.append(step(run, *states))
+        return one_call_steps[-1]
+
+    monkeypatch.setattr(SteadyRun, "step", counted)
     sizes = [3, 1, 1, 1, 20] + [1] * 150 + [3] + [1] * 40
     keys, values = torch.randn(B, H, sum(sizes), D, dtype=dtype), torch.randn(B, H, sum(sizes), D, dtype=dtype)
     n = 0
@@ -88,7 +95,7 @@ def test_one_call_decode_step_equals_the_general_path(backend_name, dtype, monke
     counts = [(layer.keys_stream.packed.num_tokens, layer.values_stream.packed.num_tokens) for layer in (fast, general)]
     assert counts[0] == counts[1] == (settings.quantized_key_count(n), settings.quantized_value_count(n))
     taken = sum(inputs is not None for inputs in one_call_steps)
-    assert len(one_call_steps) == 193 and taken == 193 - 7  # not: sinks not yet full (1), packing a key block (6)
+    assert taken == 193 - 7  # of the 193 single tokens, not: sinks not yet full (1), packing a key block (6)
 
 
 def test_decode_steps_look_at_the_rule_once_per_steady_run(backend_name, monkeypatch):
@@ -133,6 +140,43 @@ def test_steady_decode_steps_begun_under_inference_mode_end_with_it(backend_name
         n += m
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), n
     assert torch.equal(inside.keys, outside.keys) and torch.equal(inside.values, outside.values)
+
+
+@pytest.mark.parametrize("how", ("deepcopy", "pickle", "reset"))
+def test_a_layer_copied_or_reset_during_a_steady_run_steps_on_its_own_buffers(backend_name, how):
+    """The steady run a layer keeps between decode steps holds its buffers and the native function: a copy leaves it
+    out (and builds its own on its own buffers), and reset drops it with the streams."""
+    settings = KiviSettings(2, 16, 32, sink_tokens=4, rotation="hadamard")
+    layer, twin = (KiviLayer(settings, select(backend_name)) for _ in range(2))
+    keys, values = torch.randn(B, H, 120, D), torch.randn(B, H, 120, D)
+    sizes = [40] + [1] * 50 if how != "reset" else [40] + [1] * 20
+    n = 0
+    for m in sizes:  # into a steady run (the window is full after 32 steps: one value token leaves per step)
+        layer.update(keys[:, :, n : n + m], values[:, :, n : n + m])
+        twin.update(keys[:, :, n : n + m], values[:, :, n : n + m])
+        n += m
+    assert layer._steady_run is not None and layer.keys_stream._steady_steps > 0
+    if how == "reset":
+        layer.reset()
+        twin = KiviLayer(settings, select(backend_name))
+        n = 60  # a new sequence, a different batch
+        keys, values = torch.randn(1, H, 120, D), torch.randn(1, H, 120, D)
+        for layer_ in (layer, twin):
+            layer_.update(keys[:, :, :n], values[:, :, :n])
+    else:
+        copied = copy.deepcopy(layer) if how == "deepcopy" else pickle.loads(pickle.dumps(layer))
+        assert copied._steady_run is None
+        layer, twin = copied, layer  # the copy steps alongside the original
+    for _ in range(30):
+        got = layer.update(keys[:, :, n : n + 1], values[:, :, n : n + 1])
+        expected = twin.update(keys[:, :, n : n + 1], values[:, :, n : n + 1])
+        n += 1
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), n
+    assert torch.equal(layer.keys, twin.keys) and torch.equal(layer.values, twin.values)
+    own, other = ([b.data for s in x._streams() for b in (s.window, *s.packed.buffers())] for x in (layer, twin))
+    assert {t.data_ptr() for t in own}.isdisjoint(t.data_ptr() for t in other)
+    held = [a for a in layer._steady_run.args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    assert len(held) == 5 and all(any(t is b for b in own) for t in held)  # windows and value storage: its own
 
 
 def test_a_cache_reaches_only_the_storage_it_accounts_for(backend_name):

@@ -362,3 +362,18 @@ def test_unknown_backend_or_op_is_a_clear_error():
         ops.for_backend("cuda")
     with pytest.raises(ValueError, match="`op` must be one of"):
         ops.kernel("flash", "reference")
+
+
+def test_direct_kernel_is_the_extension_function_where_the_backend_has_one():
+    """A steady run keeps `direct_kernel`'s callable: the native extension's own step for host-memory windows, else
+    the registered kernel (backends without a direct callable, or windows elsewhere)."""
+    window = torch.zeros(1, 2, 8, 16)
+    assert ops.direct_kernel("append_decode_step", "reference", window) is ops.kernel("append_decode_step", "reference")
+    assert ops.direct_kernel("decode_attention", "reference") is ops.kernel("decode_attention", "reference")
+    try:
+        from kivi_xpu import _cpu
+    except ImportError:
+        return
+    assert ops.direct_kernel("append_decode_step", "native", window) is _cpu.append_decode_step
+    meta_window = window.to("meta")
+    assert ops.direct_kernel("append_decode_step", "native", meta_window) is ops.kernel("append_decode_step", "native")

@@ -4,6 +4,28 @@ default and the ground truth), :mod:`.native` (native CPU kernels) and :mod:`.sy
 """
 
 from . import declarations  # noqa: F401  (defines the ops)
-from .library import OPS, BackendOps, call, cpu_backend, for_backend, kernel, register_kernel, use_backend
+from .library import (
+    OPS,
+    BackendOps,
+    call,
+    cpu_backend,
+    direct_kernel,
+    for_backend,
+    kernel,
+    register_direct,
+    register_kernel,
+    use_backend,
+)
 
-__all__ = ["OPS", "BackendOps", "call", "cpu_backend", "for_backend", "kernel", "register_kernel", "use_backend"]
+__all__ = [
+    "OPS",
+    "BackendOps",
+    "call",
+    "cpu_backend",
+    "direct_kernel",
+    "for_backend",
+    "kernel",
+    "register_direct",
+    "register_kernel",
+    "use_backend",
+]

@@ -50,6 +50,7 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 _KERNELS: dict[tuple[str, str], Callable] = {}
+_DIRECT: dict[tuple[str, str], Callable] = {}
 _lib = torch.library.Library(NAMESPACE, "DEF")
 
 
@@ -79,6 +80,28 @@ def kernel(op: str, backend: str) -> Callable:
             _warn_reference_once(f"{op!r} on the {backend!r} backend")
             fn = _KERNELS[(op, backend)] = kernel(op, "reference")
     return fn
+
+
+def register_direct(op: str, backend: str):
+    """Decorator: ``pick(*like)`` returns a callable that runs ``op`` on ``backend`` for arguments stored like
+    ``like`` with no Python frame in between (the native extension's own function), or ``None`` (then
+    :func:`direct_kernel` gives :func:`kernel`)."""
+
+    def register(pick: Callable) -> Callable:
+        _DIRECT[(op, backend)] = pick
+        return pick
+
+    return register
+
+
+def direct_kernel(op: str, backend: str, *like) -> Callable:
+    """:func:`kernel` for a hot path that keeps it for many calls on arguments stored like ``like``: the backend's
+    direct callable where it has one (see :func:`register_direct`). A Python wrapper frame costs ~2-3 us per call in
+    the model, where the layers' weights pass through the caches between two calls of the same layer."""
+    fn = kernel(op, backend)  # (imports the backend, which registers its direct callables)
+    pick = _DIRECT.get((op, backend))
+    direct = pick(*like) if pick is not None else None
+    return fn if direct is None else direct
 
 
 def _bind(op: OpDef, args, kwargs) -> tuple:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from ..runtime import load_native_extension
-from .library import register_kernel
+from .library import register_direct, register_kernel
 from .reference import composed_decode_step
 
 NATIVE_OPS = (
@@ -50,3 +50,9 @@ def append_decode_step(key_states, value_states, key_window, *args):
     host memory, see ``Selection.storage_device``) copies with torch and quantizes natively."""
     step = _native_step if key_window.device.type == "cpu" else _composed_step
     return step(key_states, value_states, key_window, *args)
+
+
+@register_direct("append_decode_step", "native")
+def _direct_decode_step(key_window):
+    """The extension's function itself for a layer whose windows are host memory (a steady run's decode steps)."""
+    return load_native_extension().append_decode_step if key_window.device.type == "cpu" else None

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from ..cache import KiviCache
+from ..rotation import is_shared
 
 MIB = 1 << 20
 
@@ -90,11 +91,11 @@ _OPAQUE = (
 def reachable_storage_bytes(root) -> int:
     """Bytes of the distinct tensor storages reachable from ``root`` through attributes and containers, each
     storage counted once (by device and data pointer) at its allocated size. Model configs and modules are not
-    followed."""
+    followed, nor the rotation matrices that every KIVI cache shares (:func:`kivi_xpu.rotation.is_shared`)."""
     seen, storages, stack = set(), {}, [root]
     while stack:
         obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _OPAQUE):
+        if id(obj) in seen or isinstance(obj, _OPAQUE) or (isinstance(obj, torch.Tensor) and is_shared(obj)):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
