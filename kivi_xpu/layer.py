@@ -164,11 +164,7 @@ class KiviLayer(CacheLayerMixin):
             self._checked_states = signature
         run = self._steady_run
         step = run.step(k, v) if run is not None and k.shape[2] == 1 and not self._record_past else None
-        if step is not None:
-            keys_out, values_out, key_operands, value_operands = step
-            inputs = DecodeInputs(key_operands, value_operands, self.backend.name)
-        else:
-            keys_out, values_out, inputs = self._append(k, v)
+        keys_out, values_out, inputs = step if step is not None else self._append(k, v)
         if inputs is not None and not self.fused:
             (keys_out, values_out), inputs = dense_states(inputs.with_tails(keys_out, values_out)), None
         if self.attention == "auto":  # (also when dense: the kivi attention then tells the layer to fuse)
@@ -209,12 +205,8 @@ class KiviLayer(CacheLayerMixin):
         if leaving is None:
             return None
         kernel = direct_kernel("append_decode_step", self.backend.name, keys.window.data)
-        self._steady_run = run = SteadyRun(keys, values, leaving, kernel)
-        step = run.step(key_states, value_states)
-        if step is None:
-            return None
-        key_tail, value_tail, key_operands, value_operands = step
-        return key_tail, value_tail, DecodeInputs(key_operands, value_operands, self.backend.name)
+        self._steady_run = SteadyRun(keys, values, leaving, kernel, self.backend.name)
+        return self._steady_run.step(key_states, value_states)
 
     def _check_new_states(self, key_states, value_states) -> None:
         check_float_tensor(key_states, "key_states")

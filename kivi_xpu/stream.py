@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .algorithm import KiviSettings
+from .attention import DecodeInputs
 from .memory import KiviMemoryReport
 from .ops.checks import KindOperands
 from .storage import DepartedTokens, PackedHistory, TokenBuffer
@@ -263,11 +264,11 @@ class SteadyRun:
     update took 14-23 us less than as a chain of calls, 3-5 us more than StaticCache's). It holds the layer's
     buffers: the layer drops it whenever anything else changes its streams."""
 
-    __slots__ = ("keys", "values", "leaving", "kernel", "args", "keep", "inference")
+    __slots__ = ("keys", "values", "leaving", "kernel", "backend", "args", "keep", "inference")
 
-    def __init__(self, keys: KindStream, values: KindStream, leaving: int, kernel):
+    def __init__(self, keys: KindStream, values: KindStream, leaving: int, kernel, backend: str):
         window, packed = keys.window, values.packed
-        self.keys, self.values, self.leaving, self.kernel = keys, values, leaving, kernel
+        self.keys, self.values, self.leaving, self.kernel, self.backend = keys, values, leaving, kernel, backend
         # append_decode_step's arguments; step() fills the states and the row counts
         self.args = [None, None, window.data, 0, 0, values.window.data, 0, 0, *(b.data for b in packed.buffers()), 0,
                      leaving, packed.group_size, packed.bits, packed.rotation(packed.device)]  # fmt: skip
@@ -277,8 +278,8 @@ class SteadyRun:
 
     def step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple | None:
         """Appends one token ``[B, H, 1, D]`` of each kind; returns the key and value tails (views of the windows)
-        and the :class:`KindOperands` of both kinds without them, or ``None`` (nothing done) once the run has
-        ended."""
+        and the :class:`~kivi_xpu.attention.DecodeInputs` (of ``backend``) without them, or ``None`` (nothing done)
+        once the run has ended."""
         keys, values = self.keys, self.values
         if not (keys._steady_steps and values._steady_steps):
             return None
@@ -305,4 +306,4 @@ class SteadyRun:
         # tuple.__new__ on the fields in order: half the cost of the named constructor
         key_operands = _tuple_new(KindOperands, (*k[:4], key_count, k[5], k[6], None, key_rotation))
         value_operands = _tuple_new(KindOperands, (*v[:4], value_count, v[5], v[6], None, value_rotation))
-        return key_tail, value_tail, key_operands, value_operands
+        return key_tail, value_tail, DecodeInputs(key_operands, value_operands, self.backend)
