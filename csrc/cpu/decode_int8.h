@@ -253,36 +253,74 @@ inline void int8_key_group(const KeyBlockFactors& f, int64_t i, const uint8_t* c
 
 // ---- values -----------------------------------------------------------------------------------------------------
 
-// Block factors of one row and value group: w[0, TB) = p * s -> wi[0, TB) = round(w * 255 / max w) as bytes in
-// token order, and zsum += p * z (lane-wise); returns max w / 255, or NaN when a weight is not finite.
-template <int64_t TB>
-inline float value_factors(const float* p, const float* s, const float* z, uint8_t* wi, __m256& zsum) {
+constexpr int64_t kMaxValueGroups = kMaxDim / 16;  // integer_values: a group holds at least 16 channels
+
+// max over the lanes of each of m[0, 8) -> lane i of the result (a transpose that reduces as it goes: 7 maxes and 14
+// shuffles for 8 vectors, against 6 operations and a dependent chain per vector for Vec256::reduce_max).
+// Per 128-bit half: max(a0, a1), max(a2, a3), max(b0, b1), max(b2, b3).
+inline __m256 max_pairs(__m256 a, __m256 b) {
+  return _mm256_max_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
+}
+inline __m256 lane_maxes8(const __m256 m[8]) {
+  const __m256 m0123 = max_pairs(max_pairs(m[0], m[1]), max_pairs(m[2], m[3]));  // per half: m0..m3's maxes over it
+  const __m256 m4567 = max_pairs(max_pairs(m[4], m[5]), max_pairs(m[6], m[7]));
+  return _mm256_max_ps(_mm256_permute2f128_ps(m0123, m4567, 0x20), _mm256_permute2f128_ps(m0123, m4567, 0x31));
+}
+
+// Block factors of NR rows and `groups` value groups, TB tokens: for row r and group g, w[0, TB) = p_r * s_g ->
+// wi[r][g][0, TB) = round(w * 255 / max w) as bytes in token order, b[r][g] = max w / 255, and zsum[r][g] += p_r * z_g
+// (lane-wise). False when a weight is not finite. Eight (row, group) pairs at a time share one reduction of their
+// maxes and two vector divisions (one max reduction and two scalar divisions per pair took a quarter of the factors'
+// time).
+template <int64_t TB, int NR>
+inline bool value_block_factors(const float* const* p, const float (*scale)[TB], const float (*zero)[TB],
+                                int64_t groups, uint8_t (*wi)[kMaxValueGroups][TB], float (*b)[kMaxValueGroups],
+                                __m256 (*zsum)[kMaxValueGroups]) {
   static_assert(TB == 16 || TB == 32, "two or four vectors of 8 factors");
-  __m256 w[4], m = _mm256_setzero_ps();
-  for (int i = 0; i < TB / 8; ++i) {
-    const __m256 pv = _mm256_loadu_ps(p + 8 * i);
-    w[i] = _mm256_mul_ps(pv, _mm256_loadu_ps(s + 8 * i));
-    m = _mm256_max_ps(w[i], m);  // a NaN weight is dropped here and caught below
-    zsum = _mm256_fmadd_ps(pv, _mm256_loadu_ps(z + 8 * i), zsum);
-  }
-  const float mx = Vec256::reduce_max(m);
-  const __m256 inv = _mm256_set1_ps(mx > 0.0f ? 255.0f / mx : 0.0f);  // Inf max: 0, so Inf * 0 is NaN below
-  __m256i v[4];
-  for (int i = 0; i < TB / 8; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(w[i], inv));  // nearest even, <= 255
-  if (TB == 16) v[2] = v[0], v[3] = v[1];
-  const __m256i words01 = _mm256_packs_epi32(v[0], v[1]), words23 = _mm256_packs_epi32(v[2], v[3]);
-  // vcvtps2dq gives INT32_MIN for NaN, saturated to -32768 here; a finite factor is 0..255
+  constexpr int V = TB / 8;
   const __m256i nan_code = _mm256_set1_epi16(-32768);
-  const __m256i bad = _mm256_or_si256(_mm256_cmpeq_epi16(words01, nan_code), _mm256_cmpeq_epi16(words23, nan_code));
-  if (!_mm256_testz_si256(bad, bad)) return __builtin_nanf("");
-  // packs interleave 128-bit lanes: the 4-byte units come out as v0lo v1lo v2lo v3lo v0hi v1hi v2hi v3hi
-  const __m256i bytes = _mm256_packus_epi16(words01, words23);
-  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  if (TB == 32)
-    _mm256_storeu_si256((__m256i*)wi, ordered);
-  else
-    _mm_storeu_si128((__m128i*)wi, _mm256_castsi256_si128(ordered));
-  return mx / 255.0f;
+  __m256i bad = _mm256_setzero_si256();
+  const int64_t pairs = NR * groups;
+  for (int64_t i0 = 0; i0 < pairs; i0 += 8) {
+    const int n = (int)min64(8, pairs - i0);
+    __m256 w[8][V], m[8];
+    for (int j = 0; j < 8; ++j) m[j] = _mm256_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+      const int64_t r = (i0 + j) / groups, g = (i0 + j) % groups;
+      for (int v = 0; v < V; ++v) {
+        const __m256 pv = _mm256_loadu_ps(p[r] + 8 * v);
+        w[j][v] = _mm256_mul_ps(pv, _mm256_loadu_ps(scale[g] + 8 * v));
+        m[j] = _mm256_max_ps(w[j][v], m[j]);  // a NaN weight is dropped here and caught below
+        zsum[r][g] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(zero[g] + 8 * v), zsum[r][g]);
+      }
+    }
+    const __m256 mx = lane_maxes8(m);
+    // 255 / max, 0 where max == 0 (all factors 0); an Inf max gives 0 too, and Inf * 0 is NaN below
+    const __m256 positive = _mm256_cmp_ps(mx, _mm256_setzero_ps(), _CMP_GT_OQ);
+    alignas(32) float inv[8], step[8];
+    _mm256_store_ps(inv, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(255.0f), mx), positive));
+    _mm256_store_ps(step, _mm256_div_ps(mx, _mm256_set1_ps(255.0f)));
+    for (int j = 0; j < n; ++j) {
+      const int64_t r = (i0 + j) / groups, g = (i0 + j) % groups;
+      b[r][g] = step[j];
+      const __m256 scale_j = _mm256_set1_ps(inv[j]);
+      __m256i q[4];
+      for (int v = 0; v < V; ++v) q[v] = _mm256_cvtps_epi32(_mm256_mul_ps(w[j][v], scale_j));  // nearest even, <= 255
+      if (V == 2) q[2] = q[0], q[3] = q[1];
+      const __m256i words01 = _mm256_packs_epi32(q[0], q[1]), words23 = _mm256_packs_epi32(q[2], q[3]);
+      // vcvtps2dq gives INT32_MIN for NaN, saturated to -32768 here; a finite factor is 0..255
+      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpeq_epi16(words01, nan_code),
+                                                 _mm256_cmpeq_epi16(words23, nan_code)));
+      // packs interleave 128-bit lanes: the 4-byte units come out as q0lo q1lo q2lo q3lo q0hi q1hi q2hi q3hi
+      const __m256i bytes = _mm256_packus_epi16(words01, words23);
+      const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      if (TB == 32)
+        _mm256_storeu_si256((__m256i*)wi[r][g], ordered);
+      else
+        _mm_storeu_si128((__m128i*)wi[r][g], _mm256_castsi256_si128(ordered));
+    }
+  }
+  return _mm256_testz_si256(bad, bad);
 }
 
 // Metadata of a block's tokens by group: out[g][0, TB) = meta of tokens [t, t + n) in group g (fp32, zeros past n).
@@ -324,7 +362,7 @@ inline bool int8_value_rows(const Packed& V, Locate locate, int64_t t0, int64_t 
   // pass over the tiles); 4 rows of 2-bit codes take two passes of 2 planes.
   constexpr int KH = NR * P <= 12 ? P : P / 2;
   constexpr int64_t TB = kValueBlock<BITS>;
-  constexpr int64_t kMaxGroups = kMaxDim / 16;  // integer_values: a group holds at least 16 channels
+  constexpr int64_t kMaxGroups = kMaxValueGroups;
   const int64_t groups = V.meta_row, G = V.group, tiles = Dv / (8 * P);
   // Sums in tile-plane-lane order: channel P * (8 x + j) + k at sums[r][(x * P + k) * 8 + j].
   float sums[NR][kMaxDim];
@@ -349,18 +387,15 @@ inline bool int8_value_rows(const Packed& V, Locate locate, int64_t t0, int64_t 
     }
     const bool finite = [&] {
       PhaseTimer timer(kPhaseValueFactors);
+      const float* p[NR];
       for (int r = 0; r < NR; ++r) {
-        const float* p = prob[r] + tb;
+        p[r] = prob[r] + tb;
         if (n < TB) {
-          for (int64_t t = 0; t < TB; ++t) padded[r][t] = t < n ? p[t] : 0.0f;
-          p = padded[r];
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-          b[r][g] = value_factors<TB>(p, scale[g], zero[g], wi[r][g], zsum[r][g]);
-          if (b[r][g] != b[r][g]) return false;
+          for (int64_t t = 0; t < TB; ++t) padded[r][t] = t < n ? p[r][t] : 0.0f;
+          p[r] = padded[r];
         }
       }
-      return true;
+      return value_block_factors<TB, NR>(p, scale, zero, groups, wi, b, zsum);
     }();
     if (!finite) return false;
     const int64_t whole = n / 4;  // quads read in place; a ragged last one from a zero-padded copy
