@@ -225,7 +225,7 @@ def test_fp16_model_with_fp16_tails(dot):
 
 # Packed key codes, value codes and their metadata each placed so that they end exactly where a PROT_NONE page
 # begins: a kernel reading one byte past them dies with SIGSEGV (in a child process, so the test reports it).
-GUARDED_ATTENTION = """
+GUARD = """
 import ctypes, mmap, torch
 from kivi_xpu import _cpu as native
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
@@ -243,8 +243,10 @@ def guarded(t):
     copy = torch.frombuffer(memory, dtype=t.dtype, count=t.numel(), offset=end - start - size).view(t.shape)
     copy.copy_(t)
     return copy, memory
-
-
+"""
+GUARDED_ATTENTION = (
+    GUARD
+    + """
 keep = []
 for bits in (2, 4):
     for key_count, value_count in ((32, 1), (64, 33), (256, 259), (288, 290)):
@@ -261,12 +263,51 @@ for bits in (2, 4):
         assert out.isfinite().all()
 print("ok")
 """
+)
+
+
+# Pages of continuous batching in a pool whose last block ends where a PROT_NONE page begins (its last section, the
+# value zeros, fills whole cache lines: no padding after it), each request's last page that block.
+GUARDED_PAGED_ATTENTION = (
+    GUARD
+    + """
+from kivi_xpu.algorithm import KiviSettings
+from kivi_xpu.paged.pages import LayerPages, PageLayout
+
+H, D, T = 2, 64, 32
+keep = []
+for bits in (2, 4):
+    settings = KiviSettings(key_bits=bits, value_bits=bits, key_group_size=T, value_group_size=32,
+                            residual_length=T, meta_dtype=torch.float16, sink_tokens=0)
+    layout = PageLayout.for_settings(settings, H, D)
+    pool, memory = guarded(torch.zeros(3, layout.page_bytes, dtype=torch.uint8))
+    keep.append(memory)
+    pages = LayerPages(pool, layout, 0)
+    for name in ("key_codes", "value_codes"):
+        getattr(pages, name).copy_(torch.randint(0, 256, getattr(pages, name).shape, dtype=torch.uint8))
+    for name in ("key_scales", "value_scales", "key_zeros", "value_zeros"):
+        getattr(pages, name).copy_(torch.rand(getattr(pages, name).shape))
+    for key_count, value_count in ((32, 1), (64, 33), (64, 64), (96, 96)):
+        count = -(-max(key_count, value_count) // T)
+        n = max(key_count, value_count) + 8
+        table = torch.arange(3 - count, 3, dtype=torch.int64).view(1, count)
+        requests = torch.tensor([[0, 0, key_count, 0, value_count, 0, n]], dtype=torch.int64)
+        out = native.paged_decode_attention(
+            torch.randn(1, 6, 1, D), torch.randn(1, H, n, D), torch.randn(1, H, n, D), pages.key_codes,
+            pages.key_scales, pages.key_zeros, pages.value_codes, pages.value_scales, pages.value_zeros, table,
+            requests, bits, 32, bits, 0.125, None, None)
+        assert out.isfinite().all()
+print("ok")
+"""
+)
 
 
 @pytest.mark.parametrize("requested", native.available_isas())
 @pytest.mark.parametrize("arithmetic", ["int8", "fp32"])
-def test_reads_no_byte_past_the_packed_storage(requested, arithmetic):
-    result = run_script(GUARDED_ATTENTION, KIVI_XPU_CPU_ISA=requested, KIVI_XPU_CPU_DOT=arithmetic)
+@pytest.mark.parametrize("script", ["contiguous", "paged"])
+def test_reads_no_byte_past_the_packed_storage(requested, arithmetic, script):
+    guarded = GUARDED_ATTENTION if script == "contiguous" else GUARDED_PAGED_ATTENTION
+    result = run_script(guarded, KIVI_XPU_CPU_ISA=requested, KIVI_XPU_CPU_DOT=arithmetic)
     assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])
 
 
