@@ -9,6 +9,10 @@ shared machine a descheduled pool thread adds whole time slices to the others), 
 (``int8``: integer dot products, the default; ``fp32``: codes converted to floats), ``dense/native`` (above 1: the
 fused op is faster), and GB/s of packed bytes read (codes + scales + zeros of the packed tokens) by the native op.
 
+With ``--paged`` the native op also runs as ``paged_decode_attention`` (continuous batching) over the same tokens: each
+of the ``batch`` requests' packed history in pages of one key group (group-major, keys and values of a group in one
+page) at shuffled blocks of one pool, as transformers' allocator hands them out; its rows say ``<arithmetic> paged``.
+
 With ``--cold`` each op reads the history of another of 30 layers in turn (SmolLM2-135M's count), with a 20 MB
 buffer summed (untimed) before every call: a layer's weights passing through the caches, as in the model, where the
 history comes from DRAM. Columns are then the median call of each op (cold calls wait on the memory, so the best
@@ -16,7 +20,7 @@ one says little): the median over 3 interleaved rounds, each ``--repeats / 5`` t
 default), one layer's history is read again and again from the caches: the arithmetic alone.
 
     python benchmarks/bench_native_attention.py [--batch 1 4] [--context 1024 4096 8192] [--isa avx2]
-        [--dot int8 fp32] [--cold]
+        [--dot int8 fp32] [--cold] [--paged]
 
 Prints the CPU model, its SIMD flags and the ISA used. Not a test: numbers depend on the machine and its load.
 """
@@ -24,6 +28,7 @@ Prints the CPU model, its SIMD flags and the ISA used. Not a test: numbers depen
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import subprocess
 import time
@@ -31,7 +36,9 @@ import time
 import torch
 
 from kivi_xpu import _cpu as native
+from kivi_xpu.algorithm import KiviSettings
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
+from kivi_xpu.paged.pages import LayerPages, PageLayout
 from kivi_xpu.storage import padded_channel_row
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BITS, GROUP, RESIDUAL = 9, 3, 64, 2, 32, 128
@@ -94,6 +101,37 @@ def packed_layer(batch: int, n: int, capacity: int):
     return args, batch * KV_HEADS * per_head
 
 
+def paged_layer(batch: int, n: int):
+    """``paged_decode_attention``'s arguments for ``batch`` requests of ``n`` tokens each, split as ``packed_layer``
+    splits them (no sinks), their pages at shuffled blocks of one pool (random codes and metadata)."""
+    key_count, value_count = (n - RESIDUAL) // GROUP * GROUP, n - RESIDUAL
+    settings = KiviSettings(key_bits=BITS, value_bits=BITS, key_group_size=GROUP, value_group_size=GROUP,
+                            residual_length=RESIDUAL, meta_dtype=META, sink_tokens=0)  # fmt: skip
+    layout = PageLayout.for_settings(settings, KV_HEADS, HEAD_DIM)
+    per_request = -(-value_count // GROUP)
+    pages = LayerPages(torch.zeros(batch * per_request, layout.page_bytes, dtype=torch.uint8), layout, 0)
+    for name in ("key_codes", "value_codes"):
+        getattr(pages, name).copy_(torch.randint(0, 256, getattr(pages, name).shape, dtype=torch.uint8))
+    for name in ("key_scales", "value_scales"):
+        getattr(pages, name).copy_(torch.rand(getattr(pages, name).shape) / 2)
+    for name in ("key_zeros", "value_zeros"):
+        getattr(pages, name).copy_(torch.randn(getattr(pages, name).shape))
+    blocks = list(range(batch * per_request))
+    random.shuffle(blocks)
+    requests = [(i, 0, key_count, 0, value_count, 0, n) for i in range(batch)]
+    return dict(
+        query=torch.randn(batch, Q_HEADS, 1, HEAD_DIM),
+        key_windows=torch.randn(batch, KV_HEADS, n - key_count, HEAD_DIM),
+        value_windows=torch.randn(batch, KV_HEADS, n - key_count, HEAD_DIM),
+        **{name: getattr(pages, name) for name in ("key_codes", "key_scales", "key_zeros")},
+        **{name: getattr(pages, name) for name in ("value_codes", "value_scales", "value_zeros")},
+        block_table=torch.tensor(blocks, dtype=torch.int64).view(batch, per_request),
+        requests=torch.tensor(requests, dtype=torch.int64),
+        key_bits=BITS, value_group=GROUP, value_bits=BITS, scaling=HEAD_DIM**-0.5, key_rotation=None,
+        value_rotation=None,
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
@@ -104,7 +142,9 @@ def main() -> None:
     )
     parser.add_argument("--dot", choices=["int8", "fp32"], nargs="+", default=["int8", "fp32"], help="arithmetics")
     parser.add_argument("--cold", action="store_true", help="read 30 layers' histories in turn, from DRAM (see above)")
+    parser.add_argument("--paged", action="store_true", help="also time paged_decode_attention (see above)")
     args = parser.parse_args()
+    random.seed(0)
     if args.isa:
         native.set_isa(args.isa)
     torch.manual_seed(0)
@@ -118,8 +158,11 @@ def main() -> None:
     weights = torch.ones(WEIGHT_BYTES // 4) if args.cold else None
     for batch in args.batch:
         for n in args.context:
-            fused_calls, dense_calls = [], []
+            fused_calls, dense_calls, paged_calls = [], [], []
             for _ in range(layers):
+                if args.paged:
+                    paged_args = paged_layer(batch, n)
+                    paged_calls.append(lambda paged_args=paged_args: native.paged_decode_attention(**paged_args))
                 op_args, packed_bytes = packed_layer(batch, n, capacity)
                 query = op_args[0]
                 k = torch.randn(batch, KV_HEADS, capacity, HEAD_DIM)[:, :, :n]
@@ -134,18 +177,20 @@ def main() -> None:
                     return median_cold_seconds(calls, max(1, args.repeats // 5), weights)
                 return best_seconds(calls[0], args.repeats)
 
-            fused_s, dense_s = {dot: [] for dot in args.dot}, []
+            variants = [(dot, fused_calls) for dot in args.dot]
+            variants += [(f"{dot} paged", paged_calls) for dot in args.dot if args.paged]
+            fused_s, dense_s = {name: [] for name, _ in variants}, []
             for _ in range(3):  # interleaved rounds, so a burst of load from elsewhere hits every column
-                for dot in args.dot:
-                    native.set_dot(dot)
-                    fused_s[dot].append(seconds(fused_calls))
+                for name, calls in variants:
+                    native.set_dot(name.split()[0])
+                    fused_s[name].append(seconds(calls))
                 dense_s.append(seconds(dense_calls))
             pick = statistics.median if args.cold else min
             d = pick(dense_s)
-            for dot in args.dot:
-                f = pick(fused_s[dot])
+            for name, _ in variants:
+                f = pick(fused_s[name])
                 print(
-                    f"| {batch} | {n} | {dot} | {f * 1e3:.3f} | {d * 1e3:.3f} | {d / f:.2f}x "
+                    f"| {batch} | {n} | {name} | {f * 1e3:.3f} | {d * 1e3:.3f} | {d / f:.2f}x "
                     f"| {packed_bytes / f / 1e9:.1f} |"
                 )
 

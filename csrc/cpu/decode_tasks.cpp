@@ -78,10 +78,9 @@ void read_task_keys(const Problem& p, const TaskSpan& task) {
 
 // Reads one byte of every cache line of the paged values task `task` will combine, for the reason of read_task_keys:
 // each page holds only a short run of codes, scales and zeros per head, which the hardware prefetcher does not follow
-// from page to page (contiguous values are one run each, and reading them did not pay). Measured with
-// 4 requests x 8064 tokens of SmolLM2-135M shapes, 30 layers in turn with 20 MB read between calls (Zen 4, one process,
-// 5 interleaved rounds): 0.98-1.06 -> 0.74-0.77 ms per call, against 0.59-0.60 for decode_attention on contiguous
-// storage of the same tokens; warm (one layer again and again) 0.535 -> 0.436.
+// from page to page (contiguous values are one run each, and reading them did not pay). `bench_native_attention.py
+// --batch 4 --context 8064 --cold --paged` (Zen 4): 1.005 -> 0.656 ms per call, against 0.543 / 0.558 ms for
+// decode_attention over the same tokens in contiguous storage in the same runs.
 void read_task_paged_values(const Problem& p, const TaskSpan& task) {
   const Packed& V = p.values;
   if (V.pages == nullptr) return;
