@@ -125,6 +125,7 @@ inline void key_block_factors(const float* const* q, const float* scale, const f
   static_assert(kBlockGroups == 8, "a block's groups are the 8 lanes of one __m256");
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 m[NR][2], bias[NR][2];  // two chains per row: the max and the FMA wait on their previous channel
+  alignas(32) float qs[NR][kMaxDim][kBlockGroups];  // q * s, kept for the rounding below (a load, not two and a mul)
   for (int r = 0; r < NR; ++r) m[r][0] = m[r][1] = bias[r][0] = bias[r][1] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 2) {  // D % 4 == 0
 #pragma GCC unroll 2
@@ -134,6 +135,7 @@ inline void key_block_factors(const float* const* q, const float* scale, const f
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
         const __m256 qd = _mm256_set1_ps(q[r][d + c]), x = _mm256_mul_ps(qd, s);
+        _mm256_store_ps(qs[r][d + c], x);
         m[r][c] = _mm256_max_ps(_mm256_andnot_ps(sign, x), m[r][c]);  // a NaN lane is dropped: the rounding catches it
         bias[r][c] = _mm256_fmadd_ps(qd, z, bias[r][c]);
       }
@@ -156,9 +158,7 @@ inline void key_block_factors(const float* const* q, const float* scale, const f
     for (int64_t x = 0; x < D / 4; ++x) {
       __m256i v[4];
       for (int k = 0; k < 4; ++k) {
-        const int64_t d = 4 * x + k;
-        const __m256 qs = _mm256_mul_ps(_mm256_set1_ps(q[r][d]), _mm256_load_ps(scale + d * kBlockGroups));
-        v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(qs, inv));
+        v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(qs[r][4 * x + k]), inv));
       }
       // packs keep 128-bit halves: bytes 4k + i (i < 4) of each half come from v[k] lane i (low half) or 4 + i
       const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));

@@ -68,12 +68,12 @@ inline uint16_t float_to_bf16(float f) {
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// exp(x) for x <= 0 or NaN (all a softmax needs) on a vector policy: 0 below -87, NaN passes through. Cephes'
+// exp(x) for x <= 0 or NaN (all a softmax needs) on a vector policy: 0 below -87, NaN stays NaN. Cephes'
 // polynomial, ~2 ulp; written once over the policy's lane ops (V::pow2 builds 2^n from the exponent bits).
 template <class V>
 inline typename V::F exp_nonpositive(typename V::F x) {
   using F = typename V::F;
-  const F clamped = V::max(x, V::set1(-87.0f));
+  const F clamped = V::max(V::set1(-87.0f), x);  // maxps returns its second operand for a NaN: NaN flows through
   const F n = V::round_even(V::mul(clamped, V::set1(1.44269504088896341f)));  // x / ln 2
   F r = V::fma(n, V::set1(-0.693359375f), clamped);  // x - n ln 2, ln 2 split in two for precision
   r = V::fma(n, V::set1(2.12194440e-4f), r);
@@ -85,8 +85,7 @@ inline typename V::F exp_nonpositive(typename V::F x) {
   y = V::fma(y, r, V::set1(5.0000001201e-1f));
   y = V::fma(y, V::mul(r, r), V::add(r, V::set1(1.0f)));
   y = V::mul(y, V::pow2(n));
-  y = V::select(V::lt(x, V::set1(-87.0f)), V::set1(0.0f), y);
-  return V::select(V::eq(x, x), y, x);  // NaN: x
+  return V::select(V::lt(x, V::set1(-87.0f)), V::set1(0.0f), y);  // (NaN is not below: it stays)
 }
 
 struct Scalar {
