@@ -255,12 +255,12 @@ inline void int8_key_group(const KeyBlockFactors& f, int64_t i, const uint8_t* c
 
 constexpr int64_t kMaxValueGroups = kMaxDim / 16;  // integer_values: a group holds at least 16 channels
 
-// max over the lanes of each of m[0, 8) -> lane i of the result (a transpose that reduces as it goes: 7 maxes and 14
-// shuffles for 8 vectors, against 6 operations and a dependent chain per vector for Vec256::reduce_max).
 // Per 128-bit half: max(a0, a1), max(a2, a3), max(b0, b1), max(b2, b3).
 inline __m256 max_pairs(__m256 a, __m256 b) {
   return _mm256_max_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
 }
+// The max over the lanes of each of m[0, 8) -> lane i of the result (a transpose that reduces as it goes: 7 maxes and
+// 14 shuffles for 8 vectors, against 6 operations and a dependent chain per vector for Vec256::reduce_max).
 inline __m256 lane_maxes8(const __m256 m[8]) {
   const __m256 m0123 = max_pairs(max_pairs(m[0], m[1]), max_pairs(m[2], m[3]));  // per half: m0..m3's maxes over it
   const __m256 m4567 = max_pairs(max_pairs(m[4], m[5]), max_pairs(m[6], m[7]));
@@ -362,16 +362,15 @@ inline bool int8_value_rows(const Packed& V, Locate locate, int64_t t0, int64_t 
   // pass over the tiles); 4 rows of 2-bit codes take two passes of 2 planes.
   constexpr int KH = NR * P <= 12 ? P : P / 2;
   constexpr int64_t TB = kValueBlock<BITS>;
-  constexpr int64_t kMaxGroups = kMaxValueGroups;
   const int64_t groups = V.meta_row, G = V.group, tiles = Dv / (8 * P);
   // Sums in tile-plane-lane order: channel P * (8 x + j) + k at sums[r][(x * P + k) * 8 + j].
   float sums[NR][kMaxDim];
   for (int r = 0; r < NR; ++r)
     for (int64_t i = 0; i < Dv; ++i) sums[r][i] = 0.0f;
-  float buffer[TB * kMaxGroups], scale[kMaxGroups][TB], zero[kMaxGroups][TB], padded[NR][TB];
-  alignas(32) uint8_t wi[NR][kMaxGroups][TB];  // [row][group][token]: 4 tokens' factors are one int32
-  float b[NR][kMaxGroups];
-  __m256 zsum[NR][kMaxGroups];
+  float buffer[TB * kMaxValueGroups], scale[kMaxValueGroups][TB], zero[kMaxValueGroups][TB], padded[NR][TB];
+  alignas(32) uint8_t wi[NR][kMaxValueGroups][TB];  // [row][group][token]: 4 tokens' factors are one int32
+  float b[NR][kMaxValueGroups];
+  __m256 zsum[NR][kMaxValueGroups];
   for (int r = 0; r < NR; ++r)
     for (int64_t g = 0; g < groups; ++g) zsum[r][g] = _mm256_setzero_ps();
   uint8_t ragged[4 * kMaxDim / 2];  // the last tokens of a block that is not a whole number of 4 tokens, zero-padded
