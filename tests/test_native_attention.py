@@ -283,6 +283,8 @@ for bits in (2, 4):
     pool, memory = guarded(torch.zeros(3, layout.page_bytes, dtype=torch.uint8))
     keep.append(memory)
     pages = LayerPages(pool, layout, 0)
+    zeros_end = layout.offsets()["value_zeros"] + pages.value_zeros[0].numel() * pages.value_zeros.element_size()
+    assert zeros_end == layout.page_bytes, "the last block's value zeros must end at the guard page"
     for name in ("key_codes", "value_codes"):
         getattr(pages, name).copy_(torch.randint(0, 256, getattr(pages, name).shape, dtype=torch.uint8))
     for name in ("key_scales", "value_scales", "key_zeros", "value_zeros"):
