@@ -38,6 +38,16 @@ TaskSpan task_span(const Problem& p, int64_t task) {
   return {task / p.chunks, c == 0 ? 0 : S + c * p.chunk, std::min(S + (c + 1) * p.chunk, p.n)};
 }
 
+// Reads one byte of every cache line of rows [first, first + count) of page `block`'s section of (batch x head) bh:
+// their codes, scales and zeros (a page's key rows are channels, its value rows tokens; see Packed).
+void read_page_rows(const Packed& x, int64_t block, int64_t bh, int64_t first, int64_t count) {
+  const int64_t meta_size = x.meta == kF32 ? 4 : 2;
+  read_lines(x.codes + block * x.code_page + bh * x.code_head + first * x.code_row, count * x.code_row);
+  const int64_t meta = (block * x.meta_page + bh * x.meta_head + first * x.meta_row) * meta_size;
+  read_lines(static_cast<const char*>(x.scales) + meta, count * x.meta_row * meta_size);
+  read_lines(static_cast<const char*>(x.zeros) + meta, count * x.meta_row * meta_size);
+}
+
 // Reads one byte of every cache line of the packed keys task `task` will score (run_chunk's split), channel run by
 // channel run in storage order, so that the kernel, which walks all D channels group by group, finds them in the
 // caches. Real loads, not prefetches: in the model (SmolLM2-135M, Zen 4, KiviCaches of random history, one per
@@ -58,13 +68,8 @@ void read_task_keys(const Problem& p, const TaskSpan& task) {
   const int64_t k0 = std::max(p0, S), k1 = std::min(p1, S + K.count);
   if (k0 >= k1) return;
   const int64_t meta_size = K.meta == kF32 ? 4 : 2, g0 = (k0 - S) / K.group, g1 = (k1 - S) / K.group;
-  if (K.pages != nullptr) {  // each group is one page: one run of codes and one of metadata per kind
-    for (int64_t g = g0; g < g1; ++g) {
-      read_lines(K.codes + K.pages[g] * K.code_page + bh * K.code_head, p.head_dim * K.code_row);
-      const int64_t meta = (K.pages[g] * K.meta_page + bh * K.meta_head) * meta_size;
-      read_lines(static_cast<const char*>(K.scales) + meta, p.head_dim * meta_size);
-      read_lines(static_cast<const char*>(K.zeros) + meta, p.head_dim * meta_size);
-    }
+  if (K.pages != nullptr) {  // each group is one page: its D channel rows
+    for (int64_t g = g0; g < g1; ++g) read_page_rows(K, K.pages[g], bh, 0, p.head_dim);
     return;
   }
   const int64_t run = (g1 - g0) * K.group * K.bits / 8;
@@ -86,14 +91,10 @@ void read_task_paged_values(const Problem& p, const TaskSpan& task) {
   if (V.pages == nullptr) return;
   const int64_t S = p.sinks, t0 = std::max(task.p0, S) - S, t1 = std::min(task.p1, S + V.count) - S;
   if (t0 >= t1) return;
-  const int64_t meta_size = V.meta == kF32 ? 4 : 2, T = V.page_tokens;
+  const int64_t T = V.page_tokens;
   for (int64_t page = t0 / T; page * T < t1; ++page) {
     const int64_t first = std::max(t0, page * T) - page * T, last = std::min(t1, (page + 1) * T) - page * T;
-    const int64_t block = V.pages[page];
-    read_lines(V.codes + block * V.code_page + task.bh * V.code_head + first * V.code_row, (last - first) * V.code_row);
-    const int64_t meta = (block * V.meta_page + task.bh * V.meta_head + first * V.meta_row) * meta_size;
-    read_lines(static_cast<const char*>(V.scales) + meta, (last - first) * V.meta_row * meta_size);
-    read_lines(static_cast<const char*>(V.zeros) + meta, (last - first) * V.meta_row * meta_size);
+    read_page_rows(V, V.pages[page], task.bh, first, last - first);
   }
 }
 
