@@ -1,0 +1,62 @@
+"""Core cycles of the fused decode attention's integer loops, warm, against the count of their multiply instructions:
+how far the arithmetic of csrc/cpu/decode_int8.h is from the machine's limit, apart from memory. Compiles
+benchmarks/int8_loop_cycles.cpp (the kernel headers as they are in this tree; no torch) once per ISA this CPU has
+and runs it on one core: a key group (metadata, int8 query factors, products) and a value block of 32 tokens for
+SmolLM2-135M's shapes (3 query rows per kv head, head_dim 64, 2-bit codes, float16 scales and zeros).
+
+    python benchmarks/bench_int8_loops.py [--isa avx512_vnni avx512 avx2] [--cxx g++]
+
+The throughput line (independent ymm vpdpbusd, or vpmaddubsw without VNNI) sets the floor: a key group or a value
+block takes 192 of them. The timings move with the VM's speed (run the variants you compare in one go).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "int8_loop_cycles.cpp"
+HEADERS = HERE.parent / "csrc" / "cpu"
+# ISA name -> (the macro int8_loop_cycles.cpp selects it by, the /proc/cpuinfo flags it needs)
+ISAS = {
+    "avx512_vnni": ("LOOPS_AVX512_VNNI", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+    "avx512": ("LOOPS_AVX512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "avx2": ("LOOPS_AVX2", {"avx2", "fma", "f16c"}),
+}
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--isa", nargs="+", choices=list(ISAS), default=list(ISAS), help="ISAs to build (default: all)")
+    parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"), help="C++ compiler (default: $CXX or g++)")
+    args = parser.parse_args()
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
+    flags = cpu_flags()
+    with tempfile.TemporaryDirectory() as build:
+        for isa in args.isa:
+            macro, needs = ISAS[isa]
+            if not needs <= flags:
+                print(f"\n{isa}: skipped, this CPU lacks {' '.join(sorted(needs - flags))}")
+                continue
+            binary = Path(build) / isa
+            flags_of_build = ["-O3", "-std=c++17", f"-D{macro}", f"-I{HEADERS}"]
+            subprocess.run([args.cxx, *flags_of_build, str(SOURCE), "-o", str(binary)], check=True, capture_output=True)
+            # one core, so that the TSC-to-core-cycle ratio measured first holds for the loops that follow
+            result = subprocess.run(["taskset", "-c", "0", str(binary)], check=True, capture_output=True, text=True)
+            print(f"\n{isa}:\n{result.stdout}", end="")
+
+
+if __name__ == "__main__":
+    main()
