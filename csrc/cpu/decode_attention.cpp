@@ -222,20 +222,16 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
   p.packed_acc = value_q != nullptr ? (p.value_dim + 15) / 16 * 16 : 0;
   p.acc_width = p.packed_acc + p.value_dim;
   p.acc_row = (decode::kAccOffset + p.acc_width + 15) / 16 * 16;
-  const int64_t shift = (16 - p.sinks % 16) % 16;
-  p.score_row = (shift + p.n + 15) / 16 * 16;
-  // One allocation for the query rows, the scores [B, Hkv, rows, score_row], the partials [B, Hkv, chunks, rows,
-  // acc_row] and, with rotated values, the packed sum [B, Hkv, rows, Dv] (each part 64-byte aligned).
+  p.score_row = decode::task_score_row(p.sinks, p.chunk);
+  // One allocation for the query rows, the partials [B, Hkv, chunks, rows, acc_row] and, with rotated values, the
+  // packed sum [B, Hkv, rows, Dv] (each part 64-byte aligned).
   const int64_t out_floats = batch * kv_heads * p.rows * p.value_dim;
-  const int64_t score_floats = batch * kv_heads * p.rows * p.score_row + 16;
   const int64_t partial_floats = batch * kv_heads * p.chunks * p.rows * p.acc_row;
   const int64_t packed_floats = value_q != nullptr ? (out_floats + 15) / 16 * 16 : 0;
-  const decode::QueryRows q =
-      decode::query_rows(query, scaling, key_q, score_floats + partial_floats + packed_floats);
+  const decode::QueryRows q = decode::query_rows(query, scaling, key_q, partial_floats + packed_floats);
   p.query = q.scaled;
   p.packed_query = q.rotated;
-  p.scores = q.workspace + shift;
-  p.partials = q.workspace + score_floats;
+  p.partials = q.workspace;
   float* packed_sum = p.partials + partial_floats;
 
   const int64_t first_task[2] = {0, batch * kv_heads * p.chunks};

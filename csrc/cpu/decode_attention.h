@@ -54,10 +54,9 @@ struct Problem {
   // Packed 2/4-bit codes on integer arithmetic (int8 factors, see decode_int8.h) where the ISA has it, else fp32.
   bool integer;
   int64_t chunk, chunks;   // tokens per chunk past the sinks (a multiple of the key group); chunk 0 adds the sinks
-  // Workspace of scores, then probabilities: position t of row r of (b, h) at scores[(bh * rows + r) * score_row + t].
-  // score_row is a multiple of 16 floats and `scores` is shifted so that position `sinks` (where the packed keys and
-  // the chunks start) is 64-byte aligned in every row: the vector loops over a chunk never straddle cache lines.
-  float* scores;
+  // Floats per row of a task's scores, then probabilities, which it keeps in its thread's scratch (thread_scores;
+  // task_score_row gives it): its rows one after another, position `sinks` (where the packed keys and the chunks
+  // start) 64-byte aligned in every row, so that the vector loops over a chunk never straddle cache lines.
   int64_t score_row;
   // [B, Hkv, chunks, rows, acc_row]: chunk max, chunk sum, then from float kAccOffset on the unnormalised output,
   // acc_width floats: the whole sum, or, when the values are stored rotated, the exact sum and from packed_acc on the
@@ -116,6 +115,14 @@ extern thread_local uint64_t thread_phase_ticks[kPhaseCount];
 // (batch x kv head) histories: 256-4096 tokens, at least 12 tasks in all; the shapes alone decide it (the
 // integer twin's chunk_tokens mirrors it). A paged request gets the chunks of decode_attention over its tokens.
 int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads);
+
+// Problem::score_row for `sinks` exact sinks and chunks of `chunk` tokens: a task's positions (chunk 0 adds the sinks)
+// after at most 15 floats that align position `sinks`.
+int64_t task_score_row(int64_t sinks, int64_t chunk);
+
+// The calling thread's scratch for a task's scores: at least `floats` floats, 64-byte aligned, kept for the thread's
+// next tasks. One grown past 1 MiB (a long query) is given back at the thread's next smaller request.
+float* thread_scores(int64_t floats);
 
 // Runs every task of `count` problems in torch's intra-op pool: problem i owns the global tasks
 // [first_task[i], first_task[i + 1]) (first_task has count + 1 entries).

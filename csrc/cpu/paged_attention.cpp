@@ -163,8 +163,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const int64_t acc_width = packed_acc + Dv, acc_row = (decode::kAccOffset + acc_width + 15) / 16 * 16;
 
   std::vector<Problem> problems(N);
-  std::vector<int64_t> first_task(N + 1, 0), score_at(N), partial_at(N);
-  int64_t score_floats = 0, partial_floats = 0;
+  std::vector<int64_t> first_task(N + 1, 0), partial_at(N);
+  int64_t partial_floats = 0;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t* r = rows_of + i * kColumns;
     Problem& p = problems[i];
@@ -182,10 +182,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
     p.mask_kind = decode::kMaskNone;
     p.softcap = 0.0f;
     p.integer = current_dot() == Dot::kInt8;
-    const int64_t shift = (16 - p.sinks % 16) % 16;
-    p.score_row = (shift + p.n + 15) / 16 * 16;
-    score_at[i] = score_floats + shift;  // position `sinks` 64-byte aligned, as in decode_attention
-    score_floats += H * p.rows * p.score_row;
+    p.score_row = decode::task_score_row(p.sinks, p.chunk);
     partial_at[i] = partial_floats;
     partial_floats += H * p.chunks * p.rows * acc_row;
     first_task[i + 1] = first_task[i] + H * p.chunks;
@@ -205,19 +202,16 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
     p.acc_width = acc_width;
     p.packed_acc = packed_acc;
   }
-  // The query rows (packed keys hold k Q: scored with q Q), then in the same allocation the scores, the partials and,
-  // with rotated values, the packed sums [N, Hq, Dv] (each part 64-byte aligned: score_floats is a multiple of 16).
+  // The query rows (packed keys hold k Q: scored with q Q), then in the same allocation the partials and, with rotated
+  // values, the packed sums [N, Hq, Dv] (each part 64-byte aligned: partial_floats is a multiple of 16).
   const int64_t out_floats = N * q_heads * Dv, packed_floats = value_q != nullptr ? (out_floats + 15) / 16 * 16 : 0;
-  const decode::QueryRows q =
-      decode::query_rows(query, scaling, key_q, score_floats + 16 + partial_floats + packed_floats);
-  float* const scores = q.workspace;
-  float* const partials = scores + score_floats + 16;
+  const decode::QueryRows q = decode::query_rows(query, scaling, key_q, partial_floats + packed_floats);
+  float* const partials = q.workspace;
   float* const packed_sum = partials + partial_floats;
   for (int64_t i = 0; i < N; ++i) {
     Problem& p = problems[i];
     p.query = q.scaled + i * q_heads * D;
     p.packed_query = q.rotated + i * q_heads * D;
-    p.scores = scores + score_at[i];
     p.partials = partials + partial_at[i];
   }
 
