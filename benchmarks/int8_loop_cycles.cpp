@@ -10,13 +10,19 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include "decode_attention.h"
 
-namespace kivi::cpu::decode {  // what decode_tasks.cpp defines for the kernels' phase timers (off here)
+namespace kivi::cpu::decode {  // what decode_tasks.cpp defines for the kernel header: phase timers (off here), scratch
 bool phase_timing = false;
 uint64_t phase_ticks[kPhaseCount] = {};
 thread_local uint64_t thread_phase_ticks[kPhaseCount] = {};
+float* thread_scores(int64_t floats) {  // (for the chunk entry, which this benchmark does not run)
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < floats + 16) scratch.resize(floats + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) / 64 * 64);
+}
 }  // namespace kivi::cpu::decode
 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

@@ -339,6 +339,12 @@ inline void meta_by_group(int64_t groups, Row8 row8, float (*out)[TB]) {
   }
 }
 
+// meta_by_group straight from the storage of a whole block, DT converted to fp32 as it is loaded.
+template <int64_t TB, Dtype DT>
+inline void block_meta_in_place(const void* base, int64_t offset, int64_t groups, float (*out)[TB]) {
+  meta_by_group<TB>(groups, [&](int64_t i) { return load_dtype<Vec256>(base, DT, offset + i); }, out);
+}
+
 // Metadata of a block's tokens by group: out[g][0, TB) = meta of tokens [t, t + n) in group g (fp32, zeros past n).
 // A whole block of one or two groups is read in place, converted as it is loaded; the others go through `buffer`,
 // zero-padded. (The copy cost ~7 % of a warm value block on Zen 4: load_row stores 16 floats at a time with AVX-512,
@@ -347,10 +353,10 @@ template <int64_t TB>
 inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n, int64_t groups, float* buffer,
                        float (*out)[TB]) {
   if (n == TB && groups <= 2) {
-    switch (dtype) {  // a constant dtype per loop
-      case kF32: return meta_by_group<TB>(groups, [&](int64_t i) { return load_dtype<Vec256>(base, kF32, offset + i); }, out);
-      case kF16: return meta_by_group<TB>(groups, [&](int64_t i) { return load_dtype<Vec256>(base, kF16, offset + i); }, out);
-      default: return meta_by_group<TB>(groups, [&](int64_t i) { return load_dtype<Vec256>(base, kBF16, offset + i); }, out);
+    switch (dtype) {  // the dtype a constant in the loop
+      case kF32: return block_meta_in_place<TB, kF32>(base, offset, groups, out);
+      case kF16: return block_meta_in_place<TB, kF16>(base, offset, groups, out);
+      default: return block_meta_in_place<TB, kBF16>(base, offset, groups, out);
     }
   }
   load_row(base, dtype, offset, n * groups, buffer);  // [token][group]
