@@ -18,10 +18,10 @@ namespace kivi::cpu::decode {  // what decode_tasks.cpp defines for the kernel h
 bool phase_timing = false;
 uint64_t phase_ticks[kPhaseCount] = {};
 thread_local uint64_t thread_phase_ticks[kPhaseCount] = {};
-float* thread_scores(int64_t floats) {  // (for the chunk entry, which this benchmark does not run)
+float* task_scores(const Problem& p, int64_t p0) {  // (for the chunk entry, which this benchmark does not run)
   thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < floats + 16) scratch.resize(floats + 16);
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) / 64 * 64);
+  scratch.resize(p.rows * p.score_row);
+  return scratch.data() - p0;  // (not aligned as decode_tasks.cpp aligns it)
 }
 }  // namespace kivi::cpu::decode
 

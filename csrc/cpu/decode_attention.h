@@ -54,9 +54,7 @@ struct Problem {
   // Packed 2/4-bit codes on integer arithmetic (int8 factors, see decode_int8.h) where the ISA has it, else fp32.
   bool integer;
   int64_t chunk, chunks;   // tokens per chunk past the sinks (a multiple of the key group); chunk 0 adds the sinks
-  // Floats per row of a task's scores, then probabilities, which it keeps in its thread's scratch (thread_scores;
-  // task_score_row gives it): its rows one after another, position `sinks` (where the packed keys and the chunks
-  // start) 64-byte aligned in every row, so that the vector loops over a chunk never straddle cache lines.
+  // Floats per row of a task's scores, then probabilities (task_score_row gives it; task_scores places them).
   int64_t score_row;
   // [B, Hkv, chunks, rows, acc_row]: chunk max, chunk sum, then from float kAccOffset on the unnormalised output,
   // acc_width floats: the whole sum, or, when the values are stored rotated, the exact sum and from packed_acc on the
@@ -120,9 +118,11 @@ int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads);
 // after at most 15 floats that align position `sinks`.
 int64_t task_score_row(int64_t sinks, int64_t chunk);
 
-// The calling thread's scratch for a task's scores: at least `floats` floats, 64-byte aligned, kept for the thread's
-// next tasks. One grown past 1 MiB (a long query) is given back at the thread's next smaller request.
-float* thread_scores(int64_t floats);
+// Where the task of `p` from position p0 keeps its scores, then probabilities: position t of row r at
+// out[r * p.score_row + t], in the calling thread's scratch (kept for its next tasks; one grown past 1 MiB, for a long
+// query, is given back at the thread's next smaller request), position `sinks` (where the packed keys and the chunks
+// start) 64-byte aligned in every row, so that the vector loops over a chunk never straddle cache lines.
+float* task_scores(const Problem& p, int64_t p0);
 
 // Runs every task of `count` problems in torch's intra-op pool: problem i owns the global tasks
 // [first_task[i], first_task[i + 1]) (first_task has count + 1 entries).

@@ -676,8 +676,7 @@ inline void run_chunk(const Problem& P, int64_t task) {
   const int64_t p0 = c == 0 ? 0 : S + c * P.chunk, p1 = min64(S + (c + 1) * P.chunk, n);
   const float* q = P.query + bh * P.rows * D;
   const float* packed_q = P.packed_query + bh * P.rows * D;
-  // position p of row r at scores[r * score_row + p]: the thread's scratch with position `sinks` (or p0) aligned
-  float* scores = thread_scores(P.rows * P.score_row) + ((p0 - S) % 16 + 16) % 16 - p0;
+  float* scores = task_scores(P, p0);
   const int64_t acc_row = P.acc_row;
   float* partial = P.partials + task * P.rows * acc_row;
 

@@ -198,13 +198,15 @@ int64_t task_score_row(int64_t sinks, int64_t chunk) { return (15 + sinks + chun
 // came cold from memory at every layer, each line read before it was written. In the model
 // (benchmarks/bench_ab_builds.py, Zen 4, 40 step pairs, op per layer call) batch 4 / 8064: 0.573 -> 0.542 ms (A/B
 // 1.056, quartiles 1.046-1.061), forced AVX2 0.763 -> 0.697 ms (1.091); batch 1 / 8064: 0.169 -> 0.162 ms (1.040).
-float* thread_scores(int64_t floats) {
+float* task_scores(const Problem& p, int64_t p0) {
   constexpr int64_t kKept = (1 << 20) / sizeof(float);
   thread_local std::vector<float> scratch;
-  const int64_t size = floats + 16;  // room to align
+  const int64_t size = p.rows * p.score_row + 16;  // room to align
   const int64_t held = static_cast<int64_t>(scratch.size());
   if (held < size || (held > kKept && size <= kKept)) std::vector<float>(size).swap(scratch);
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) / 64 * 64);
+  float* const aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) / 64 * 64);
+  // the offset puts position `sinks`, and every 16th position from it, at a multiple of 16 floats
+  return aligned + ((p0 - p.sinks) % 16 + 16) % 16 - p0;
 }
 
 void run_problems(const Problem* problems, const int64_t* first_task, int64_t count) {
