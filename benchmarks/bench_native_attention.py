@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="read 30 layers' histories in turn, from DRAM (see above)")
     parser.add_argument("--paged", action="store_true", help="also time paged_decode_attention (see above)")
     args = parser.parse_args()
+    if min(args.context) <= RESIDUAL:  # the history must hold a packed token beyond the exact window
+        parser.error(f"--context: every context must exceed the residual window ({RESIDUAL}), got {min(args.context)}")
     random.seed(0)
     if args.isa:
         native.set_isa(args.isa)
