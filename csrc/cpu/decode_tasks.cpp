@@ -68,12 +68,12 @@ void read_task_keys(const Problem& p, const TaskSpan& task) {
   const Packed& K = p.keys;
   const int64_t k0 = std::max(p0, S), k1 = std::min(p1, S + K.count);
   if (k0 >= k1) return;
-  const int64_t meta_size = K.meta == kF32 ? 4 : 2, g0 = (k0 - S) / K.group, g1 = (k1 - S) / K.group;
+  const int64_t g0 = (k0 - S) / K.group, g1 = (k1 - S) / K.group;
   if (K.pages != nullptr) {  // each group is one page: its D channel rows
     for (int64_t g = g0; g < g1; ++g) read_page_rows(K, K.pages[g], bh, 0, p.head_dim);
     return;
   }
-  const int64_t run = (g1 - g0) * K.group * K.bits / 8;
+  const int64_t meta_size = K.meta == kF32 ? 4 : 2, run = (g1 - g0) * K.group * K.bits / 8;
   for (int64_t d = 0; d < p.head_dim; ++d) {
     read_lines(K.codes + bh * K.code_head + d * K.code_row + g0 * (K.group * K.bits / 8), run);
     const int64_t meta = (bh * K.meta_head + d * K.meta_row + g0) * meta_size;
