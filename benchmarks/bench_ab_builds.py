@@ -35,6 +35,7 @@ from kivi_xpu import KiviCache, assets
 from kivi_xpu import attention as kivi_attention
 from kivi_xpu.integration import cache_argument
 from kivi_xpu.ops.checks import decode_args
+from kivi_xpu.tools.machine import lscpu_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ["-O3", "-g0", "-std=c++17", "-fopenmp"]  # setup.py: native_cpu_extension
@@ -80,8 +81,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8064)
     p.add_argument("--steps", type=int, default=40, help="step pairs timed (after 2 untimed)")
     args = p.parse_args()
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
+    print(*lscpu_lines(), sep="\n")
     builds = {"A": build(args.a, "a"), "B": build(args.b, "b")}
     print(f"ISA: {builds['A'].isa()} / {builds['B'].isa()}, arithmetic {builds['A'].dot()} / {builds['B'].dot()}, "
           f"torch threads {torch.get_num_threads()}")  # fmt: skip

@@ -21,7 +21,6 @@ what the int8 path gains in the model (the arithmetic is switched before each of
 import argparse
 import os
 import statistics
-import subprocess
 import time
 
 import torch
@@ -29,6 +28,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from kivi_xpu import KiviCache, assets, backend
 from kivi_xpu.integration import cache_argument
+from kivi_xpu.tools.machine import lscpu_lines
 from kivi_xpu.tools.timing import competitors
 
 p = argparse.ArgumentParser()
@@ -46,8 +46,7 @@ try:
     default_dot = native.dot()
 except ImportError:
     native = default_dot = None
-lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
+print(*lscpu_lines(), sep="\n")
 print("KIVI kernels:", backend.select(args.backend).describe(), "| torch threads:", torch.get_num_threads())
 torch.manual_seed(0)
 path = assets.smollm2_checkpoint()

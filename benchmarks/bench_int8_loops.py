@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from kivi_xpu import _cpu as native
+from kivi_xpu.tools.machine import lscpu_lines
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "int8_loop_cycles.cpp"
@@ -32,8 +33,7 @@ def main() -> None:
     parser.add_argument("--isa", nargs="+", choices=list(ISAS), default=list(ISAS), help="ISAs to build (default: all)")
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"), help="C++ compiler (default: $CXX or g++)")
     args = parser.parse_args()
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
+    print(*lscpu_lines(), sep="\n")
     available = native.available_isas()  # what the native kernels' own dispatch finds on this CPU
     with tempfile.TemporaryDirectory() as build:
         for isa in args.isa:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import time
 
 import torch
@@ -40,17 +39,11 @@ from kivi_xpu.algorithm import KiviSettings
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
 from kivi_xpu.paged.pages import LayerPages, PageLayout
 from kivi_xpu.storage import padded_channel_row
+from kivi_xpu.tools.machine import lscpu_lines
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BITS, GROUP, RESIDUAL = 9, 3, 64, 2, 32, 128
 META = torch.float16
 LAYERS, WEIGHT_BYTES = 30, 20 * 2**20  # --cold: histories read in turn, bytes summed between calls
-
-
-def cpu_description() -> str:
-    info = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "fma", "f16c"))]
-    return f"{fields.get('Model name', '?').strip()} | flags: {' '.join(flags)}"
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -150,7 +143,7 @@ def main() -> None:
     if args.isa:
         native.set_isa(args.isa)
     torch.manual_seed(0)
-    print(f"CPU: {cpu_description()}")
+    print(*lscpu_lines(), sep="\n")
     print(f"ISA: {native.isa()}  threads: {torch.get_num_threads()}  torch {torch.__version__}")
     print(f"{'cold: median call, 30 layers in turn' if args.cold else 'warm: best call, one layer'}")
     print("| batch | context | arithmetic | native ms | dense SDPA ms | dense/native | native GB/s (packed) |")

@@ -16,12 +16,12 @@ Prints the CPU model and flags, then a markdown table. Not a test: numbers depen
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 
 import torch
 
 from kivi_xpu import _cpu as native
+from kivi_xpu.tools.machine import lscpu_lines
 
 HEADS, HEAD_DIM, GROUP = 3, 64, 32
 
@@ -86,18 +86,6 @@ def cases(batch: int, bits: int, dtype: torch.dtype):
             )
 
 
-def cpu_description() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as err:
-        return f"lscpu unavailable: {err}"
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    model = fields.get("Model name", "?").strip()
-    flags = fields.get("Flags", "").split()
-    simd = [f for f in flags if f.startswith(("avx", "fma", "f16c", "bmi"))]
-    return f"CPU: {model}\nSIMD flags: {' '.join(simd)}\nAll flags: {' '.join(flags)}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
@@ -110,7 +98,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
 
-    print(cpu_description())
+    print(*lscpu_lines(), sep="\n")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, {args.bits}-bit, G={GROUP}, "
         f"{args.dtype} data, fp16 metadata\n"

@@ -15,7 +15,6 @@ the tensors of a layer's step are cold. The timers cost ~1 us each and are the s
 import argparse
 import collections
 import statistics
-import subprocess
 import time
 
 import torch
@@ -25,14 +24,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kivi_xpu import KiviCache, assets
 from kivi_xpu.integration import cache_argument
 from kivi_xpu.runtime import load_native_extension
+from kivi_xpu.tools.machine import lscpu_lines
 
 p = argparse.ArgumentParser()
 p.add_argument("--ctx", type=int, default=1024)
 p.add_argument("--batch", type=int, default=1)
 p.add_argument("--steps", type=int, default=40)
 args = p.parse_args()
-lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
+print(*lscpu_lines(), sep="\n")
 
 clock = time.perf_counter
 spent = collections.defaultdict(float)  # seconds per piece in the current step

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from attention_cases import Case, build  # noqa: E402
 
 from kivi_xpu.ops import OPS  # noqa: E402
 from kivi_xpu.ops import sycl as sycl_ops  # noqa: E402
+from kivi_xpu.tools.machine import lscpu_lines  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
@@ -30,8 +30,7 @@ p.add_argument("--context", type=int, nargs="+", default=[1024, 8192])
 p.add_argument("--repeats", type=int, default=30)
 p.add_argument("--device", default="cpu", help="cpu (the OpenCL CPU device) or xpu")
 args = p.parse_args()
-lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
+print(*lscpu_lines(), sep="\n")
 print(f"torch threads: {torch.get_num_threads()}, device: {args.device}")
 print("| batch | context | fused ms | composed ms | composed / fused |\n|---|---|---|---|---|")
 for batch in args.batch:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
@@ -18,14 +17,14 @@ from transformers import DynamicCache, LlamaConfig, StaticCache
 
 from kivi_xpu import KiviCache
 from kivi_xpu.attention import take_over
+from kivi_xpu.tools.machine import lscpu_lines
 
 p = argparse.ArgumentParser()
 p.add_argument("--batch", type=int, default=1)
 p.add_argument("--steps", type=int, default=2000)
 p.add_argument("--context", type=int, default=256)
 args = p.parse_args()
-lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-print(*(line for line in lscpu if line.startswith(("Model name", "Flags"))), sep="\n")
+print(*lscpu_lines(), sep="\n")
 
 # SmolLM2-135M's attention shapes: 9 query heads, 3 kv heads, head_dim 64, one layer.
 config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=1)

@@ -639,6 +639,18 @@ def test_last_level_cache_from_lscpu_without_sysfs(monkeypatch):
     assert machine.last_level_cache_bytes() == 32 << 20
 
 
+def test_lscpu_lines_are_the_model_and_flags_lines_and_empty_without_lscpu(monkeypatch):
+    lscpu = "Architecture:  x86_64\nModel name:  AMD EPYC\nL2 cache:  1 MiB\nFlags:  fpu avx2 avx512f\n"
+    monkeypatch.setattr(machine.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": lscpu}))
+    assert machine.lscpu_lines() == ["Model name:  AMD EPYC", "Flags:  fpu avx2 avx512f"]
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("lscpu")
+
+    monkeypatch.setattr(machine.subprocess, "run", missing)
+    assert machine.lscpu_lines() == []
+
+
 def test_fused_op_timer_records_each_layer_call_with_the_bytes_the_layer_holds():
     model = tiny_llama(attn_implementation="kivi")
     cache = KiviCache(config=model.config, group_size=16, residual_length=16)

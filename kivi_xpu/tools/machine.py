@@ -69,16 +69,25 @@ def cpu_facts() -> dict:
     return {"model": model, "isa": isa + (["amx (" + ", ".join(amx) + ")"] if amx else [])}
 
 
+def lscpu_lines() -> list[str]:
+    """The ``Model name`` and ``Flags`` lines of ``lscpu``, which every measurement prints beside its numbers (empty
+    where ``lscpu`` is missing)."""
+    return [line for line in _lscpu().splitlines() if line.startswith(("Model name", "Flags"))]
+
+
+def _lscpu() -> str:
+    try:
+        return subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _read_cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return f.read()
     except OSError:
-        pass
-    try:
-        return subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
+        return _lscpu()
 
 
 def _field(text: str, names: tuple[str, ...]) -> str | None:
