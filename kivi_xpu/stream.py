@@ -247,9 +247,6 @@ class KindStream:
         )
 
 
-_tuple_new = tuple.__new__
-
-
 class SteadyRun:
     """The one-call decode steps of a layer's ``keys`` and ``values`` streams while both are in a steady run
     (:meth:`KindStream.step_leaving` gave ``0`` and ``leaving`` and holds those answers): each step appends one token
@@ -303,7 +300,7 @@ class SteadyRun:
         keys._steady_steps -= 1
         values._steady_steps -= 1
         k, key_rotation, v, value_rotation = self.keep
-        # tuple.__new__ on the fields in order: half the cost of the named constructor
-        key_operands = _tuple_new(KindOperands, (*k[:4], key_count, k[5], k[6], None, key_rotation))
-        value_operands = _tuple_new(KindOperands, (*v[:4], value_count, v[5], v[6], None, value_rotation))
-        return key_tail, value_tail, DecodeInputs(key_operands, value_operands, self.backend)
+        inputs = DecodeInputs(
+            k.with_count(key_count, key_rotation), v.with_count(value_count, value_rotation), self.backend
+        )
+        return key_tail, value_tail, inputs

@@ -377,3 +377,15 @@ def test_direct_kernel_is_the_extension_function_where_the_backend_has_one():
     assert ops.direct_kernel("append_decode_step", "native", window) is _cpu.append_decode_step
     meta_window = window.to("meta")
     assert ops.direct_kernel("append_decode_step", "native", meta_window) is ops.kernel("append_decode_step", "native")
+
+
+def test_kind_operands_with_tail_and_with_count_replace_only_their_fields():
+    from kivi_xpu.ops.checks import KindOperands
+
+    sinks, codes, scales, zeros, tail, rotation = (torch.zeros(i + 1) for i in range(6))
+    operands = KindOperands(sinks, codes, scales, zeros, 64, 32, 2, None)
+    stepped = operands.with_count(96, rotation)
+    assert type(stepped) is KindOperands
+    assert stepped == KindOperands(sinks, codes, scales, zeros, 96, 32, 2, None, rotation)
+    assert stepped.with_tail(tail) == KindOperands(sinks, codes, scales, zeros, 96, 32, 2, tail, rotation)
+    assert operands.rotation is None and operands.count == 64  # the originals are unchanged
