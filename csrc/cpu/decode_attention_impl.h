@@ -732,12 +732,33 @@ inline void run_chunk(const Problem& P, int64_t task) {
 
 void KIVI_DA_ENTRY(const Problem& p, int64_t task) { run_chunk(p, task); }
 
+// Columns [j, j + NV * VW) of each row: o_j += sum_d x_d * m_dj, d in order (as an axpy per d would add them), the
+// sums in registers across d. An axpy per d into the output row in memory chained every d on a store and a reload of
+// the row: in the model (SmolLM2-135M, batch 4 / 8064, Zen 4) the 36 rows of the query rotation and of the rotation
+// back of the packed sums took ~9 and ~11.5 us per call.
+template <int NV>
+inline void column_block(const float* x, const float* m, int64_t dim, int64_t j, float* o, bool accumulate) {
+  vf acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = accumulate ? FV::load(o + j + c * VW) : FV::set1(0.0f);
+  for (int64_t d = 0; d < dim; ++d) {
+    const vf xd = FV::set1(x[d]);
+    for (int c = 0; c < NV; ++c) acc[c] = FV::fma(xd, FV::load(m + d * dim + j + c * VW), acc[c]);
+  }
+  for (int c = 0; c < NV; ++c) FV::store(o + j + c * VW, acc[c]);
+}
+
 void KIVI_DA_ROWS_TIMES(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate) {
   for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
     float* o = out + r * dim;
-    if (!accumulate)
-      for (int64_t j = 0; j < dim; ++j) o[j] = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) axpy(x[r * dim + d], m + d * dim, o, dim);  // o += x_d * (row d of m)
+    int64_t j = 0;
+    for (; j + 4 * VW <= dim; j += 4 * VW) column_block<4>(xr, m, dim, j, o, accumulate);
+    for (; j + VW <= dim; j += VW) column_block<1>(xr, m, dim, j, o, accumulate);
+    for (; j < dim; ++j) {
+      float sum = accumulate ? o[j] : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) sum += xr[d] * m[d * dim + j];
+      o[j] = sum;
+    }
   }
 }
 
