@@ -217,7 +217,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 
   decode::run_problems(problems.data(), first_task.data(), N);
 
-  at::Tensor out = at::empty({N, q_heads, Dv}, query.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({N, q_heads, 1, Dv}, query.options().dtype(at::kFloat));  // (see decode_attention)
   if (value_q != nullptr) std::fill(packed_sum, packed_sum + out_floats, 0.0f);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
@@ -226,7 +226,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   });
   if (value_q != nullptr)  // exact sum + (packed sum) Qᵀ
     decode::rows_times(packed_sum, value_q, N * q_heads, Dv, out.data_ptr<float>(), true);
-  return out.view({N, q_heads, 1, Dv}).to(query.scalar_type());
+  return query.scalar_type() == at::kFloat ? out : out.to(query.scalar_type());
 }
 
 }  // namespace
