@@ -239,7 +239,7 @@ at::Tensor decode_attention(const at::Tensor& query, const c10::optional<at::Ten
 
   // [B, Hq, L, Dv] is [B, Hkv, rows, Dv] in memory (row r of kv head h: query head h * q_per_kv + r / L, position
   // r % L). Allocated in its final shape, and returned as is for a float32 query: a view and a same-dtype `to` are two
-  // dispatcher calls, ~2 us per call in the model where their code comes cold.
+  // dispatcher calls, 2.6 us per call in the model (batch 4 / 8064, Zen 4), where their code comes cold.
   at::Tensor out = at::empty({batch, q_heads, length, p.value_dim}, query.options().dtype(at::kFloat));
   if (value_q == nullptr) {
     decode::merge_chunks(p, out.data_ptr<float>(), nullptr);
