@@ -75,9 +75,10 @@ def lscpu_lines() -> list[str]:
     return [line for line in _lscpu().splitlines() if line.startswith(("Model name", "Flags"))]
 
 
-def _lscpu() -> str:
+def _lscpu(*options: str) -> str:
+    """What ``lscpu`` with ``options`` prints ("" where it is missing or fails)."""
     try:
-        return subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+        return subprocess.run(["lscpu", *options], capture_output=True, text=True, timeout=10, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -180,10 +181,7 @@ def last_level_cache_bytes() -> int | None:
             continue
     if caches:
         return sum(caches[max(caches)].values())
-    try:
-        text = subprocess.run(["lscpu", "-B"], capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
+    text = _lscpu("-B")
     levels = {int(m[1]): int(m[2]) for m in re.finditer(r"^L(\d)[a-z]* cache:\s*(\d+)", text, re.MULTILINE)}
     return levels[max(levels)] if levels else None
 
