@@ -212,7 +212,7 @@ float* task_scores(const Problem& p, int64_t p0) {
 // The task (b * Hkv + h) * chunks + c that a problem hands out as its `claimed`-th: history by history, every other
 // history's chunks in reverse. Two threads in step take alternate tasks, and with an even number of chunks per
 // history the task order gave one of them every first chunk (the sinks and 4096 positions) and the other every
-// second (the rest and the exact tail), which cost more or less. In the model (SmolLM2-135M, Zen 4, batch 4 / 7850-
+// second (the rest and the exact tail), whose costs differ. In the model (SmolLM2-135M, Zen 4, batch 4 / 7850-
 // 8150, 24 tasks; one build running the orders in turn step by step) the threads' last tasks ended 15.7 us apart per
 // call in task order, 6.2 in this one, and the tasks' region took 492.8 / 481.1 us (forced AVX2: 46.6 / 14.1 us
 // apart, 622.8 / 586.4 us; batch 1, 12 tasks: 12.3 / 6.3 us apart, 135.9 / 133.2 us). All first chunks before any
