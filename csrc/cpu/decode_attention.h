@@ -69,6 +69,17 @@ constexpr int64_t kAccOffset = 16;
 // Largest head_dim / value_dim the kernels' stack buffers hold.
 constexpr int64_t kMaxDim = 512;
 
+// What task `task` of `p` covers: (batch x kv head) bh and its positions [p0, p1) (chunk 0 adds the sinks). The
+// kernels and the task pool's reads (decode_tasks.cpp) both take their split from it. Static: every translation unit,
+// whatever its ISA region, compiles its own copy.
+struct TaskSpan {
+  int64_t bh, p0, p1;
+};
+static inline TaskSpan task_span(const Problem& p, int64_t task) {
+  const int64_t c = task % p.chunks, end = p.sinks + (c + 1) * p.chunk;
+  return {task / p.chunks, c == 0 ? 0 : p.sinks + c * p.chunk, end < p.n ? end : p.n};
+}
+
 // One task = one (batch, kv head, chunk): fills that chunk's scores and partial. task = (b * Hkv + h) * chunks + c.
 // A paged problem has batch 1 (one request; its Packed::pages set).
 void chunk_avx512_vnni(const Problem& p, int64_t task);

@@ -671,9 +671,9 @@ inline float chunk_softmax(const Problem& P, int64_t b, int64_t h, int64_t r, fl
 // ---- one task -----------------------------------------------------------------------------------------------------
 
 inline void run_chunk(const Problem& P, int64_t task) {
-  const int64_t c = task % P.chunks, bh = task / P.chunks, b = bh / P.kv_heads, h = bh % P.kv_heads;
-  const int64_t S = P.sinks, n = P.n, D = P.head_dim;
-  const int64_t p0 = c == 0 ? 0 : S + c * P.chunk, p1 = min64(S + (c + 1) * P.chunk, n);
+  const TaskSpan span = task_span(P, task);
+  const int64_t bh = span.bh, b = bh / P.kv_heads, h = bh % P.kv_heads, p0 = span.p0, p1 = span.p1;
+  const int64_t S = P.sinks, D = P.head_dim;
   const float* q = P.query + bh * P.rows * D;
   const float* packed_q = P.packed_query + bh * P.rows * D;
   float* scores = task_scores(P, p0);

@@ -30,15 +30,6 @@ void read_lines(const void* start, int64_t bytes) {
   at[bytes - 1];
 }
 
-// What a task covers (run_chunk's split): (batch x kv head) bh and its positions [p0, p1).
-struct TaskSpan {
-  int64_t bh, p0, p1;
-};
-TaskSpan task_span(const Problem& p, int64_t task) {
-  const int64_t c = task % p.chunks, S = p.sinks;
-  return {task / p.chunks, c == 0 ? 0 : S + c * p.chunk, std::min(S + (c + 1) * p.chunk, p.n)};
-}
-
 // Reads one byte of every cache line of rows [first, first + count) of page `block`'s section of (batch x head) bh:
 // their codes, scales and zeros (a page's key rows are channels, its value rows tokens; see Packed).
 void read_page_rows(const Packed& x, int64_t block, int64_t bh, int64_t first, int64_t count) {
@@ -49,7 +40,7 @@ void read_page_rows(const Packed& x, int64_t block, int64_t bh, int64_t first, i
   read_lines(static_cast<const char*>(x.zeros) + meta, count * x.meta_row * meta_size);
 }
 
-// Reads one byte of every cache line of the packed keys task `task` will score (run_chunk's split), channel run by
+// Reads one byte of every cache line of the packed keys task `task` will score (task_span), channel run by
 // channel run in storage order, so that the kernel, which walks all D channels group by group, finds them in the
 // caches. Real loads, not prefetches: in the model (SmolLM2-135M, Zen 4, KiviCaches of random history, one per
 // variant, steps interleaved in one process, fused op per layer call) batch 4 / 8064 took 0.804-0.904 ms per call with
