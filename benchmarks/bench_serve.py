@@ -87,25 +87,24 @@ def server_command(name: str, model: str, dtype: str, kivi: dict, batching: dict
     return transformers_serve
 
 
-def capacities(model_path: str, dtype: str, kivi: dict, batching: dict, request_tokens: int) -> dict:
-    """Requests of ``request_tokens`` tokens each budget holds at once: the full-precision pool's blocks, and the
-    KIVI pages' (within their exact slots). Computed from the budgets (the servers do not report it)."""
+def capacities(model_path: str, dtype: str, kivi: dict, batching: dict, prompt_tokens: int, new_tokens: int) -> dict:
+    """Requests of ``prompt_tokens + new_tokens`` tokens each budget holds at once: the full-precision pool's blocks,
+    and the KIVI pool's pages and exact windows (as its admission reserves them). Computed from the budgets (the
+    servers do not report it)."""
     from transformers import AutoConfig
 
     from kivi_xpu import KiviCache
-    from kivi_xpu.paged.cache import PageBudget
+    from kivi_xpu.paged.budget import PageBudget
 
     config = AutoConfig.from_pretrained(model_path).get_text_config()
     torch_dtype = getattr(torch, dtype)
-    block = batching["block_size"]
-    fp32_blocks_per_request = -(-request_tokens // block)
+    fp32_blocks_per_request = -(-(prompt_tokens + new_tokens) // batching["block_size"])
     result = {"fp32_requests": batching["fp32_blocks"] // fp32_blocks_per_request}
     kwargs = {k: v for k, v in cache_kwargs(kivi).items() if k not in ("backend", "device")}
     settings = KiviCache(**kwargs).settings.for_model_dtype(torch_dtype)
     budget = PageBudget.plan(config, settings, torch_dtype, batching["kv_memory_mib"] * MIB, batching["max_requests"])
-    pages_per_request = -(-request_tokens // settings.key_group_size)
-    blocks_per_sector = budget.bytes_per_sector // (budget.layout.page_bytes * budget.num_layers)
-    result["kivi_requests"] = min(budget.max_requests, budget.num_sectors * blocks_per_sector // pages_per_request)
+    result["kivi_requests"] = budget.requests_held(prompt_tokens, new_tokens)
+    result["kivi_sector_mib"] = budget.bytes_per_sector / MIB
     return result
 
 
@@ -280,7 +279,7 @@ def main(argv=None) -> int:
         f"KV of the last request ({memory['prompt_tokens']} prompt + {memory['new_tokens']} new tokens): KiviCache "
         f"{kivi_mib:.2f} MiB ({kivi or 'defaults'}), DynamicCache {dynamic_mib:.2f} MiB ({dynamic_mib / kivi_mib:.2f}x)"
     )
-    held = capacities(model, args.dtype, kivi, batching, memory["prompt_tokens"] + last_tokens)
+    held = capacities(model, args.dtype, kivi, batching, memory["prompt_tokens"], last_tokens)
     print(
         f"requests of {memory['prompt_tokens'] + last_tokens} tokens held at once in {batching['kv_memory_mib']} MiB "
         f"(continuous batching): full-precision pool {held['fp32_requests']} ({batching['fp32_blocks']} blocks of "

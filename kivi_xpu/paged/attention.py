@@ -1,13 +1,13 @@
 """``"kivi_paged"``: the attention of continuous batching over KIVI pages.
 
 The model calls ``KiviPagedCache.update`` and then this function with the flat batch ``query [1, Hq, sum(q_len), D]``
-and the kwargs ``update`` filled: the batch's decode rows and one :class:`~kivi_xpu.paged.cache.RequestStep` per other
-request. Each request is computed as its own :class:`~kivi_xpu.KiviCache` would: a request's first forward (prefill)
-by transformers' SDPA over its exact tokens, causal; the decode rows of all requests by one ``paged_decode_attention``
-call, each row over its sinks, the pages of its block table read in place and its exact tail (the arithmetic of
-``decode_attention``, the fused path of ``attn_implementation="kivi"``); a later prefill chunk (many query rows:
-compute-bound, where the fused decode kernel is slow) by SDPA over the dense states, the pages dequantized, causal
-within the chunk (KiviCache's dense path, ``attn_implementation="sdpa"``).
+and the kwargs ``update`` filled: the batch's decode rows and one :class:`~kivi_xpu.paged.store.RequestStep` per other
+request. Each request is computed as its own :class:`~kivi_xpu.KiviCache` would: a prompt chunk, however the scheduler
+split the prompt, by transformers' SDPA over the exact states of the prompt so far, causal (KiviCache's prefill
+attends the exact prompt); the decode rows of all requests by one ``paged_decode_attention`` call, each row over its
+sinks, the pages of its block table read in place and its exact tail (the arithmetic of ``decode_attention``, the
+fused path of ``attn_implementation="kivi"``); a multi-token append after the prompt by SDPA over the dense states,
+the pages dequantized (KiviCache's path for it).
 """
 
 from __future__ import annotations
@@ -54,13 +54,15 @@ def kivi_paged_attention_forward(module, query, key, value, attention_mask, drop
         out[0, decode.q_index] = result[:, :, 0]
     for step in step_of_layer.requests:
         rows = query[:, :, step.q_start : step.q_start + step.q_len]
-        if step.prefill:
+        if step.prompt:  # the exact prompt so far; these rows are its last q_len tokens
+            past = step.keys.shape[2] - step.q_len
+            mask = _chunk_mask(past, step.q_len, query.device) if past else None
             result, _ = sdpa_attention_forward(
-                module, rows, step.keys.tail, step.values.tail, None, scaling=scaling, is_causal=True
+                module, rows, step.keys, step.values, mask, scaling=scaling, is_causal=not past
             )
         elif step.q_len == 1:  # a decode row before the sinks are full
             result = op(rows, *decode_args(step.keys, step.values, None, scaling, 0.0)).transpose(1, 2)
-        else:  # a later prefill chunk: compute-bound, so SDPA over the dense states (the history dequantized)
+        else:  # a multi-token append after the prompt: SDPA over the dense states (the history dequantized)
             past = step.keys.sinks.shape[2] + step.keys.count + step.keys.tail.shape[2] - step.q_len
             keys, values = dense_states(DecodeInputs(step.keys, step.values, step_of_layer.backend))
             mask = _chunk_mask(past, step.q_len, query.device)

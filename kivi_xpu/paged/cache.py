@@ -1,17 +1,17 @@
 """``KiviPagedCache``: transformers' continuous-batching cache with each request's history in 2-bit pages.
 
 It replaces transformers' ``PagedAttentionCache`` (same interface, used by the same scheduler, request lifecycle,
-chunked prefill and batch preparation): the byte budget buys 2-bit pages (:mod:`.pages`) plus one exact slot per
-request in flight (:mod:`.windows`). The flat batch of a forward is ``[1, H, sum(q_len), D]``; ``update`` splits it
-per request (``cu_seq_lens_q`` / ``cu_seq_lens_k``), finds each request's pages from the read or write indices that
-transformers computed from its block table, stores the new tokens as the request's own :class:`~kivi_xpu.KiviCache`
-would (same counts, same codes), and leaves in ``kwargs`` what attention reads (:class:`RequestStep` per request),
-which the ``"kivi_paged"`` attention (:mod:`.attention`) consumes.
+chunked prefill and batch preparation). ``kv_memory`` is one pool of sectors (:mod:`.budget`) lent to 2-bit pages
+(:mod:`.pages`) and to exact units (:mod:`.windows`: each request's sinks and window, and a split prompt's exact
+states). Admission reserves everything a request will hold (:meth:`KiviPagedCache.can_store_request_tokens`), so no
+request is ever preempted. The flat batch of a forward is ``[1, H, sum(q_len), D]``; ``update`` splits it per
+request (``cu_seq_lens_q`` / ``cu_seq_lens_k``), finds each request's pages from the read or write indices that
+transformers computed from its block table, stores the new tokens (:mod:`.store`) and leaves in ``kwargs`` what
+attention reads (:class:`LayerStep`), which the ``"kivi_paged"`` attention (:mod:`.attention`) consumes.
 """
 
 from __future__ import annotations
 
-from math import lcm
 from typing import Any, NamedTuple
 
 import torch
@@ -20,38 +20,19 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
 
 from ..algorithm import KiviSettings
-from ..ops import kernel
-from ..ops.checks import KindOperands
-from ..rotation import rotate, rotation_matrix
-from .pages import KiviPageAllocator, LayerPages, PageLayout
-from .windows import WindowSlots
+from ..rotation import rotation_matrix
+from .budget import PAGES, UNITS, PageBudget
+from .pages import KiviPageAllocator
+from .store import DecodePlan, DecodeRows, PageWriter, Request, RequestStep
+from .windows import ExactUnits
 
-STEP_KEY = "kivi_paged_step"  # where update leaves the layer's RequestSteps in the attention kwargs
-
-
-class RequestStep(NamedTuple):
-    """One request's share of a layer's forward: query rows ``[q_start, q_start + q_len)`` of the flat batch attend
-    to ``keys`` / ``values`` (sinks, packed history, exact tail, as ``decode_attention`` reads them); ``prefill``:
-    the request held nothing before (exact causal attention over its own tokens, as KiviCache's prefill)."""
-
-    q_start: int
-    q_len: int
-    keys: KindOperands
-    values: KindOperands
-    prefill: bool
-
-
-class DecodeRows(NamedTuple):
-    """The decode rows of a layer's forward (one query row each, sinks full), for one ``paged_decode_attention``
-    call: query rows ``q_index`` of the flat batch; ``args``: the op's arguments after ``query``."""
-
-    q_index: torch.Tensor
-    args: tuple
+STEP_KEY = "kivi_paged_step"  # where update leaves the layer's LayerStep in the attention kwargs
+DEFAULT_MAX_BATCH_TOKENS = 1024  # query tokens of one forward when ContinuousBatchingConfig leaves it unset
 
 
 class LayerStep(NamedTuple):
     """What ``update`` leaves for attention in ``kwargs[STEP_KEY]``: the backend whose kernels read the pages, the
-    batch's decode rows (or ``None``) and one :class:`RequestStep` per other request (prefill and prompt chunks)."""
+    batch's decode rows (or ``None``) and one :class:`~kivi_xpu.paged.store.RequestStep` per other request."""
 
     backend: str
     decode: DecodeRows | None
@@ -59,71 +40,23 @@ class LayerStep(NamedTuple):
     rotations: tuple  # (key rotation, value rotation): None or Q [D, D] float32
 
 
-class _Request(NamedTuple):
+class Held(NamedTuple):
+    """What one admitted request holds besides its pages (transformers' block table): its window unit, its prompt's
+    length, and while its prompt is split the units of its exact prompt (int64, in order)."""
+
     slot: int
-    past: int
-    q_start: int
-    q_len: int
-    blocks: torch.Tensor  # int64 block ids of pages 0, 1, ... (ceil((past + q_len) / T) of them)
-
-
-class _DecodePlan(NamedTuple):
-    """What every layer's store and attention of a forward's decode rows need, worked out once per forward."""
-
-    requests: list[_Request]
-    bases: list[int]  # where each request's value rows start in its slot (after move_values)
-    q_index: torch.Tensor  # [N] their query rows in the flat batch
-    slots: torch.Tensor  # [N]
-    window_rows: torch.Tensor  # [2, N] the new token's key row and value row in the slot
-    table: torch.Tensor  # [N, pages] block table
-    table_rows: torch.Tensor  # [N, 7] paged_decode_attention's requests table
-    leaving: torch.Tensor | None  # [4, n] value tokens leaving: slot, window row, block, page row
-    key_blocks: list[tuple[_Request, int, int]]  # (request, packed keys before, keys leaving now)
-
-
-class PageBudget(NamedTuple):
-    """How a byte budget splits into exact slots and 2-bit pages (whole sectors, two of them trash)."""
-
-    layout: PageLayout
-    max_requests: int
-    bytes_per_sector: int
-    num_sectors: int
-    num_layers: int
-
-    @classmethod
-    def plan(cls, config, settings: KiviSettings, dtype, kv_memory: int, max_requests: int | None) -> PageBudget:
-        heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
-        settings.check_head_dim(head_dim)
-        num_layers = len(group_layers_by_attn_type(config).get(FULL_ATTENTION, []))
-        layout = PageLayout.for_settings(settings, heads, head_dim)
-        bytes_per_sector = lcm(layout.page_bytes * num_layers, 128)
-        slot_bytes = WindowSlots.bytes_per_slot(settings, num_layers, heads, head_dim, dtype)
-        if max_requests is None:
-            max_requests = max(1, min(256, kv_memory // 4 // slot_bytes))
-        num_sectors = (kv_memory - max_requests * slot_bytes) // bytes_per_sector - 2
-        if num_sectors < 1:
-            raise ValueError(
-                f"`kv_memory` ({kv_memory / 2**20:.1f} MiB) is too small: {max_requests} request slot(s) take "
-                f"{max_requests * slot_bytes / 2**20:.1f} MiB and the pages need at least "
-                f"{3 * bytes_per_sector / 2**20:.1f} MiB more; raise it or lower `max_requests`"
-            )
-        return cls(layout, max_requests, bytes_per_sector, num_sectors, num_layers)
-
-    @property
-    def max_request_tokens(self) -> int:
-        """The longest request the pages can hold: every block (``T`` tokens) of every sector given to it."""
-        blocks_per_sector = self.bytes_per_sector // (self.layout.page_bytes * self.num_layers)
-        return self.num_sectors * blocks_per_sector * self.layout.tokens
+    prompt_end: int
+    staging: torch.Tensor | None
 
 
 class KiviPagedCache(PagedAttentionCache):
     """Paged KIVI cache for transformers' continuous batching (see the module docstring).
 
     Args:
-        kv_memory: the byte budget of everything this cache stores (pages and exact slots); requests beyond it wait
+        kv_memory: the byte budget of everything this cache stores (pages and exact units); requests beyond it wait
             in transformers' queue.
         settings: the KIVI settings (resolved for the model dtype).
-        max_requests: exact slots, the most requests in flight; default: as many as a quarter of the budget holds.
+        max_requests: the most requests in flight (``None``: as many as the memory holds).
         backend: the kernels' backend name (``native``, ``sycl`` or ``reference``).
     """
 
@@ -139,75 +72,115 @@ class KiviPagedCache(PagedAttentionCache):
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.settings, self.backend = settings, backend
         heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
-        if continuous_batching_config.page_size != settings.key_group_size:
-            continuous_batching_config.page_size = settings.key_group_size
+        continuous_batching_config.page_size = settings.key_group_size
         self.max_blocks_per_request = 0  # no flash block-table fast path
         layers = groups[FULL_ATTENTION]
-        budget = PageBudget.plan(config, settings, dtype, kv_memory, max_requests)
-        allocator = KiviPageAllocator(0, budget.layout, layers)
+        self.budget = budget = PageBudget.plan(config, settings, dtype, kv_memory, max_requests)
+        allocator = KiviPageAllocator(PAGES, budget.layout, layers)
         self.cache_allocators = {FULL_ATTENTION: allocator}
         self.layer_to_allocator = dict.fromkeys(layers, allocator)
-        self.bytes_per_sector, num_sectors = budget.bytes_per_sector, budget.num_sectors
-        self.tokens_per_sector = self.bytes_per_sector // allocator.bytes_per_block * allocator.tokens_per_page
-        max_requests = budget.max_requests
-        self.max_batch_tokens = continuous_batching_config.max_batch_tokens or 1024
-        self.num_sectors = num_sectors
-        self.cache_tensor = torch.zeros((num_sectors + 2) * self.bytes_per_sector, dtype=torch.uint8, device=device)
-        self.pool = CachePool(num_sectors, 1)
-        allocator.register_cache_tensor(self.bytes_per_sector, num_sectors * self.bytes_per_sector,
-                                        self.cache_tensor, self.pool)  # fmt: skip
-        self.windows = WindowSlots(settings, max_requests, layers, heads, head_dim, dtype, self.device)
+        self.bytes_per_sector, self.num_sectors = budget.bytes_per_sector, budget.num_sectors
+        self.tokens_per_sector = budget.pages_per_sector * allocator.tokens_per_page
+        self.max_batch_tokens = continuous_batching_config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+        self.cache_tensor = torch.zeros(self.num_sectors * self.bytes_per_sector, dtype=torch.uint8, device=device)
+        # No trash sectors: pages are written and read through this cache only, never at padding indices.
+        self.pool = CachePool(self.num_sectors, 2, num_reserved_sectors=0)
+        allocator.register_cache_tensor(self.bytes_per_sector, self.cache_tensor.numel(), self.cache_tensor,
+                                        self.pool)  # fmt: skip
+        self.units = ExactUnits(settings, budget, self.cache_tensor, self.pool, layers, heads, head_dim, dtype)
         self.allow_block_sharing = self.use_prefix_sharing = False
         self.num_blocks = allocator.num_blocks
         self.read_cache_limit = None
         self.max_decode_fast_path_length = 0
         self.max_tokens_read = allocator.tokens_per_page * allocator.num_blocks
-        self.first_layer = layers[0]
-        self._slot_of_request: dict[str, int] = {}
-        self._slot_of_first_block: dict[int, int] = {}
-        self._requests: list[_Request] = []
-        self._decode_plan: _DecodePlan | None = None
-        self._others: list[_Request] = []
-        self._key_rotation = rotation_matrix(settings.key_rotation, head_dim, self.device)
-        self._value_rotation = rotation_matrix(settings.value_rotation, head_dim, self.device)
+        self.first_layer, self.last_layer = layers[0], layers[-1]
+        self._held: dict[str, Held] = {}
+        self._held_by_first_block: dict[int, Held] = {}
+        self._requests: list[Request] = []
+        self._decode_plan: DecodePlan | None = None
+        self._others: list[Request] = []
+        rotations = (rotation_matrix(settings.key_rotation, head_dim, self.device),
+                     rotation_matrix(settings.value_rotation, head_dim, self.device))  # fmt: skip
+        self._rotations = rotations
+        self._writer = PageWriter(settings, backend, self.units, rotations)
 
     # ------------------------------------------------------------------ memory
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes this cache holds resident: the pages (with the two trash sectors) and the exact slots."""
-        return self.cache_tensor.numel() + self.windows.nbytes
+        """Bytes this cache holds resident: the pool (pages and exact units), within ``kv_memory``."""
+        return self.cache_tensor.numel()
 
     @property
-    def free_slots(self) -> int:
-        return len(self.windows.free)
+    def held_bytes(self) -> int:
+        """Bytes of pages and exact units that requests hold now (lent sectors less their free blocks)."""
+        budget, pool = self.budget, self.pool
+        lent = (self.num_sectors - pool.num_free_sectors) * self.bytes_per_sector
+        page_block = budget.layout.page_bytes * budget.num_layers
+        return lent - pool.count_free_blocks(PAGES) * page_block - pool.count_free_blocks(UNITS) * budget.unit_bytes
+
+    @property
+    def requests_in_flight(self) -> int:
+        return len(self._held)
 
     # ------------------------------------------------------------- lifecycle
 
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
-        """transformers' rule, plus: a request not yet in flight needs a free slot."""
+        """Admission: a request not yet in flight is admitted only when all it will hold fits at once (its pages for
+        prompt + ``max_new_tokens``, its window, its exact prompt when this first chunk does not finish it); its
+        later steps then always fit, so transformers never preempts it."""
         allocator = self.cache_allocators[FULL_ATTENTION]
-        new = state.request_id not in allocator.block_table
-        if new and not self.windows.free:
+        request_id = state.request_id
+        if request_id in self._held:
+            if allocator.needs_new_blocks(request_id, state.current_len(), request_len):
+                raise RuntimeError(
+                    f"KiviPagedCache: request {request_id} outgrew the {len(allocator.block_table[request_id])} "
+                    f"pages reserved at its admission"
+                )
+            return True
+        if self.budget.max_requests is not None and len(self._held) >= self.budget.max_requests:
             return False
-        stored = super().can_store_request_tokens(state, request_len, dry_run)
-        if not stored or dry_run:
-            return stored
-        if new:
-            slot = self.windows.take()
-            self._slot_of_request[state.request_id] = slot
-            self._slot_of_first_block[allocator.block_table[state.request_id][0]] = slot
+        if state.current_len() or state.max_new_tokens is None:
+            raise RuntimeError(
+                f"KiviPagedCache: request {request_id} arrived with {state.current_len()} tokens already processed or "
+                f"no max_new_tokens; KIVI pages admit fresh requests of known length only"
+            )
+        prompt = len(state.remaining_prefill_tokens)
+        split = request_len < prompt
+        needs = self.budget.needs(prompt, state.max_new_tokens - len(state.generated_tokens), split)
+        sectors = self.budget.sectors(needs, self.pool.count_free_blocks(PAGES), self.pool.count_free_blocks(UNITS))
+        fits = sectors <= self.pool.num_free_sectors
+        if dry_run or not fits:
+            return fits
+        for _ in range(self.budget.sectors(needs._replace(units=0), self.pool.count_free_blocks(PAGES))):
+            self.pool.allocate_sector(PAGES)
+        allocator.allocate_cache_to_request(request_id, 0, needs.pages * allocator.tokens_per_page)
+        units = self.units.take(needs.units)
+        staging = torch.tensor(units[1:], dtype=torch.int64, device=self.device) if split else None
+        held = Held(units[0], prompt, staging)
+        self._held[request_id] = held
+        self._held_by_first_block[allocator.block_table[request_id][0]] = held
         return True
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        """Returns everything the request holds: its pages, its window, its staged prompt."""
         allocator = self.cache_allocators[FULL_ATTENTION]
-        blocks = allocator.block_table.get(request_id)
-        slot = self._slot_of_request.pop(request_id, None)
-        if slot is not None:
-            if blocks:
-                self._slot_of_first_block.pop(blocks[0], None)
-            self.windows.give_back(slot)
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._held_by_first_block.pop(allocator.block_table[request_id][0], None)
+            self.units.give_back([held.slot, *self._staged_units(held)])
         super().free_blocks(request_id, no_cache=True)
+
+    @staticmethod
+    def _staged_units(held: Held) -> list[int]:
+        return [] if held.staging is None else held.staging.tolist()
+
+    def _end_staging(self, request_id: str) -> None:
+        """The prompt is stored: its staging units go back to the pool."""
+        held = self._held[request_id]
+        self.units.give_back(self._staged_units(held))
+        self._held[request_id] = replaced = held._replace(staging=None)
+        self._held_by_first_block[self.cache_allocators[FULL_ATTENTION].block_table[request_id][0]] = replaced
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         for request_id in list(self.cache_allocators[FULL_ATTENTION].block_table):
@@ -221,7 +194,7 @@ class KiviPagedCache(PagedAttentionCache):
 
     # ---------------------------------------------------------------- update
 
-    def _plan(self, kwargs: dict[str, Any]) -> list[_Request]:
+    def _plan(self, kwargs: dict[str, Any]) -> list[Request]:
         """The requests of this forward, from the batch's cumulative lengths and indices (once per forward)."""
         allocator = self.cache_allocators[FULL_ATTENTION]
         t, stride = allocator.tokens_per_page, allocator.block_physical_stride
@@ -239,51 +212,23 @@ class KiviPagedCache(PagedAttentionCache):
                 blocks = read[cu_k[r] : cu_k[r + 1] : t] // stride
             else:  # nothing read in this batch: every request starts here, its write indices cover it
                 blocks = write[q_start : q_start + q_len : t] // stride
-            slot = self._slot_of_first_block.get(int(blocks[0]))
-            if slot is None:
+            held = self._held_by_first_block.get(int(blocks[0]))
+            if held is None:
                 raise RuntimeError(
                     "KiviPagedCache: a request reached the model without a slot (it was admitted by another cache?)"
                 )
-            requests.append(_Request(slot, past, q_start, q_len, blocks.to(torch.int64)))
+            requests.append(Request(held.slot, past, q_start, q_len, blocks.to(torch.int64), held.prompt_end,
+                                    held.staging))  # fmt: skip
         return requests
 
     def _plan_decode(self) -> None:
-        """Splits the forward's requests into decode rows (one token after full sinks: one batched store and one
-        attention call per layer) and the others, and works out once per forward what every layer's store and
-        attention of the decode rows need (all layers hold the same counts)."""
-        s, t, settings = self.settings.sink_tokens, self.settings.key_group_size, self.settings
+        """Splits the forward's requests into decode rows (one token after full sinks and a stored prompt: one
+        batched store and one attention call per layer) and the others."""
+        s = self.settings.sink_tokens
         decode, self._others = [], []
         for r in self._requests:
-            (decode if r.q_len == 1 and r.past >= s else self._others).append(r)
-        self._decode_plan = None
-        if not decode:
-            return
-        table = torch.zeros(len(decode), max(r.blocks.numel() for r in decode), dtype=torch.int64)
-        rows, bases, window_rows, leaving, key_blocks = [], [], [], [], []
-        for i, r in enumerate(decode):
-            table[i, : r.blocks.numel()] = r.blocks
-            qk0, qv0 = settings.quantized_key_count(r.past), settings.quantized_value_count(r.past)
-            base = self.windows.value_base_for(r.past)  # where move_values puts the slot's value rows
-            bases.append(base)
-            window_rows.append((r.past - qk0, r.past - base))  # the new token's key and value rows
-            rows.append((r.slot, s, qk0, s, qv0, s + qv0 - base, r.past + 1))
-            if settings.quantized_value_count(r.past + 1) > qv0:  # the oldest exact value token leaves
-                leaving.append((r.slot, s + qv0 - base, int(r.blocks[qv0 // t]), qv0 % t))
-            qk1 = settings.quantized_key_count(r.past + 1)
-            if qk1 > qk0:  # the key window is full: its block leaves it
-                key_blocks.append((r, qk0, qk1 - qk0))
-        device = self.device
-        self._decode_plan = _DecodePlan(
-            decode,
-            bases,
-            torch.tensor([r.q_start for r in decode], device=device),
-            torch.tensor([r.slot for r in decode], device=device),
-            torch.tensor(window_rows, device=device).T.contiguous(),
-            table.to(device),
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(leaving, device=device).T.contiguous() if leaving else None,
-            key_blocks,
-        )
+            (decode if r.q_len == 1 and r.past >= s and not r.in_prompt else self._others).append(r)
+        self._decode_plan = DecodePlan.of(decode, self.settings, self.units, self.device) if decode else None
 
     @torch.compiler.disable
     def update(self, key_states, value_states, layer_idx: int, kwargs: dict[str, Any]):
@@ -296,153 +241,21 @@ class KiviPagedCache(PagedAttentionCache):
         kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][FULL_ATTENTION]
         kwargs["max_length_k"] = kwargs["max_length_k"][FULL_ATTENTION]
         pages = self.cache_allocators[FULL_ATTENTION].pages[layer_idx]
-        plan = self._decode_plan
-        decode = None if plan is None else self._store_decode_rows(plan, layer_idx, pages, key_states, value_states)
-        steps = [self._store(layer_idx, pages, request, key_states, value_states) for request in self._others]
-        kwargs[STEP_KEY] = LayerStep(self.backend, decode, steps, (self._key_rotation, self._value_rotation))
+        plan, writer = self._decode_plan, self._writer
+        decode = None if plan is None else writer.decode_rows(plan, layer_idx, pages, key_states, value_states)
+        steps = [
+            (writer.prompt_chunk if r.in_prompt else writer.append)(layer_idx, pages, r, key_states, value_states)
+            for r in self._others
+        ]
+        if layer_idx == self.last_layer:
+            self._end_finished_staging()
+        kwargs[STEP_KEY] = LayerStep(self.backend, decode, steps, self._rotations)
         return key_states, value_states
 
-    def _store_decode_rows(self, plan: _DecodePlan, layer: int, pages: LayerPages, key_states, value_states):
-        """Every decode row's update of one layer at once: the new tokens join their slots' windows (one indexed
-        copy per kind), the value tokens leaving the windows are quantized into their pages (one call), a key block
-        that fills its window is packed (per request, once in R steps). Returns the :class:`DecodeRows` attention
-        reads."""
-        settings, s = self.settings, self.settings.sink_tokens
-        key_windows, value_windows = self.windows.keys[layer], self.windows.values[layer]
-        held = self.windows.value_base[layer]
-        for r, base in zip(plan.requests, plan.bases, strict=True):
-            if held[r.slot] != base:  # once in G steps per request: the value rows move down
-                self.windows.move_values(layer, r.slot, r.past)
-        key_windows[plan.slots, :, plan.window_rows[0]] = key_states[0, :, plan.q_index].transpose(0, 1)
-        value_windows[plan.slots, :, plan.window_rows[1]] = value_states[0, :, plan.q_index].transpose(0, 1)
-        if plan.leaving is not None:
-            self._pack_leaving_values(pages, value_windows, plan.leaving)
-        for r, qk0, count in plan.key_blocks:
-            self._pack_keys(pages, r.blocks, qk0, key_windows[r.slot, :, s : s + count].unsqueeze(0))
-        args = (
-            key_windows,
-            value_windows,
-            pages.key_codes,
-            pages.key_scales,
-            pages.key_zeros,
-            pages.value_codes,
-            pages.value_scales,
-            pages.value_zeros,
-            plan.table,
-            plan.table_rows,
-            settings.key_bits,
-            settings.value_group_size,
-            settings.value_bits,
-        )
-        return DecodeRows(plan.q_index, args)
-
-    def _pack_leaving_values(self, pages: LayerPages, value_windows, leaving: torch.Tensor) -> None:
-        """Quantizes the value tokens leaving the windows (``leaving [4, n]``: slots, window rows, blocks, page rows)
-        into their pages' rows: one quantization of all of them (the rotation folded in, as KiviCache's), one indexed
-        copy per section."""
-        settings = self.settings
-        slots, window_rows, blocks, page_rows = leaving
-        x = value_windows[slots, :, window_rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        heads, n = x.shape[1:3]
-        codes = pages.value_codes.new_empty(1, heads, n, pages.value_codes.shape[3])
-        scales = pages.value_scales.new_empty(1, heads, n, pages.value_scales.shape[3])
-        zeros = torch.empty_like(scales)
-        kernel("quantize_values_into", self.backend)(
-            x.contiguous(), codes, scales, zeros, 0, settings.value_group_size, settings.value_bits,
-            self._value_rotation,
-        )  # fmt: skip
-        for section, part in ((pages.value_codes, codes), (pages.value_scales, scales), (pages.value_zeros, zeros)):
-            section[blocks, :, page_rows] = part[0].transpose(0, 1)
-
-    def _store(self, layer: int, pages: LayerPages, request: _Request, key_states, value_states) -> RequestStep:
-        """One request's update of one layer, for a request that is not a decode row (a prefill, a prompt chunk, or
-        a token before the sinks are full): returns what its attention reads."""
-        s, settings = self.settings.sink_tokens, self.settings
-        slot, past, m = request.slot, request.past, request.q_len
-        new_k = key_states[:, :, request.q_start : request.q_start + m]
-        new_v = value_states[:, :, request.q_start : request.q_start + m]
-        length = past + m
-        key_rows, value_rows = self.windows.keys[layer][slot], self.windows.values[layer][slot]
-        qk0, qk1 = settings.quantized_key_count(past), settings.quantized_key_count(length)
-        qv0, qv1 = settings.quantized_value_count(past), settings.quantized_value_count(length)
-        self.windows.move_values(layer, slot, past)
-        base = self.windows.value_base[layer][slot]
-        held_sinks = min(past, s)
-        # Exact tokens after the packed ones: window rows then the new tokens (sinks-bound ones first).
-        key_tail = torch.cat([key_rows[:, s : s + max(0, past - s - qk0)].unsqueeze(0), new_k], dim=2)
-        value_tail = torch.cat([value_rows[:, s + qv0 - base : s + max(0, past - s) - base].unsqueeze(0), new_v],
-                               dim=2)  # fmt: skip
-        to_sinks = min(m, s - held_sinks)
-        if to_sinks > 0:
-            key_rows[:, held_sinks : held_sinks + to_sinks] = new_k[0, :, :to_sinks]
-            value_rows[:, held_sinks : held_sinks + to_sinks] = new_v[0, :, :to_sinks]
-        step = RequestStep(
-            request.q_start,
-            m,
-            self._operands("keys", pages, request.blocks, key_rows[:, :held_sinks].unsqueeze(0), qk0, key_tail),
-            self._operands("values", pages, request.blocks, value_rows[:, :held_sinks].unsqueeze(0), qv0, value_tail),
-            past == 0,
-        )
-        # Tokens leaving the exact window now (attention still reads them exact, from the tails above).
-        start = max(0, s - past)  # tail index of position s (the tails start at s + q0 or at past)
-        if qk1 > qk0:
-            self._pack_keys(pages, request.blocks, qk0, key_tail[:, :, start : start + qk1 - qk0])
-        if qv1 > qv0:
-            self._pack_values(pages, request.blocks, qv0, value_tail[:, :, start : start + qv1 - qv0])
-        self._rewrite_windows(layer, slot, length, key_tail, value_tail, past)
-        return step
-
-    def _rewrite_windows(self, layer: int, slot: int, length: int, key_tail, value_tail, past: int) -> None:
-        """After a multi-token (or sink-filling) append: the slot's exact rows as :mod:`.windows` lays them out."""
-        s, settings = self.settings.sink_tokens, self.settings
-        skip = max(0, s - past)  # tail tokens that went to the sinks
-        qk0, qv0 = settings.quantized_key_count(past), settings.quantized_value_count(past)
-        qk1, qv1 = settings.quantized_key_count(length), settings.quantized_value_count(length)
-        exact = max(0, length - s)
-        key_rows, value_rows = self.windows.keys[layer][slot], self.windows.values[layer][slot]
-        keys = key_tail[0, :, skip + qk1 - qk0 :]
-        key_rows[:, s : s + exact - qk1] = keys
-        base = self.windows.value_base_for(length)
-        values = value_tail[0, :, skip + qv1 - qv0 :]
-        value_rows[:, s + qv1 - base : s + exact - base] = values
-        self.windows.value_base[layer][slot] = base
-
-    def _operands(self, kind: str, pages: LayerPages, blocks, sinks, count: int, tail) -> KindOperands:
-        t = self.settings.key_group_size
-        used = blocks[: -(-count // t)]
-        if kind == "keys":
-            codes, scales, zeros = pages.keys(used)
-            group, bits, rotation = self.settings.key_group_size, self.settings.key_bits, self._key_rotation
-        else:
-            codes, scales, zeros = pages.values(used)
-            group, bits, rotation = self.settings.value_group_size, self.settings.value_bits, self._value_rotation
-        return KindOperands(sinks, codes, scales, zeros, count, group, bits, tail, rotation)
-
-    def _pack_keys(self, pages: LayerPages, blocks, start: int, keys) -> None:
-        """Quantizes ``keys [1, H, n, D]`` (packed positions ``[start, start + n)``, whole pages) into their pages."""
-        t = self.settings.key_group_size
-        x = rotate(keys, self._key_rotation)
-        codes, scales, zeros = kernel("quantize_keys", self.backend)(
-            x.contiguous(), self.settings.key_group_size, self.settings.key_bits, self.settings.meta_dtype
-        )
-        pages.store_keys(blocks[start // t : (start + keys.shape[2]) // t], codes, scales, zeros)
-
-    def _pack_values(self, pages: LayerPages, blocks, start: int, values) -> None:
-        """Quantizes ``values [1, H, n, D]`` (packed positions ``[start, start + n)``) into their pages' rows."""
-        t, quantize = self.settings.key_group_size, kernel("quantize_values_into", self.backend)
-        done, n = 0, values.shape[2]
-        while done < n:
-            position = start + done
-            page, row = int(blocks[position // t]), position % t
-            count = min(n - done, t - row)
-            quantize(
-                values[:, :, done : done + count],
-                pages.value_codes[page : page + 1],
-                pages.value_scales[page : page + 1],
-                pages.value_zeros[page : page + 1],
-                row,
-                self.settings.value_group_size,
-                self.settings.value_bits,
-                self._value_rotation,
-            )
-            done += count
+    def _end_finished_staging(self) -> None:
+        """After the last layer: requests whose last prompt chunk ran return their staging units."""
+        finished = {r.slot for r in self._others if r.staging is not None and r.past + r.q_len == r.prompt_end}
+        if finished:
+            for request_id, held in list(self._held.items()):
+                if held.slot in finished:
+                    self._end_staging(request_id)

@@ -11,6 +11,7 @@ is transformers'. These are private parts of transformers, so the versions they 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import transformers
@@ -22,11 +23,13 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from ..algorithm import KiviSettings
 from ..backend import select
 from .attention import ATTENTION_NAME, register
-from .cache import KiviPagedCache, PageBudget
+from .budget import PageBudget
+from .cache import DEFAULT_MAX_BATCH_TOKENS, KiviPagedCache
 
 # transformers minor versions whose continuous-batching internals this module was written and tested against.
 SUPPORTED_TRANSFORMERS = ("5.24",)
 _CACHE_CLASS_LOCK = threading.Lock()
+logger = logging.getLogger(__name__)
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -49,7 +52,9 @@ class KiviBatchingManager(ContinuousBatchingManager):
         # Sized now, so that a bad budget fails here rather than in the generation thread.
         options = {k: cache_options[k] for k in ("settings", "kv_memory", "max_requests")}
         self.budget = PageBudget.plan(model.config.get_text_config(), dtype=model.dtype, **options)
-        continuous_batching_config.allow_block_sharing = False  # packed pages are not shareable prefixes
+        self.max_batch_tokens = continuous_batching_config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+        _exact_scheduling(continuous_batching_config)
+        logger.info(self.budget.summary(generation_config.max_new_tokens or 0, self.max_batch_tokens))
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
 
     def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
@@ -72,15 +77,12 @@ class KiviBatchingManager(ContinuousBatchingManager):
 
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     **kwargs) -> str | None:  # fmt: skip
-        """transformers' ``add_request``; a request the whole budget cannot hold is refused at once (``ValueError``)
-        instead of waiting forever."""
+        """transformers' ``add_request``; a request that the whole budget cannot serve exactly is refused at once
+        (``ValueError`` naming the longest prompt it serves) instead of waiting forever."""
         new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        total, limit = len(input_ids) + (new or 0), self.budget.max_request_tokens
-        if total > limit:
-            raise ValueError(
-                f"request of {len(input_ids)} prompt + {new} new tokens exceeds the {limit} tokens that the whole "
-                f"`kv_memory` budget of KIVI pages holds: raise `kv_memory` or shorten the request"
-            )
+        if new is None:
+            raise ValueError("KIVI pages reserve each request's whole length at admission: give `max_new_tokens`")
+        self.budget.check_request(len(input_ids), new, self.max_batch_tokens)
         return super().add_request(input_ids, request_id, max_new_tokens, **kwargs)
 
     @property
@@ -88,6 +90,20 @@ class KiviBatchingManager(ContinuousBatchingManager):
         """The running cache (``None`` before the first start)."""
         processor = self.batch_processor
         return None if processor is None else processor.cache
+
+
+def _exact_scheduling(config: ContinuousBatchingConfig) -> None:
+    """Turns off what would make a request's answer differ from its own ``generate`` with ``KiviCache``: prefix
+    sharing (a packed page depends on when it was packed) and CPU offloading (a restored request would lose its exact
+    window). Admission reserves all a request holds, so the scheduler's safety margin is not needed either."""
+    if config.cpu_offload_space:
+        raise ValueError(
+            f"`cpu_offload_space` ({config.cpu_offload_space}) must be 0 with KIVI pages: admission reserves all a "
+            "request will hold, so no request is ever offloaded or re-prefilled"
+        )
+    config.allow_block_sharing = False
+    if config.safety_margin is None:
+        config.safety_margin = 0.0
 
 
 def _cache_options(model, kv_memory, max_requests, backend, kivi_settings: dict) -> dict:
@@ -118,8 +134,8 @@ def init_continuous_batching(
 
     Args:
         kv_memory: bytes of KV storage (pages and the requests' exact windows); more requests wait in the queue.
-        max_requests: the most requests in flight (each holds an exact window); default: as many as a quarter of
-            ``kv_memory`` holds.
+        max_requests: the most requests in flight; default: as many as ``kv_memory`` holds (admission reserves each
+            request's pages, window and, while its prompt is split, its exact prompt).
         backend: the kernels (``native``, ``sycl``, ``reference``; default as :class:`~kivi_xpu.KiviCache`).
         **kivi_settings: :class:`~kivi_xpu.KiviSettings` fields (``bits``, ``group_size``, ``residual_length``,
             ``sink_tokens``, ``rotation``, ``preset``, ...), as for :class:`~kivi_xpu.KiviCache`.
@@ -135,11 +151,12 @@ def init_continuous_batching(
     )
 
 
-def install(model, *, kv_memory: int, max_requests: int | None = None, backend: str | None = None, **kivi_settings):
+def install(model, *, kv_memory: int, max_requests: int | None = None, backend: str | None = None,
+            **kivi_settings) -> PageBudget:  # fmt: skip
     """Makes ``model.init_continuous_batching`` (what ``transformers serve --continuous-batching`` and other callers of
     transformers' API use) return a manager on KIVI pages with these options (see :func:`init_continuous_batching`).
-    The options are checked now."""
-    _cache_options(model, kv_memory, max_requests, backend, kivi_settings)  # bad options fail here, not per request
+    The options are checked now; returns the budget they plan (:meth:`PageBudget.summary` for the log)."""
+    options = _cache_options(model, kv_memory, max_requests, backend, kivi_settings)  # bad options fail here
 
     def init_on_pages(generation_config=None, continuous_batching_config=None, workload_hints=None):
         return init_continuous_batching(
@@ -148,6 +165,7 @@ def install(model, *, kv_memory: int, max_requests: int | None = None, backend: 
         )  # fmt: skip
 
     model.init_continuous_batching = init_on_pages
+    return PageBudget.plan(model.config.get_text_config(), options["settings"], model.dtype, kv_memory, max_requests)
 
 
 def generate_batch(

@@ -11,7 +11,7 @@ A **block** is one page per layer: transformers' unit of allocation (``block_tab
 its scheduler, pool, free counts and byte-sized sectors run unchanged on pages 9-10x smaller than its fp32 ones.
 Block ``b`` of a request holds its packed tokens ``[S + b*T, S + (b+1)*T)`` (``S`` sink tokens): a request of ``n``
 tokens owns ``ceil(n / T)`` blocks, more than it ever packs (the sinks and the newest tokens stay exact, in its
-:class:`~kivi_xpu.paged.windows.WindowSlots` slot).
+:mod:`~kivi_xpu.paged.windows` unit). Pages share the cache's sectors with those units (:mod:`.budget`).
 """
 
 from __future__ import annotations
@@ -132,8 +132,7 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         )
 
     def register_cache_tensor(self, bytes_per_sector: int, non_trash_bytes: int, cache_tensor, pool) -> None:
-        total_bytes = non_trash_bytes + 2 * bytes_per_sector
-        blocks = cache_tensor[: total_bytes // self.bytes_per_block * self.bytes_per_block]
+        blocks = cache_tensor[: non_trash_bytes // self.bytes_per_block * self.bytes_per_block]
         blocks = blocks.view(-1, self.bytes_per_block)
         self._copy_view = blocks
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)

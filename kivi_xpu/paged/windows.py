@@ -1,8 +1,12 @@
-"""The exact tokens of continuous batching: each running request's sinks and residual window, in a slot.
+"""The exact tokens of continuous batching, in **units** of the pool (:mod:`.budget`): windows and prompt staging.
 
-A request holds its tokens in three places, by position ``p`` (``S`` sinks, ``R`` window, ``n`` tokens held;
-the counts are :class:`~kivi_xpu.KiviSettings`' ``quantized_key_count`` / ``quantized_value_count``, so a request
-stores exactly what its own :class:`~kivi_xpu.KiviCache` would):
+A unit holds ``W`` exact tokens, keys and values, of every layer: ``[layers, 2, H, W, D]`` in the model dtype, one
+after another in the cache's byte tensor, so a layer's keys of all units are one strided view ``[units, H, W, D]``
+(what ``paged_decode_attention`` reads as its windows, a unit id as the slot).
+
+**The window.** A running request holds one unit, its slot. By position ``p`` (``S`` sinks, ``R`` window, ``n``
+tokens held; the counts are :class:`~kivi_xpu.KiviSettings`' ``quantized_key_count`` / ``quantized_value_count``,
+so a request stores exactly what its own :class:`~kivi_xpu.KiviCache` would):
 
 * ``p < S``: the sinks, exact, rows ``[0, S)`` of its slot;
 * packed: keys ``[S, S + qk(n))``, values ``[S, S + qv(n))``, in its pages (:mod:`.pages`);
@@ -11,8 +15,10 @@ stores exactly what its own :class:`~kivi_xpu.KiviCache` would):
   last moved. Values leave one per step, so their rows move down only once every ``G`` steps (``R`` rows each
   time), and a decode step's tail is a view of the slot.
 
-A slot of a layer: keys ``[H, S + R, D]``, values ``[H, S + R + G, D]`` in the model dtype. Slots are taken at
-admission and returned when the request finishes, so the number of slots bounds the requests in flight.
+**The staging.** While the scheduler feeds a prompt in several chunks, its exact states so far wait in more units
+(token ``p`` in unit ``p // W``, row ``p % W``), so that every chunk attends the exact states of every earlier
+prompt token, as ``KiviCache``'s one-shot prefill does; the last chunk stores the whole prompt as that prefill would
+and the staging units go back to the pool.
 """
 
 from __future__ import annotations
@@ -20,47 +26,47 @@ from __future__ import annotations
 import torch
 
 from ..algorithm import KiviSettings
+from .budget import UNITS
 
 
-class WindowSlots:
-    """The exact-token slots of every layer (see the module docstring)."""
+class ExactUnits:
+    """The exact units of the pool (see the module docstring): lent by transformers' ``CachePool`` (index
+    :data:`~kivi_xpu.paged.budget.UNITS`), a sector at a time."""
 
-    def __init__(self, settings: KiviSettings, num_slots: int, layers: list[int], heads: int, head_dim: int, dtype,
-                 device):  # fmt: skip
-        s, r, g = settings.sink_tokens, settings.residual_length, settings.key_group_size
-        self.settings, self.num_slots, self.step_rows = settings, num_slots, g
-        self.key_rows, self.value_rows = s + r, s + r + g
-        self.keys = {layer: torch.zeros(num_slots, heads, self.key_rows, head_dim, dtype=dtype, device=device)
-                     for layer in layers}  # fmt: skip
-        self.values = {layer: torch.zeros(num_slots, heads, self.value_rows, head_dim, dtype=dtype, device=device)
-                       for layer in layers}  # fmt: skip
-        self.value_base = {layer: [0] * num_slots for layer in layers}  # base of each slot's value rows
-        self.free = list(range(num_slots - 1, -1, -1))
+    def __init__(self, settings: KiviSettings, budget, cache_tensor: torch.Tensor, pool, layers: list[int], heads: int,
+                 head_dim: int, dtype):  # fmt: skip
+        self.settings, self.rows, self.pool = settings, budget.rows, pool
+        count = cache_tensor.numel() // budget.unit_bytes
+        units = cache_tensor[: count * budget.unit_bytes].view(dtype).view(count, len(layers), 2, heads, self.rows,
+                                                                           head_dim)  # fmt: skip
+        self.keys = {layer: units[:, i, 0] for i, layer in enumerate(layers)}  # [units, H, W, D] views
+        self.values = {layer: units[:, i, 1] for i, layer in enumerate(layers)}
+        self.value_base = {layer: [0] * count for layer in layers}  # base of each slot's value rows
+        self.units_per_sector = budget.units_per_sector
+        pool.set_blocks_per_sector(UNITS, self.units_per_sector)
 
-    @staticmethod
-    def bytes_per_slot(settings: KiviSettings, num_layers: int, heads: int, head_dim: int, dtype) -> int:
-        """Bytes of one slot over all layers."""
-        s, r, g = settings.sink_tokens, settings.residual_length, settings.key_group_size
-        return num_layers * heads * head_dim * dtype.itemsize * ((s + r) + (s + r + g))
+    # ------------------------------------------------------------------ lending
 
-    @property
-    def nbytes(self) -> int:
-        tensors = [*self.keys.values(), *self.values.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def take(self) -> int:
-        slot = self.free.pop()
+    def take(self, count: int) -> list[int]:
+        """``count`` units (the caller checked that they fit: :meth:`~kivi_xpu.paged.budget.PageBudget.sectors`)."""
+        missing = count - self.pool.count_free_blocks(UNITS)
+        for _ in range(-(-max(0, missing) // self.units_per_sector)):
+            self.pool.allocate_sector(UNITS)
+        units = self.pool.get_free_blocks(UNITS, count)
         for bases in self.value_base.values():
-            bases[slot] = 0
-        return slot
+            for unit in units:
+                bases[unit] = 0
+        return units
 
-    def give_back(self, slot: int) -> None:
-        self.free.append(slot)
+    def give_back(self, units: list[int]) -> None:
+        self.pool.free_blocks(UNITS, units)
+
+    # ------------------------------------------------------------------ window
 
     def value_base_for(self, length: int) -> int:
         """Where the value rows of a request of ``length`` tokens start once moved: ``qv`` rounded down to ``G``."""
         qv = self.settings.quantized_value_count(length)
-        return qv - qv % self.step_rows
+        return qv - qv % self.settings.key_group_size
 
     def move_values(self, layer: int, slot: int, length: int) -> None:
         """Moves a slot's exact value rows down so that they start at :meth:`value_base_for` ``(length)``."""
@@ -75,3 +81,22 @@ class WindowSlots:
             src = rows[:, s + qv - old : s + qv - old + exact].clone()
             rows[:, s + qv - base : s + qv - base + exact] = src
         bases[slot] = base
+
+    # ------------------------------------------------------------------ staging
+
+    def _positions(self, units: torch.Tensor, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The units and rows of prompt tokens ``[start, start + count)`` staged in ``units`` (int64, in order)."""
+        tokens = torch.arange(start, start + count, device=units.device)
+        return units[tokens // self.rows], tokens % self.rows
+
+    def stage(self, units: torch.Tensor, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes prompt tokens ``[start, start + m)`` (``keys`` / ``values [1, H, m, D]``) into staging ``units``."""
+        at, rows = self._positions(units, start, keys.shape[2])
+        self.keys[layer][at, :, rows] = keys[0].transpose(0, 1)
+        self.values[layer][at, :, rows] = values[0].transpose(0, 1)
+
+    def staged(self, units: torch.Tensor, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``count`` staged prompt tokens: keys, values ``[1, H, count, D]`` (copies)."""
+        at, rows = self._positions(units, 0, count)
+        keys, values = self.keys[layer][at, :, rows], self.values[layer][at, :, rows]  # [count, H, D]
+        return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)

@@ -25,7 +25,7 @@ sdpa`` (or ``eager``, ...) gives the dense path (the history dequantized for the
 Without ``--continuous-batching`` generation is sequential (one ``generate`` at a time per model, requests queued),
 as in ``transformers serve``. With it, transformers' continuous batching runs on KIVI pages (:mod:`kivi_xpu.paged`):
 each loaded model's ``init_continuous_batching`` is replaced (:func:`kivi_xpu.paged.install`) so that the server's
-batching manager stores 2-bit pages within ``--kv-memory`` MiB (``--max-requests`` exact windows at most); requests
+batching manager stores 2-bit pages within ``--kv-memory`` MiB (``--max-requests`` at most); requests
 beyond it wait in transformers' queue. ``--compile`` is refused (:data:`COMPILE_ERROR`): there it only selects a
 ``StaticCache`` for requests.
 """
@@ -89,8 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-requests",
         type=positive_int,
         default=None,
-        help="with --continuous-batching: the most requests in flight (default: as many exact windows as a quarter "
-        "of --kv-memory holds)",
+        help="with --continuous-batching: the most requests in flight (default: as many as --kv-memory holds)",
     )
 
 
@@ -152,7 +151,8 @@ def kivi_model_manager(base: type, config: dict, paged: dict | None = None) -> t
             if paged is not None:
                 from ..paged import install
 
-                install(model, **paged)
+                budget = install(model, **paged)
+                print(budget.summary(model.generation_config.max_new_tokens or 0), file=sys.stderr)
             return model
 
     return KiviModelManager

@@ -1,0 +1,152 @@
+"""How ``kv_memory`` is one pool, and what a request takes from it.
+
+The cache is one byte tensor cut into equal **sectors** (transformers' ``CachePool``), each lent whole to one of two
+kinds of block and returned when all its blocks are free:
+
+* **pages** (pool index 0): one 2-bit page per layer, ``T = key_group_size`` packed tokens (:mod:`.pages`);
+* **exact units** (pool index 1): ``W`` exact tokens, keys and values, of every layer (:mod:`.windows`). A running
+  request holds one for its sinks and residual window; a request whose prompt the scheduler splits holds
+  ``ceil(P / W)`` more for its exact prompt until its last chunk (:mod:`.windows`, staging).
+
+A request of ``P`` prompt and ``N`` new tokens is admitted only when everything it will ever hold fits at once (its
+pages for ``P + N`` tokens, its window, its exact prompt if split): nothing it holds is ever taken back, so
+transformers' preemption (a soft reset re-prefills prompt and answer as one prompt, which KIVI would quantize
+differently) never runs.
+"""
+
+from __future__ import annotations
+
+from math import lcm
+from typing import NamedTuple
+
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
+from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+from ..algorithm import KiviSettings
+from .pages import PageLayout
+
+PAGES, UNITS = 0, 1  # pool indices
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def window_rows(settings: KiviSettings, heads: int, head_dim: int, itemsize: int, page_bytes: int) -> int:
+    """``W``, the exact tokens of a unit: at least the window's value rows (sinks, ``R``, and ``G`` rows of slack so
+    that values move down once every ``G`` steps), rounded up (by at most ``T``) so that a unit is a whole number of
+    pages when possible, which keeps sectors small."""
+    need = settings.sink_tokens + settings.residual_length + settings.key_group_size
+    token_bytes = 2 * heads * head_dim * itemsize
+    for rows in range(need, need + settings.key_group_size + 1):
+        if rows * token_bytes % page_bytes == 0:
+            return rows
+    return need
+
+
+class RequestNeeds(NamedTuple):
+    """What one request takes from the pool: page blocks and exact units."""
+
+    pages: int
+    units: int
+
+
+class PageBudget(NamedTuple):
+    """How ``kv_memory`` bytes split into sectors of pages and exact units (see the module docstring)."""
+
+    layout: PageLayout
+    num_layers: int
+    rows: int  # W, exact tokens per unit
+    unit_bytes: int
+    bytes_per_sector: int
+    num_sectors: int
+    max_requests: int | None  # a cap on requests in flight; None: memory alone bounds them
+
+    @classmethod
+    def plan(cls, config, settings: KiviSettings, dtype, kv_memory: int, max_requests: int | None) -> PageBudget:
+        heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
+        settings.check_head_dim(head_dim)
+        num_layers = len(group_layers_by_attn_type(config).get(FULL_ATTENTION, []))
+        layout = PageLayout.for_settings(settings, heads, head_dim)
+        rows = window_rows(settings, heads, head_dim, dtype.itemsize, layout.page_bytes)
+        unit_bytes = num_layers * 2 * heads * rows * head_dim * dtype.itemsize
+        bytes_per_sector = lcm(layout.page_bytes * num_layers, unit_bytes, 128)
+        num_sectors = kv_memory // bytes_per_sector
+        budget = cls(layout, num_layers, rows, unit_bytes, bytes_per_sector, num_sectors, max_requests)
+        if num_sectors < 2:
+            raise ValueError(
+                f"`kv_memory` ({kv_memory / 2**20:.1f} MiB) is too small: the pool needs at least two sectors of "
+                f"{bytes_per_sector / 2**20:.2f} MiB (one of exact windows, one of 2-bit pages); raise it"
+            )
+        return budget
+
+    @property
+    def pages_per_sector(self) -> int:
+        return self.bytes_per_sector // (self.layout.page_bytes * self.num_layers)
+
+    @property
+    def units_per_sector(self) -> int:
+        return self.bytes_per_sector // self.unit_bytes
+
+    def needs(self, prompt: int, new_tokens: int, split: bool) -> RequestNeeds:
+        """What a request of ``prompt`` + ``new_tokens`` tokens holds at most; ``split``: its prompt arrives in
+        several chunks (its exact states wait in units until the last one)."""
+        staging = _ceil_div(prompt, self.rows) if split else 0
+        return RequestNeeds(_ceil_div(prompt + new_tokens, self.layout.tokens), 1 + staging)
+
+    def sectors(self, needs: RequestNeeds, free_pages: int = 0, free_units: int = 0) -> int:
+        """Sectors to lend for ``needs`` when ``free_pages`` / ``free_units`` blocks are already lent and free."""
+        return _ceil_div(max(0, needs.pages - free_pages), self.pages_per_sector) + _ceil_div(
+            max(0, needs.units - free_units), self.units_per_sector
+        )
+
+    def fits_alone(self, prompt: int, new_tokens: int, split: bool) -> bool:
+        """Whether a request fits in the empty pool."""
+        return self.sectors(self.needs(prompt, new_tokens, split)) <= self.num_sectors
+
+    def _longest(self, new_tokens: int, split: bool) -> int:
+        low, high = 0, self.num_sectors * max(self.pages_per_sector * self.layout.tokens, self.rows)
+        while low < high:  # the largest prompt that fits: needs grow with the prompt
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.fits_alone(mid, new_tokens, split) else (low, mid - 1)
+        return low
+
+    def longest_prompt(self, new_tokens: int, max_batch_tokens: int | None = None) -> int:
+        """The longest prompt served exactly with ``new_tokens`` new tokens (0: none): split into chunks, or, up to
+        ``max_batch_tokens``, whole in one forward (then it needs no staging, and waits for a forward with room)."""
+        chunked = self._longest(new_tokens, True)
+        return chunked if max_batch_tokens is None else max(chunked, min(self._longest(new_tokens, False),
+                                                                         max_batch_tokens))  # fmt: skip
+
+    def check_request(self, prompt: int, new_tokens: int, max_batch_tokens: int) -> None:
+        """``ValueError`` for a request the empty pool cannot serve exactly."""
+        longest = self.longest_prompt(new_tokens, max_batch_tokens)
+        if prompt > longest:
+            raise ValueError(
+                f"request of {prompt} prompt + {new_tokens} new tokens exceeds the `kv_memory` budget of KIVI pages "
+                f"({self.num_sectors * self.bytes_per_sector / 2**20:.1f} MiB) even alone: the longest prompt it "
+                f"serves exactly with {new_tokens} new tokens is {longest} tokens (a prompt's exact states wait in the "
+                f"pool while it is prefilled in chunks); raise `kv_memory` or shorten the request"
+            )
+
+    def summary(self, new_tokens: int, max_batch_tokens: int | None = None) -> str:
+        """One line for the log: the pool and the longest prompt it serves exactly."""
+        return (
+            f"KIVI pages: {self.num_sectors} sectors of {self.bytes_per_sector / 2**20:.2f} MiB "
+            f"({self.pages_per_sector} pages of {self.layout.tokens} tokens or {self.units_per_sector} exact units of "
+            f"{self.rows} tokens each); "
+            f"the longest prompt served exactly with {new_tokens} new tokens: "
+            f"{self.longest_prompt(new_tokens, max_batch_tokens)} tokens"
+        )
+
+    def requests_held(self, prompt: int, new_tokens: int) -> int:
+        """How many requests of ``prompt`` + ``new_tokens`` tokens the pool holds at once while they decode (their
+        prompts' staging returned): sectors for their pages and windows together."""
+        needs = self.needs(prompt, new_tokens, split=False)
+        count = 0
+        while self.sectors(RequestNeeds(needs.pages * (count + 1), needs.units * (count + 1))) <= self.num_sectors:
+            count += 1
+            if self.max_requests is not None and count == self.max_requests:
+                break
+        return count

@@ -1,0 +1,279 @@
+"""What one layer of a continuous-batching forward stores, and what its attention then reads.
+
+:class:`PageWriter` writes each request's new tokens as its own :class:`~kivi_xpu.KiviCache` would (same counts,
+same codes) into its pages (:mod:`.pages`) and its exact units (:mod:`.windows`), and returns the layer's steps
+(:class:`RequestStep`, :class:`DecodeRows`) that the ``"kivi_paged"`` attention (:mod:`.attention`) reads. Three
+kinds of request step:
+
+* **decode rows** (one token after full sinks, the prompt stored): all at once, one indexed copy per kind into the
+  windows and one ``paged_decode_attention`` call reading every request's pages in place;
+* **prompt chunks**: the exact prompt so far (staged chunks and this one) for SDPA, causal; the last chunk stores
+  the whole prompt as ``KiviCache``'s prefill stores it;
+* anything else (a decode row before the sinks are full, a multi-token append after the prompt): the general
+  append, attended as ``KiviCache`` attends it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..algorithm import KiviSettings
+from ..ops import kernel
+from ..ops.checks import KindOperands
+from ..rotation import rotate
+from .pages import LayerPages
+from .windows import ExactUnits
+
+
+class Request(NamedTuple):
+    """One request of a forward: query rows ``[q_start, q_start + q_len)`` after ``past`` tokens held."""
+
+    slot: int  # its window unit
+    past: int
+    q_start: int
+    q_len: int
+    blocks: torch.Tensor  # int64 block ids of its pages 0, 1, ...
+    prompt_end: int  # its prompt's length: tokens before it are prompt tokens
+    staging: torch.Tensor | None  # int64 units of its exact prompt while the prompt is split
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.past < self.prompt_end
+
+
+class RequestStep(NamedTuple):
+    """One request's share of a layer's attention: query rows ``[q_start, q_start + q_len)``. ``prompt``: ``keys`` /
+    ``values`` are the exact prompt states so far ``[1, H, n, D]`` and the rows their last ``q_len`` (causal);
+    otherwise :class:`~kivi_xpu.ops.checks.KindOperands` (sinks, packed history, exact tail)."""
+
+    q_start: int
+    q_len: int
+    keys: KindOperands | torch.Tensor
+    values: KindOperands | torch.Tensor
+    prompt: bool
+
+
+class DecodeRows(NamedTuple):
+    """The decode rows of a layer's forward, for one ``paged_decode_attention`` call: query rows ``q_index`` of the
+    flat batch; ``args``: the op's arguments after ``query``."""
+
+    q_index: torch.Tensor
+    args: tuple
+
+
+class DecodePlan(NamedTuple):
+    """What every layer's store and attention of a forward's decode rows need, worked out once per forward (all
+    layers hold the same counts)."""
+
+    requests: list[Request]
+    bases: list[int]  # where each request's value rows start in its slot (after move_values)
+    q_index: torch.Tensor  # [N] their query rows in the flat batch
+    slots: torch.Tensor  # [N]
+    window_rows: torch.Tensor  # [2, N] the new token's key row and value row in the slot
+    table: torch.Tensor  # [N, pages] block table
+    table_rows: torch.Tensor  # [N, 7] paged_decode_attention's requests table
+    leaving: torch.Tensor | None  # [4, n] value tokens leaving: slot, window row, block, page row
+    key_blocks: list[tuple[Request, int, int]]  # (request, packed keys before, keys leaving now)
+
+    @classmethod
+    def of(cls, decode: list[Request], settings: KiviSettings, units: ExactUnits, device) -> DecodePlan:
+        s, t = settings.sink_tokens, settings.key_group_size
+        table = torch.zeros(len(decode), max(r.blocks.numel() for r in decode), dtype=torch.int64)
+        rows, bases, window_rows, leaving, key_blocks = [], [], [], [], []
+        for i, r in enumerate(decode):
+            table[i, : r.blocks.numel()] = r.blocks
+            qk0, qv0 = settings.quantized_key_count(r.past), settings.quantized_value_count(r.past)
+            base = units.value_base_for(r.past)  # where move_values puts the slot's value rows
+            bases.append(base)
+            window_rows.append((r.past - qk0, r.past - base))  # the new token's key and value rows
+            rows.append((r.slot, s, qk0, s, qv0, s + qv0 - base, r.past + 1))
+            if settings.quantized_value_count(r.past + 1) > qv0:  # the oldest exact value token leaves
+                leaving.append((r.slot, s + qv0 - base, int(r.blocks[qv0 // t]), qv0 % t))
+            qk1 = settings.quantized_key_count(r.past + 1)
+            if qk1 > qk0:  # the key window is full: its block leaves it
+                key_blocks.append((r, qk0, qk1 - qk0))
+        return cls(
+            decode,
+            bases,
+            torch.tensor([r.q_start for r in decode], device=device),
+            torch.tensor([r.slot for r in decode], device=device),
+            torch.tensor(window_rows, device=device).T.contiguous(),
+            table.to(device),
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(leaving, device=device).T.contiguous() if leaving else None,
+            key_blocks,
+        )
+
+
+class PageWriter:
+    """Stores a layer's new tokens into pages and units (see the module docstring)."""
+
+    def __init__(self, settings: KiviSettings, backend: str, units: ExactUnits, rotations: tuple):
+        self.settings, self.backend, self.units = settings, backend, units
+        self.key_rotation, self.value_rotation = rotations
+
+    # ------------------------------------------------------------ decode rows
+
+    def decode_rows(self, plan: DecodePlan, layer: int, pages: LayerPages, key_states, value_states) -> DecodeRows:
+        """Every decode row's update of one layer at once: the new tokens join their slots' windows (one indexed
+        copy per kind), the value tokens leaving the windows are quantized into their pages (one call), a key block
+        that fills its window is packed (per request, once in R steps)."""
+        settings, s, units = self.settings, self.settings.sink_tokens, self.units
+        key_windows, value_windows = units.keys[layer], units.values[layer]
+        held = units.value_base[layer]
+        for r, base in zip(plan.requests, plan.bases, strict=True):
+            if held[r.slot] != base:  # once in G steps per request: the value rows move down
+                units.move_values(layer, r.slot, r.past)
+        key_windows[plan.slots, :, plan.window_rows[0]] = key_states[0, :, plan.q_index].transpose(0, 1)
+        value_windows[plan.slots, :, plan.window_rows[1]] = value_states[0, :, plan.q_index].transpose(0, 1)
+        if plan.leaving is not None:
+            self._pack_leaving_values(pages, value_windows, plan.leaving)
+        for r, qk0, count in plan.key_blocks:
+            self._pack_keys(pages, r.blocks, qk0, key_windows[r.slot, :, s : s + count].unsqueeze(0))
+        args = (
+            key_windows,
+            value_windows,
+            pages.key_codes,
+            pages.key_scales,
+            pages.key_zeros,
+            pages.value_codes,
+            pages.value_scales,
+            pages.value_zeros,
+            plan.table,
+            plan.table_rows,
+            settings.key_bits,
+            settings.value_group_size,
+            settings.value_bits,
+        )
+        return DecodeRows(plan.q_index, args)
+
+    def _pack_leaving_values(self, pages: LayerPages, value_windows, leaving: torch.Tensor) -> None:
+        """Quantizes the value tokens leaving the windows (``leaving [4, n]``: slots, window rows, blocks, page rows)
+        into their pages' rows: one quantization of all of them (the rotation folded in, as KiviCache's), one indexed
+        copy per section."""
+        settings = self.settings
+        slots, window_rows, blocks, page_rows = leaving
+        x = value_windows[slots, :, window_rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        heads, n = x.shape[1:3]
+        codes = pages.value_codes.new_empty(1, heads, n, pages.value_codes.shape[3])
+        scales = pages.value_scales.new_empty(1, heads, n, pages.value_scales.shape[3])
+        zeros = torch.empty_like(scales)
+        kernel("quantize_values_into", self.backend)(
+            x.contiguous(), codes, scales, zeros, 0, settings.value_group_size, settings.value_bits,
+            self.value_rotation,
+        )  # fmt: skip
+        for section, part in ((pages.value_codes, codes), (pages.value_scales, scales), (pages.value_zeros, zeros)):
+            section[blocks, :, page_rows] = part[0].transpose(0, 1)
+
+    # ---------------------------------------------------------- prompt chunks
+
+    def prompt_chunk(self, layer: int, pages: LayerPages, request: Request, key_states, value_states) -> RequestStep:
+        """A chunk of a request's prompt: attention reads the exact prompt so far; a chunk before the last is staged,
+        the last stores the whole prompt as ``KiviCache``'s prefill of ``prompt_end`` tokens does."""
+        past, m, q_start = request.past, request.q_len, request.q_start
+        keys, values = key_states[:, :, q_start : q_start + m], value_states[:, :, q_start : q_start + m]
+        if past + m > request.prompt_end:
+            raise RuntimeError(f"KiviPagedCache: a chunk runs past its prompt ({past} + {m} > {request.prompt_end})")
+        if past:
+            staged_keys, staged_values = self.units.staged(request.staging, layer, past)
+            keys, values = torch.cat([staged_keys, keys], dim=2), torch.cat([staged_values, values], dim=2)
+        if past + m < request.prompt_end:
+            self.units.stage(request.staging, layer, past, keys[:, :, past:], values[:, :, past:])
+        else:
+            self._append(layer, pages, request.slot, request.blocks, 0, keys, values)
+        return RequestStep(q_start, m, keys, values, True)
+
+    # ---------------------------------------------------------- other appends
+
+    def append(self, layer: int, pages: LayerPages, request: Request, key_states, value_states) -> RequestStep:
+        """Any other request's update of one layer (a token before the sinks are full, a multi-token append after
+        the prompt): returns what its attention reads."""
+        q_start, m = request.q_start, request.q_len
+        new_k = key_states[:, :, q_start : q_start + m]
+        new_v = value_states[:, :, q_start : q_start + m]
+        key_tail, value_tail, sinks, counts = self._append(layer, pages, request.slot, request.blocks, request.past,
+                                                           new_k, new_v)  # fmt: skip
+        return RequestStep(
+            q_start,
+            m,
+            self._operands("keys", pages, request.blocks, sinks[0], counts[0], key_tail),
+            self._operands("values", pages, request.blocks, sinks[1], counts[1], value_tail),
+            False,
+        )
+
+    def _append(self, layer: int, pages: LayerPages, slot: int, blocks, past: int, new_k, new_v):
+        """Appends ``new_k`` / ``new_v [1, H, m, D]`` after ``past`` tokens: sinks, packed tokens and window as
+        :mod:`.windows` lays them out. Returns the exact tails (window rows, then the new tokens), the sinks held
+        before and the packed counts before (what attention reads: the tokens leaving now are still in the tails)."""
+        s, settings, units = self.settings.sink_tokens, self.settings, self.units
+        m = new_k.shape[2]
+        length = past + m
+        key_rows, value_rows = units.keys[layer][slot], units.values[layer][slot]
+        qk0, qk1 = settings.quantized_key_count(past), settings.quantized_key_count(length)
+        qv0, qv1 = settings.quantized_value_count(past), settings.quantized_value_count(length)
+        units.move_values(layer, slot, past)
+        base = units.value_base[layer][slot]
+        held_sinks = min(past, s)
+        # Exact tokens after the packed ones: window rows then the new tokens (sinks-bound ones first).
+        key_tail = torch.cat([key_rows[:, s : s + max(0, past - s - qk0)].unsqueeze(0), new_k], dim=2)
+        value_tail = torch.cat([value_rows[:, s + qv0 - base : s + max(0, past - s) - base].unsqueeze(0), new_v],
+                               dim=2)  # fmt: skip
+        sinks = (key_rows[:, :held_sinks].unsqueeze(0), value_rows[:, :held_sinks].unsqueeze(0))
+        to_sinks = min(m, s - held_sinks)
+        if to_sinks > 0:
+            key_rows[:, held_sinks : held_sinks + to_sinks] = new_k[0, :, :to_sinks]
+            value_rows[:, held_sinks : held_sinks + to_sinks] = new_v[0, :, :to_sinks]
+        start = max(0, s - past)  # tail index of position s (the tails start at s + q0 or at past)
+        if qk1 > qk0:
+            self._pack_keys(pages, blocks, qk0, key_tail[:, :, start : start + qk1 - qk0])
+        if qv1 > qv0:
+            self._pack_values(pages, blocks, qv0, value_tail[:, :, start : start + qv1 - qv0])
+        # The slot's exact rows after the append.
+        exact = max(0, length - s)
+        key_rows[:, s : s + exact - qk1] = key_tail[0, :, start + qk1 - qk0 :]
+        base = units.value_base_for(length)
+        value_rows[:, s + qv1 - base : s + exact - base] = value_tail[0, :, start + qv1 - qv0 :]
+        units.value_base[layer][slot] = base
+        return key_tail, value_tail, sinks, (qk0, qv0)
+
+    def _operands(self, kind: str, pages: LayerPages, blocks, sinks, count: int, tail) -> KindOperands:
+        t = self.settings.key_group_size
+        used = blocks[: -(-count // t)]
+        if kind == "keys":
+            codes, scales, zeros = pages.keys(used)
+            group, bits, rotation = self.settings.key_group_size, self.settings.key_bits, self.key_rotation
+        else:
+            codes, scales, zeros = pages.values(used)
+            group, bits, rotation = self.settings.value_group_size, self.settings.value_bits, self.value_rotation
+        return KindOperands(sinks, codes, scales, zeros, count, group, bits, tail, rotation)
+
+    def _pack_keys(self, pages: LayerPages, blocks, start: int, keys) -> None:
+        """Quantizes ``keys [1, H, n, D]`` (packed positions ``[start, start + n)``, whole pages) into their pages."""
+        t = self.settings.key_group_size
+        x = rotate(keys, self.key_rotation)
+        codes, scales, zeros = kernel("quantize_keys", self.backend)(
+            x.contiguous(), self.settings.key_group_size, self.settings.key_bits, self.settings.meta_dtype
+        )
+        pages.store_keys(blocks[start // t : (start + keys.shape[2]) // t], codes, scales, zeros)
+
+    def _pack_values(self, pages: LayerPages, blocks, start: int, values) -> None:
+        """Quantizes ``values [1, H, n, D]`` (packed positions ``[start, start + n)``) into their pages' rows."""
+        t, quantize = self.settings.key_group_size, kernel("quantize_values_into", self.backend)
+        done, n = 0, values.shape[2]
+        while done < n:
+            position = start + done
+            page, row = int(blocks[position // t]), position % t
+            count = min(n - done, t - row)
+            quantize(
+                values[:, :, done : done + count],
+                pages.value_codes[page : page + 1],
+                pages.value_scales[page : page + 1],
+                pages.value_zeros[page : page + 1],
+                row,
+                self.settings.value_group_size,
+                self.settings.value_bits,
+                self.value_rotation,
+            )
+            done += count
