@@ -43,7 +43,10 @@ PROMPTS = [
     "w10 w20 w30 w40",
     "w7 w7 w8 w9 w11 w12 w13 w14",
     "w100 w101",
+    " ".join(WORDS[(7 * i) % 120] for i in range(150)),  # long: the batching server feeds it in many chunks
+    " ".join(WORDS[(i * i) % 117] for i in range(203)),
 ]
+CB_MAX_BATCH_TOKENS = 16  # the batching server's forward: every prompt but the shortest is split
 
 
 @pytest.fixture(scope="module")
@@ -209,9 +212,11 @@ def test_server_models_use_kivi(model_dir):
 
 @pytest.fixture(scope="module")
 def batching_server(model_dir):
-    """(base URL, Server) of `kivi-xpu serve --continuous-batching` on KIVI pages (16 MiB, 8 requests in flight)."""
+    """(base URL, Server) of `kivi-xpu serve --continuous-batching` on KIVI pages (16 MiB, 8 requests in flight,
+    forwards of 16 query tokens)."""
     server = Server(["--device", "cpu", "--dtype", "float32", *KIVI_FLAGS, "--continuous-batching",
-                     "--kv-memory", "16", "--max-requests", "8"])  # fmt: skip
+                     "--kv-memory", "16", "--max-requests", "8",
+                     "--cb-max-batch-tokens", str(CB_MAX_BATCH_TOKENS)])  # fmt: skip
     try:
         url = server.wait_started(STARTUP_SECONDS)
         yield url, server
@@ -222,7 +227,7 @@ def batching_server(model_dir):
 def test_continuous_batching_on_kivi_pages_answers_as_direct_generate_under_load(batching_server, model_dir, expected):
     """64 concurrent requests (every other one streaming) through the official client on the continuous-batching
     server: none lost or truncated (8 in flight, the rest queued), and each answer equals `generate` with the same
-    KiviCache settings."""
+    KiviCache settings, the long prompts' too, which the server prefills in chunks of 16 tokens."""
     url, process = batching_server
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
     try:
