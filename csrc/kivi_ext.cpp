@@ -37,6 +37,14 @@
 //       replace the scores, as a bool mask does) -> per chunk of chunk_tokens tokens:
 //       chunk_max/chunk_sum [B,Hq,L,C] (max of the softcapped, biased scores; sum of exp(score - max)) and
 //       chunk_acc [B,Hq,L,C,Dv] (sum of exp(score - max) * value); the caller merges the chunks in order.
+//   paged_attention(device: str, query, plain_query, key_windows, value_windows, key_codes, key_scales, key_zeros,
+//                   value_codes, value_scales, value_zeros, block_table, requests, chunk_max, chunk_sum, chunk_acc,
+//                   chunk_exact_acc, key_bits: int, value_group: int, value_bits: int, chunk_tokens: int) -> None
+//       query [N,Hq,1,D] float32 (scaled, rotated as the keys; plain_query not rotated), continuous batching's
+//       windows and pages and the requests table of paged_decode_attention (kivi_xpu/ops/reference.py) -> per chunk
+//       of chunk_tokens tokens (a multiple of the page size) of the tokens that either kind holds packed:
+//       chunk_max/chunk_sum [N,Hq,1,C], chunk_acc (packed values) and chunk_exact_acc (window values)
+//       [N,Hq,1,C,Dv]; the caller merges them with the sinks and the exact tail.
 // `device` is a filter string previously passed to init(). Metadata dtypes: float16/bfloat16/float32.
 // Every assumption is checked here too (TORCH_CHECK_*), so a direct call with bad tensors raises, never crashes.
 
@@ -101,6 +109,24 @@ void packed_attention(const std::string& device, const at::Tensor& query, const 
   launch_packed_attention(rt, p);
 }
 
+void paged_attention(const std::string& device, const at::Tensor& query, const at::Tensor& plain_query,
+                     const at::Tensor& key_windows,
+                     const at::Tensor& value_windows, const at::Tensor& key_codes, const at::Tensor& key_scales,
+                     const at::Tensor& key_zeros, const at::Tensor& value_codes, const at::Tensor& value_scales,
+                     const at::Tensor& value_zeros, const at::Tensor& block_table, const at::Tensor& requests,
+                     const at::Tensor& chunk_max, const at::Tensor& chunk_sum, const at::Tensor& chunk_acc,
+                     const at::Tensor& chunk_exact_acc, int64_t key_bits, int64_t value_group, int64_t value_bits,
+                     int64_t chunk_tokens) {
+  DeviceRuntime& rt = runtime(device);
+  PagedParams p = check_paged_attention(rt, query, plain_query, key_windows, value_windows, key_codes, key_scales,
+                                        key_zeros, value_codes, value_scales, value_zeros, block_table, requests,
+                                        chunk_max, chunk_sum, chunk_acc, chunk_exact_acc, key_bits, value_group,
+                                        value_bits, chunk_tokens);
+  const at::Tensor scratch = at::empty({paged_scratch_floats(p)}, query.options());  // on the query's device
+  p.scratch = scratch.data_ptr<float>();
+  launch_paged_attention(rt, p);
+}
+
 }  // namespace
 }  // namespace kivi
 
@@ -132,5 +158,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_zeros"), py::arg("bias"), py::arg("bias_fills"), py::arg("chunk_max"), py::arg("chunk_sum"),
         py::arg("chunk_acc"), py::arg("num_tokens"), py::arg("key_group"), py::arg("key_bits"), py::arg("value_group"),
         py::arg("value_bits"), py::arg("chunk_tokens"), py::arg("softcap"));
+  m.def("paged_attention", &paged_attention, py::arg("device"), py::arg("query"), py::arg("plain_query"),
+        py::arg("key_windows"),
+        py::arg("value_windows"), py::arg("key_codes"), py::arg("key_scales"), py::arg("key_zeros"),
+        py::arg("value_codes"), py::arg("value_scales"), py::arg("value_zeros"), py::arg("block_table"),
+        py::arg("requests"), py::arg("chunk_max"), py::arg("chunk_sum"), py::arg("chunk_acc"),
+        py::arg("chunk_exact_acc"), py::arg("key_bits"),
+        py::arg("value_group"), py::arg("value_bits"), py::arg("chunk_tokens"));
   m.attr("build_options") = kBuildOptions;
 }

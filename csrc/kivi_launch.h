@@ -160,4 +160,32 @@ inline void launch_packed_attention(DeviceRuntime& rt, const FusedParams& p) {
          size_t(p.bias_l), int(p.bias_fills), p.softcap);
 }
 
+// Paged decode attention: one work-group per (request x kv head, block of query rows x chunk), as the fused kernel.
+inline int64_t paged_rows(const PagedParams& p) { return p.q_heads / p.kv_heads; }
+inline int64_t paged_scratch_floats(const PagedParams& p) {
+  const int rpi = rows_per_item(paged_rows(p));
+  const int64_t blocks = (paged_rows(p) + rpi - 1) / rpi;
+  return p.requests_n * p.kv_heads * blocks * p.chunks * rpi * p.chunk_tokens;
+}
+
+inline void launch_paged_attention(DeviceRuntime& rt, const PagedParams& p) {
+  const int64_t rows = paged_rows(p);
+  const int rpi = rows_per_item(rows);
+  const int64_t blocks = (rows + rpi - 1) / rpi;
+  if (p.requests_n * p.kv_heads == 0 || p.chunks == 0) return;
+  const Kernel& kernel =
+      rt.kernel(kPagedAttention, {p.meta, p.window, bits_position(p.key_bits), bits_position(p.value_bits), rpi - 1});
+  const size_t local = kernel.max_local;
+  launch(rt, kPagedAttention, kernel,
+         sycl::nd_range<3>({size_t(p.requests_n * p.kv_heads), size_t(blocks * p.chunks), local}, {1, 1, local}),
+         p.query, p.plain_query, p.key_codes, p.key_scales, p.key_zeros, p.value_codes, p.value_scales,
+         p.value_zeros, p.key_windows, p.value_windows, p.block_table, p.requests, p.chunk_max, p.chunk_sum,
+         p.chunk_acc, p.chunk_exact_acc, p.scratch,
+         size_t(rows), size_t(p.kv_heads), size_t(p.head_dim), size_t(p.value_dim), size_t(p.tokens),
+         size_t(p.value_group), size_t(p.key_code_block), size_t(p.key_meta_block), size_t(p.value_code_block),
+         size_t(p.value_meta_block), size_t(p.key_window_slot), size_t(p.key_window_head),
+         size_t(p.value_window_slot), size_t(p.value_window_head), size_t(p.table_cols), size_t(p.chunk_tokens),
+         size_t(p.chunks));
+}
+
 }  // namespace kivi

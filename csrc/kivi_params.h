@@ -64,6 +64,25 @@ struct FusedParams {
   float softcap = 0.0f;
 };
 
+// The paged decode attention (kivi_paged_attention): the pages of every layer's pool read in place through a block
+// table, the requests' exact window slots, and the per-chunk outputs.
+struct PagedParams {
+  const float* query = nullptr;        // [N, Hq, 1, D] float32, scaled and rotated as the keys by the caller
+  const float* plain_query = nullptr;  // the same, not rotated (scores the exact keys)
+  const unsigned char *key_codes = nullptr, *value_codes = nullptr;
+  const unsigned char *key_scales = nullptr, *key_zeros = nullptr, *value_scales = nullptr, *value_zeros = nullptr;
+  const unsigned char *key_windows = nullptr, *value_windows = nullptr;
+  const int64_t *block_table = nullptr, *requests = nullptr;
+  int meta = 0, window = 0;  // dtype tags
+  int key_bits = 2, value_bits = 2;
+  int64_t requests_n = 0, q_heads = 0, kv_heads = 0, head_dim = 0, value_dim = 0, tokens = 0, value_group = 0;
+  int64_t key_code_block = 0, key_meta_block = 0, value_code_block = 0, value_meta_block = 0;  // element strides
+  int64_t key_window_slot = 0, key_window_head = 0, value_window_slot = 0, value_window_head = 0;
+  int64_t table_cols = 0, chunk_tokens = 0, chunks = 0;
+  float *chunk_max = nullptr, *chunk_sum = nullptr, *chunk_acc = nullptr, *chunk_exact_acc = nullptr;
+  float* scratch = nullptr;
+};
+
 using NamedTensors = std::initializer_list<std::pair<const at::Tensor*, const char*>>;
 
 inline unsigned char* bytes(const at::Tensor& t) { return static_cast<unsigned char*>(t.data_ptr()); }
@@ -307,6 +326,124 @@ inline FusedParams check_packed_attention(const DeviceRuntime& rt, const at::Ten
                      {&chunk_max, "chunk_max"},
                      {&chunk_sum, "chunk_sum"},
                      {&chunk_acc, "chunk_acc"}});
+  return p;
+}
+
+// kivi_paged_attention: every operand and every request row checked once (the kernel indexes pages and window rows
+// with them). The page sections are [blocks, H, ...] views of one pool: contiguous within a block, any block stride.
+inline PagedParams check_paged_attention(const DeviceRuntime& rt, const at::Tensor& query,
+                                         const at::Tensor& plain_query, const at::Tensor& key_windows,
+                                         const at::Tensor& value_windows, const at::Tensor& key_codes,
+                                         const at::Tensor& key_scales, const at::Tensor& key_zeros,
+                                         const at::Tensor& value_codes, const at::Tensor& value_scales,
+                                         const at::Tensor& value_zeros, const at::Tensor& block_table,
+                                         const at::Tensor& requests, const at::Tensor& chunk_max,
+                                         const at::Tensor& chunk_sum, const at::Tensor& chunk_acc,
+                                         const at::Tensor& chunk_exact_acc, int64_t key_bits, int64_t value_group,
+                                         int64_t value_bits, int64_t chunk_tokens) {
+  PagedParams p;
+  check_rank4_contiguous(query, "query");
+  TORCH_CHECK_TYPE(query.scalar_type() == at::kFloat, "`query` must be float32, got ", query.scalar_type());
+  check_rank4_contiguous(plain_query, "plain_query");
+  TORCH_CHECK_VALUE(plain_query.scalar_type() == at::kFloat && plain_query.sizes() == query.sizes(),
+                    "`plain_query` must be float32 of the query's shape ", query.sizes());
+  const int64_t N = query.size(0), Hq = query.size(1), D = query.size(3);
+  TORCH_CHECK_VALUE(query.size(2) == 1, "`query` must hold one row per request [N, Hq, 1, D], got ", query.sizes());
+  for (const auto& [t, name] : {std::pair{&key_windows, "key_windows"}, {&value_windows, "value_windows"}}) {
+    TORCH_CHECK_VALUE(t->dim() == 4 && t->stride(3) == 1 && t->stride(2) == t->size(3),
+                      "`", name, "` must be [slots, H, W, D] with contiguous rows, got ", t->sizes(), " strides ",
+                      t->strides());
+  }
+  p.window = dtype_tag(key_windows, "key_windows");
+  TORCH_CHECK_VALUE(value_windows.scalar_type() == key_windows.scalar_type(), "the windows must share a dtype");
+  const int64_t slots = key_windows.size(0), H = key_windows.size(1);
+  TORCH_CHECK_VALUE(H > 0 && Hq % H == 0 && key_windows.size(3) == D && value_windows.size(0) == slots &&
+                        value_windows.size(1) == H,
+                    "`query` ", query.sizes(), " and the windows ", key_windows.sizes(), " / ", value_windows.sizes(),
+                    " disagree on heads or head_dim");
+  const int per_key = per_byte_checked(8, key_bits), per_value = per_byte_checked(value_group, value_bits);
+  const int64_t blocks = key_codes.size(0), T = key_codes.dim() == 4 ? key_codes.size(3) * per_key : 0;
+  const int64_t Dv = value_windows.size(3);
+  TORCH_CHECK_VALUE(Dv % value_group == 0 && Dv % per_value == 0, "`value_group` (", value_group,
+                    ") must divide the value head_dim ", Dv);
+  const std::vector<std::pair<const at::Tensor*, std::vector<int64_t>>> sections = {
+      {&key_codes, {blocks, H, D, T / per_key}},     {&key_scales, {blocks, H, D, 1}},
+      {&key_zeros, {blocks, H, D, 1}},               {&value_codes, {blocks, H, T, Dv / per_value}},
+      {&value_scales, {blocks, H, T, Dv / value_group}}, {&value_zeros, {blocks, H, T, Dv / value_group}}};
+  const char* names[] = {"key_codes", "key_scales", "key_zeros", "value_codes", "value_scales", "value_zeros"};
+  for (size_t i = 0; i < sections.size(); ++i) {
+    const at::Tensor& t = *sections[i].first;
+    check_shape(t, names[i], sections[i].second);
+    TORCH_CHECK_VALUE(t.stride(3) == 1 && t.stride(2) == t.size(3) && t.stride(1) == t.size(2) * t.size(3),
+                      "`", names[i], "` must be contiguous within a block, got strides ", t.strides());
+  }
+  TORCH_CHECK_VALUE(T > 0 && T % per_key == 0, "the pages must hold a positive multiple of ", per_key, " tokens");
+  TORCH_CHECK_TYPE(key_codes.scalar_type() == at::kByte && value_codes.scalar_type() == at::kByte,
+                   "the codes must be uint8");
+  p.meta = dtype_tag(key_scales, "key_scales");
+  for (const at::Tensor* t : {&key_zeros, &value_scales, &value_zeros}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == key_scales.scalar_type(), "scales and zeros must share a dtype");
+  }
+  TORCH_CHECK_VALUE(chunk_tokens > 0 && chunk_tokens % T == 0, "`chunk_tokens` (", chunk_tokens,
+                    ") must be a positive multiple of the page's ", T, " tokens");
+  for (const auto& [t, name] : {std::pair{&block_table, "block_table"}, {&requests, "requests"}}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kLong && t->dim() == 2 && t->size(0) == N && t->is_contiguous(), "`",
+                     name, "` must be a contiguous int64 [", N, ", *] tensor, got ", t->sizes());
+  }
+  TORCH_CHECK_VALUE(requests.size(1) == 7, "`requests` must have 7 columns, got ", requests.sizes());
+  // Every row's tokens and rows in range (read on the host: a handful of integers per request).
+  const at::Tensor rows = requests.to(at::kCPU), table = block_table.to(at::kCPU);
+  int64_t top_max = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t* r = rows.data_ptr<int64_t>() + i * 7;
+    const int64_t slot = r[0], sinks = r[1], kc = r[2], ktr = r[3], vc = r[4], vtr = r[5], length = r[6];
+    const int64_t top = std::max(kc, vc);
+    const bool ok = slot >= 0 && slot < slots && sinks >= 0 && kc >= 0 && kc % T == 0 && vc >= 0 &&
+                    length >= sinks + top && ktr >= 0 && ktr + length - sinks - kc <= key_windows.size(2) &&
+                    vtr >= 0 && vtr + length - sinks - vc <= value_windows.size(2) &&
+                    (top + T - 1) / T <= block_table.size(1);
+    TORCH_CHECK_VALUE(ok, "paged_attention: `requests` row ", i, " (", rows[i], ") is out of range");
+    for (int64_t page = 0; page < (top + T - 1) / T; ++page) {
+      const int64_t b = table.data_ptr<int64_t>()[i * block_table.size(1) + page];
+      TORCH_CHECK_VALUE(b >= 0 && b < blocks, "`block_table`[", i, ", ", page, "] = ", b, " is not a block in [0, ",
+                        blocks, ")");
+    }
+    top_max = std::max(top_max, top);
+  }
+  p.chunks = (top_max + chunk_tokens - 1) / chunk_tokens;
+  for (const auto& [t, name] : {std::pair{&chunk_max, "chunk_max"}, {&chunk_sum, "chunk_sum"}}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->is_contiguous(), "`", name,
+                     "` must be a contiguous float32 tensor");
+    check_shape(*t, name, {N, Hq, 1, p.chunks});
+  }
+  for (const auto& [t, name] : {std::pair{&chunk_acc, "chunk_acc"}, {&chunk_exact_acc, "chunk_exact_acc"}}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat && t->is_contiguous(), "`", name,
+                     "` must be a contiguous float32 tensor");
+    check_shape(*t, name, {N, Hq, 1, p.chunks, Dv});
+  }
+  check_devices(rt, {{&query, "query"}, {&plain_query, "plain_query"}, {&key_windows, "key_windows"}, {&value_windows, "value_windows"},
+                     {&key_codes, "key_codes"}, {&key_scales, "key_scales"}, {&key_zeros, "key_zeros"},
+                     {&value_codes, "value_codes"}, {&value_scales, "value_scales"}, {&value_zeros, "value_zeros"},
+                     {&block_table, "block_table"}, {&requests, "requests"}, {&chunk_max, "chunk_max"},
+                     {&chunk_sum, "chunk_sum"}, {&chunk_acc, "chunk_acc"}, {&chunk_exact_acc, "chunk_exact_acc"}});
+  p.query = query.data_ptr<float>(), p.plain_query = plain_query.data_ptr<float>();
+  p.key_codes = bytes(key_codes), p.value_codes = bytes(value_codes);
+  p.key_scales = bytes(key_scales), p.key_zeros = bytes(key_zeros);
+  p.value_scales = bytes(value_scales), p.value_zeros = bytes(value_zeros);
+  p.key_windows = bytes(key_windows), p.value_windows = bytes(value_windows);
+  p.block_table = block_table.data_ptr<int64_t>(), p.requests = requests.data_ptr<int64_t>();
+  p.key_bits = (int)key_bits, p.value_bits = (int)value_bits;
+  p.requests_n = N, p.q_heads = Hq, p.kv_heads = H, p.head_dim = D, p.value_dim = Dv, p.tokens = T;
+  p.value_group = value_group;
+  p.key_code_block = key_codes.stride(0), p.key_meta_block = key_scales.stride(0);
+  p.value_code_block = value_codes.stride(0), p.value_meta_block = value_scales.stride(0);
+  TORCH_CHECK_VALUE(key_zeros.stride(0) == p.key_meta_block && value_zeros.stride(0) == p.value_meta_block,
+                    "scales and zeros must share their block strides");
+  p.key_window_slot = key_windows.stride(0), p.key_window_head = key_windows.stride(1);
+  p.value_window_slot = value_windows.stride(0), p.value_window_head = value_windows.stride(1);
+  p.table_cols = block_table.size(1), p.chunk_tokens = chunk_tokens;
+  p.chunk_max = chunk_max.data_ptr<float>(), p.chunk_sum = chunk_sum.data_ptr<float>();
+  p.chunk_acc = chunk_acc.data_ptr<float>(), p.chunk_exact_acc = chunk_exact_acc.data_ptr<float>();
   return p;
 }
 

@@ -52,6 +52,7 @@ enum KernelId {
   kPackedKeyScores,
   kPackedValueCombine,
   kPackedAttention,
+  kPagedAttention,
   kNumKernels
 };
 
@@ -68,7 +69,7 @@ struct KernelTemplate {
 
 // Indexed by KernelId. quantize: <data dtype, metadata dtype>; dequantize: <metadata dtype, output dtype>; attention:
 // <metadata dtype, bits, rows per item> (the dense operands are float32); fused attention: <metadata dtype, key bits,
-// value bits, rows per item>.
+// value bits, rows per item>; paged attention: <metadata dtype, window dtype, key bits, value bits, rows per item>.
 inline const std::vector<KernelTemplate> kKernelTemplates = {
     {"kivi_quantize_keys", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal, "quantize"},
     {"kivi_quantize_values", {&kDtypeAxis, &kDtypeAxis}, kMaxLocal, "quantize"},
@@ -77,6 +78,7 @@ inline const std::vector<KernelTemplate> kKernelTemplates = {
     {"kivi_packed_key_scores", {&kDtypeAxis, &kBitsAxis, &kRowsAxis}, kAttentionLocal, "attention"},
     {"kivi_packed_value_combine", {&kDtypeAxis, &kBitsAxis, &kRowsAxis}, kAttentionLocal, "attention"},
     {"kivi_packed_attention", {&kDtypeAxis, &kBitsAxis, &kBitsAxis, &kRowsAxis}, kFusedLocal, "fused"},
+    {"kivi_paged_attention", {&kDtypeAxis, &kDtypeAxis, &kBitsAxis, &kBitsAxis, &kRowsAxis}, kFusedLocal, "paged"},
 };
 
 // Number of variants of a template: the product of its axis lengths.

@@ -16,7 +16,6 @@ from .checks import KindOperands, codes_per_byte, split_decode_args
 from .library import OPS, register_kernel
 from .reference import (
     composed_decode_step,
-    composed_paged_decode_attention,
     group_queries,
     masked_scores,
     softmax_rows,
@@ -276,6 +275,75 @@ def decode_attention(query, *args):
     return (fused_decode_attention if fused else composed_decode_attention)(query, *args)
 
 
-# Continuous batching's decode rows: this backend's decode_attention per request over its gathered pages (the pages are
-# 9-10x smaller than the dense states; a fused paged SYCL kernel is not written yet).
-register_kernel("paged_decode_attention", "sycl")(composed_paged_decode_attention(decode_attention))
+def _exact_rows(requests: torch.Tensor, window_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per request, the window rows of what ``kivi_paged_attention`` leaves to the host: the sinks, then the tokens
+    after the packed ones of both kinds. Returns key rows and value rows ``[N, E]`` (clamped into the window) and
+    which of the ``E`` columns are tokens."""
+    slot, sinks, key_count, key_row, value_count, value_row, length = requests.unbind(1)
+    top = torch.maximum(key_count, value_count)
+    exact = sinks + length - sinks - top
+    columns = torch.arange(int(exact.max()), device=requests.device).unsqueeze(0)
+    in_sinks = columns < sinks.unsqueeze(1)
+    after = columns - sinks.unsqueeze(1)
+    keys = torch.where(in_sinks, columns, (key_row + top - key_count).unsqueeze(1) + after)
+    values = torch.where(in_sinks, columns, (value_row + top - value_count).unsqueeze(1) + after)
+    valid = columns < exact.unsqueeze(1)
+    return keys.clamp(0, window_rows - 1), values.clamp(0, window_rows - 1), valid
+
+
+@register_kernel("paged_decode_attention", "sycl")
+def paged_decode_attention(query, key_windows, value_windows, key_codes, key_scales, key_zeros, value_codes,
+                           value_scales, value_zeros, block_table, requests, key_bits, value_group, value_bits,
+                           scaling, key_rotation=None, value_rotation=None):  # fmt: skip
+    """Continuous batching's decode rows in one launch per layer (``kivi_paged_attention``): every request's tokens
+    that either kind holds packed, read in place from its pages, chunk by chunk; then the sinks and the exact tail of
+    every request (gathered from the window slots, one batched product) merged in order with the chunks, as
+    :func:`fused_decode_attention` merges (the window values that the kernel summed beside packed ones are not rotated
+    back). Same arithmetic as the reference ``paged_decode_attention``."""
+    n, hq, _, head_dim = query.shape
+    kv_heads, value_dim = key_windows.shape[1], value_windows.shape[3]
+    if n == 0:
+        return query.new_zeros(0, hq, 1, value_dim)
+    q = query.float() * scaling
+    slots = requests[:, 0]
+    key_rows, value_rows, valid = _exact_rows(requests, key_windows.shape[2])
+    exact_keys = key_windows[slots.unsqueeze(1), :, key_rows].transpose(1, 2).float()  # [N, H, E, D]
+    # Rows past a request's tail hold whatever the pool held there (pages' bytes too): zeroed, as 0 * NaN is NaN.
+    exact_values = value_windows[slots.unsqueeze(1), :, value_rows].masked_fill(~valid[:, :, None, None], 0.0)
+    exact_values = exact_values.transpose(1, 2).float()
+    scores = (group_queries(q, kv_heads) @ exact_keys.transpose(2, 3)).reshape(n, hq, 1, -1)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+
+    tokens = key_codes.shape[3] * codes_per_byte(key_bits)
+    packed = int(torch.maximum(requests[:, 2], requests[:, 4]).max())
+    if packed:
+        rt = _runtime("key_codes", key_codes)
+        rows = hq // kv_heads
+        chunk = -(-fused_chunk_tokens(packed, n * kv_heads * -(-rows // 4), rt.facts.max_compute_units) // tokens)
+        chunk *= tokens
+        chunks = -(-packed // chunk)
+        chunk_max = torch.empty((n, hq, 1, chunks), dtype=torch.float32, device=query.device)
+        chunk_sum = torch.empty_like(chunk_max)
+        chunk_acc = torch.empty((n, hq, 1, chunks, value_dim), dtype=torch.float32, device=query.device)
+        chunk_exact_acc = torch.empty_like(chunk_acc)
+        rt.module.paged_attention(
+            rt.device, rotate(q, key_rotation).contiguous(), q.contiguous(), key_windows, value_windows, key_codes,
+            key_scales, key_zeros, value_codes, value_scales, value_zeros, block_table.contiguous(),
+            requests.contiguous(), chunk_max, chunk_sum, chunk_acc, chunk_exact_acc, key_bits, value_group,
+            value_bits, chunk,
+        )  # fmt: skip
+        top = torch.maximum(top, chunk_max.amax(dim=-1, keepdim=True))
+
+    # In-order merge, every part rescaled to the row's overall max (as fused_decode_attention).
+    shift = top.masked_fill(top == float("-inf"), 0.0)
+    weights = torch.exp(scores - shift)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = (group_queries(weights, kv_heads) @ exact_values).reshape(n, hq, 1, -1)
+    if packed:
+        factor = torch.exp(chunk_max - shift)
+        total = total + (factor * chunk_sum).sum(dim=-1, keepdim=True)
+        out = out + unrotate((factor.unsqueeze(-1) * chunk_acc).sum(dim=-2), value_rotation)
+        out = out + (factor.unsqueeze(-1) * chunk_exact_acc).sum(dim=-2)
+    out = (out / total).masked_fill(top == float("-inf"), 0.0)
+    return out.to(query.dtype)
