@@ -140,12 +140,14 @@ class KiviPagedCache(PagedAttentionCache):
             return True
         if self.budget.max_requests is not None and len(self._held) >= self.budget.max_requests:
             return False
+        if request_id.startswith("__warmup_"):
+            return False  # transformers' warm-up of padded shapes: nothing to warm on KIVI pages
         if state.current_len() or state.max_new_tokens is None:
             raise RuntimeError(
                 f"KiviPagedCache: request {request_id} arrived with {state.current_len()} tokens already processed or "
                 f"no max_new_tokens; KIVI pages admit fresh requests of known length only"
             )
-        prompt = len(state.remaining_prefill_tokens)
+        prompt = max(len(state.remaining_prefill_tokens), request_len)  # (a dry run may ask for any length)
         split = request_len < prompt
         needs = self.budget.needs(prompt, state.max_new_tokens - len(state.generated_tokens), split)
         sectors = self.budget.sectors(needs, self.pool.count_free_blocks(PAGES), self.pool.count_free_blocks(UNITS))
