@@ -500,6 +500,36 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packe
 // load nothing), so the group reductions and barriers see the whole group.
 inline float negative_infinity() { return bits_float(0xFF800000u); }
 
+// Phase 2 of the chunked attention kernels, once every lane has written its scores into `probs` [RB][chunk_tokens]
+// and its running maxima `mx`: per row the chunk's max m and sum l of exp(s - m) over its n tokens (group reductions; a
+// row masked out over the whole chunk keeps m = -inf and zero weights), the scores replaced by those weights, and m, l
+// stored for this work-group's rows. Every lane of the work-group calls it (barriers inside).
+template <int RB>
+inline void chunk_statistics(const sycl::group<3>& wg, size_t lane, size_t width, float* probs, size_t chunk_tokens,
+                             size_t n, const float (&mx)[RB], size_t rows, size_t row0, size_t chunks,
+                             size_t out_row0, float* chunk_max, float* chunk_sum) {
+  sycl::group_barrier(wg);  // every token's score is written
+  float m[RB], l[RB];
+  for (int r = 0; r < RB; ++r) m[r] = sycl::reduce_over_group(wg, mx[r], sycl::maximum<float>());
+  for (int r = 0; r < RB; ++r) {
+    float sum = 0.0f;
+    for (size_t t = lane; t < n; t += width) {
+      const float p = m[r] == negative_infinity() ? 0.0f : sycl::exp(probs[r * chunk_tokens + t] - m[r]);
+      probs[r * chunk_tokens + t] = p;
+      sum += p;
+    }
+    l[r] = sycl::reduce_over_group(wg, sum, sycl::plus<float>());
+  }
+  sycl::group_barrier(wg);  // every token's weights are written
+  if (lane == 0) {
+    for (int r = 0; r < RB; ++r) {
+      if (row0 + r >= rows) break;  // uniform
+      chunk_max[out_row0 + r * chunks] = m[r];
+      chunk_sum[out_row0 + r * chunks] = l[r];
+    }
+  }
+}
+
 template <typename M, int key_bits, int value_bits, int RB>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packed_attention(
     const float* query, const unsigned char* key_codes, const typename M::T* key_scales,
@@ -572,28 +602,9 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_packe
         }
     }
   }
-  sycl::group_barrier(wg);  // every token's score is written
-  // Phase 2: the chunk's max and sum per row (a row masked out over the whole chunk keeps m = -inf, weights 0).
-  float m[RB], l[RB];
-  for (int r = 0; r < RB; ++r) m[r] = sycl::reduce_over_group(wg, mx[r], sycl::maximum<float>());
-  for (int r = 0; r < RB; ++r) {
-    float sum = 0.0f;
-    for (size_t t = lane; t < n; t += width) {
-      const float p = m[r] == negative_infinity() ? 0.0f : sycl::exp(probs[r * chunk_tokens + t] - m[r]);
-      probs[r * chunk_tokens + t] = p;
-      sum += p;
-    }
-    l[r] = sycl::reduce_over_group(wg, sum, sycl::plus<float>());
-  }
-  sycl::group_barrier(wg);  // every token's weights are written
+  // Phase 2.
   const size_t out_row0 = (kv * rows + row0) * chunks + chunk;
-  if (lane == 0) {
-    for (int r = 0; r < RB; ++r) {
-      if (row0 + r >= rows) break;  // uniform
-      chunk_max[out_row0 + r * chunks] = m[r];
-      chunk_sum[out_row0 + r * chunks] = l[r];
-    }
-  }
+  chunk_statistics<RB>(wg, lane, width, probs, chunk_tokens, n, mx, rows, row0, chunks, out_row0, chunk_max, chunk_sum);
   // Phase 3: the weighted sum of the chunk's values.
   const size_t row_bytes = value_dim / PV, groups = value_dim / value_group;
   const unsigned char* value_col = value_codes + kv * value_code_rows * row_bytes;
@@ -646,8 +657,8 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_paged
     const typename M::T* key_zeros, const unsigned char* value_codes, const typename M::T* value_scales,
     const typename M::T* value_zeros, const typename X::T* key_windows, const typename X::T* value_windows,
     const long long* block_table, const long long* requests, float* chunk_max, float* chunk_sum, float* chunk_acc,
-    float* chunk_exact_acc, float* scratch, size_t rows, size_t kv_heads, size_t head_dim, size_t value_dim, size_t page_tokens,
-    size_t value_group, size_t key_code_block, size_t key_meta_block, size_t value_code_block,
+    float* chunk_exact_acc, float* scratch, size_t rows, size_t kv_heads, size_t head_dim, size_t value_dim,
+    size_t page_tokens, size_t value_group, size_t key_code_block, size_t key_meta_block, size_t value_code_block,
     size_t value_meta_block, size_t key_window_slot, size_t key_window_head, size_t value_window_slot,
     size_t value_window_head, size_t table_cols, size_t chunk_tokens, size_t chunks) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
@@ -717,28 +728,9 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_paged
         }
     }
   }
-  sycl::group_barrier(wg);
-  // Phase 2: the chunk's max and sum per row (an empty chunk keeps m = -inf, l = 0).
-  float m[RB], l[RB];
-  for (int q = 0; q < RB; ++q) m[q] = sycl::reduce_over_group(wg, mx[q], sycl::maximum<float>());
-  for (int q = 0; q < RB; ++q) {
-    float sum = 0.0f;
-    for (size_t t = lane; t < n; t += width) {
-      const float p = m[q] == negative_infinity() ? 0.0f : sycl::exp(probs[q * chunk_tokens + t] - m[q]);
-      probs[q * chunk_tokens + t] = p;
-      sum += p;
-    }
-    l[q] = sycl::reduce_over_group(wg, sum, sycl::plus<float>());
-  }
-  sycl::group_barrier(wg);
+  // Phase 2 (an empty chunk keeps m = -inf, l = 0).
   const size_t out_row0 = (kv * rows + row0) * chunks + chunk;
-  if (lane == 0) {
-    for (int q = 0; q < RB; ++q) {
-      if (row0 + q >= rows) break;  // uniform
-      chunk_max[out_row0 + q * chunks] = m[q];
-      chunk_sum[out_row0 + q * chunks] = l[q];
-    }
-  }
+  chunk_statistics<RB>(wg, lane, width, probs, chunk_tokens, n, mx, rows, row0, chunks, out_row0, chunk_max, chunk_sum);
   // Phase 3: the weighted sum of the chunk's values, a token at a time (uniform: packed or exact for the whole group).
   const size_t row_bytes = value_dim / PV, groups = value_dim / value_group;
   const typename X::T* value_rows = value_windows + slot * value_window_slot + head * value_window_head;

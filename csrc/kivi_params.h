@@ -421,8 +421,8 @@ inline PagedParams check_paged_attention(const DeviceRuntime& rt, const at::Tens
                      "` must be a contiguous float32 tensor");
     check_shape(*t, name, {N, Hq, 1, p.chunks, Dv});
   }
-  check_devices(rt, {{&query, "query"}, {&plain_query, "plain_query"}, {&key_windows, "key_windows"}, {&value_windows, "value_windows"},
-                     {&key_codes, "key_codes"}, {&key_scales, "key_scales"}, {&key_zeros, "key_zeros"},
+  check_devices(rt, {{&query, "query"}, {&plain_query, "plain_query"}, {&key_windows, "key_windows"},
+                     {&value_windows, "value_windows"}, {&key_codes, "key_codes"}, {&key_scales, "key_scales"}, {&key_zeros, "key_zeros"},
                      {&value_codes, "value_codes"}, {&value_scales, "value_scales"}, {&value_zeros, "value_zeros"},
                      {&block_table, "block_table"}, {&requests, "requests"}, {&chunk_max, "chunk_max"},
                      {&chunk_sum, "chunk_sum"}, {&chunk_acc, "chunk_acc"}, {&chunk_exact_acc, "chunk_exact_acc"}});
