@@ -153,6 +153,23 @@ def test_backends_match_the_twin(backend_name, case):
     assert_close(out, twin(**args), integer)
 
 
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_sycl_kernel_equals_the_native_op(case):
+    """The SYCL paged kernel against the native paged op with fp32 arithmetic on the same pages (both read them in
+    place): equal to fp32 rounding."""
+    require_backend("sycl")
+    from native_module import native
+
+    args = build(case)
+    previous = native.dot()
+    native.set_dot("fp32")
+    try:
+        expected = native.paged_decode_attention(**args)
+    finally:
+        native.set_dot(previous)
+    assert_close(ops.for_backend("sycl").paged_decode_attention(**args), expected)
+
+
 def test_registered_op_and_opcheck():
     args = build(CASES[0])
     torch.library.opcheck(torch.ops.kivi_xpu.paged_decode_attention, tuple(args.values()))
