@@ -279,9 +279,9 @@ def _exact_rows(requests: torch.Tensor, window_rows: int) -> tuple[torch.Tensor,
     """Per request, the window rows of what ``kivi_paged_attention`` leaves to the host: the sinks, then the tokens
     after the packed ones of both kinds. Returns key rows and value rows ``[N, E]`` (clamped into the window) and
     which of the ``E`` columns are tokens."""
-    slot, sinks, key_count, key_row, value_count, value_row, length = requests.unbind(1)
+    _, sinks, key_count, key_row, value_count, value_row, length = requests.unbind(1)
     top = torch.maximum(key_count, value_count)
-    exact = sinks + length - sinks - top
+    exact = length - top  # the sinks and the tail after `top`
     columns = torch.arange(int(exact.max()), device=requests.device).unsqueeze(0)
     in_sinks = columns < sinks.unsqueeze(1)
     after = columns - sinks.unsqueeze(1)
@@ -300,7 +300,7 @@ def paged_decode_attention(query, key_windows, value_windows, key_codes, key_sca
     every request (gathered from the window slots, one batched product) merged in order with the chunks, as
     :func:`fused_decode_attention` merges (the window values that the kernel summed beside packed ones are not rotated
     back). Same arithmetic as the reference ``paged_decode_attention``."""
-    n, hq, _, head_dim = query.shape
+    n, hq = query.shape[:2]
     kv_heads, value_dim = key_windows.shape[1], value_windows.shape[3]
     if n == 0:
         return query.new_zeros(0, hq, 1, value_dim)

@@ -95,7 +95,7 @@ class KiviPagedCache(PagedAttentionCache):
         self.max_tokens_read = allocator.tokens_per_page * allocator.num_blocks
         self.first_layer, self.last_layer = layers[0], layers[-1]
         self._held: dict[str, Held] = {}
-        self._held_by_first_block: dict[int, Held] = {}
+        self._request_of_first_block: dict[int, str] = {}  # a request's first page names it in the batch
         self._requests: list[Request] = []
         self._decode_plan: DecodePlan | None = None
         self._others: list[Request] = []
@@ -159,9 +159,8 @@ class KiviPagedCache(PagedAttentionCache):
         allocator.allocate_cache_to_request(request_id, 0, needs.pages * allocator.tokens_per_page)
         units = self.units.take(needs.units)
         staging = torch.tensor(units[1:], dtype=torch.int64, device=self.device) if split else None
-        held = Held(units[0], prompt, staging)
-        self._held[request_id] = held
-        self._held_by_first_block[allocator.block_table[request_id][0]] = held
+        self._held[request_id] = Held(units[0], prompt, staging)
+        self._request_of_first_block[allocator.block_table[request_id][0]] = request_id
         return True
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
@@ -169,7 +168,7 @@ class KiviPagedCache(PagedAttentionCache):
         allocator = self.cache_allocators[FULL_ATTENTION]
         held = self._held.pop(request_id, None)
         if held is not None:
-            self._held_by_first_block.pop(allocator.block_table[request_id][0], None)
+            self._request_of_first_block.pop(allocator.block_table[request_id][0], None)
             self.units.give_back([held.slot, *self._staged_units(held)])
         super().free_blocks(request_id, no_cache=True)
 
@@ -181,8 +180,7 @@ class KiviPagedCache(PagedAttentionCache):
         """The prompt is stored: its staging units go back to the pool."""
         held = self._held[request_id]
         self.units.give_back(self._staged_units(held))
-        self._held[request_id] = replaced = held._replace(staging=None)
-        self._held_by_first_block[self.cache_allocators[FULL_ATTENTION].block_table[request_id][0]] = replaced
+        self._held[request_id] = held._replace(staging=None)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         for request_id in list(self.cache_allocators[FULL_ATTENTION].block_table):
@@ -214,13 +212,14 @@ class KiviPagedCache(PagedAttentionCache):
                 blocks = read[cu_k[r] : cu_k[r + 1] : t] // stride
             else:  # nothing read in this batch: every request starts here, its write indices cover it
                 blocks = write[q_start : q_start + q_len : t] // stride
-            held = self._held_by_first_block.get(int(blocks[0]))
-            if held is None:
+            request_id = self._request_of_first_block.get(int(blocks[0]))
+            if request_id is None:
                 raise RuntimeError(
                     "KiviPagedCache: a request reached the model without a slot (it was admitted by another cache?)"
                 )
-            requests.append(Request(held.slot, past, q_start, q_len, blocks.to(torch.int64), held.prompt_end,
-                                    held.staging))  # fmt: skip
+            held = self._held[request_id]
+            requests.append(Request(request_id, held.slot, past, q_start, q_len, blocks.to(torch.int64),
+                                    held.prompt_end, held.staging))  # fmt: skip
         return requests
 
     def _plan_decode(self) -> None:
@@ -256,8 +255,6 @@ class KiviPagedCache(PagedAttentionCache):
 
     def _end_finished_staging(self) -> None:
         """After the last layer: requests whose last prompt chunk ran return their staging units."""
-        finished = {r.slot for r in self._others if r.staging is not None and r.past + r.q_len == r.prompt_end}
-        if finished:
-            for request_id, held in list(self._held.items()):
-                if held.slot in finished:
-                    self._end_staging(request_id)
+        for r in self._others:
+            if r.staging is not None and r.past + r.q_len == r.prompt_end:
+                self._end_staging(r.request_id)

@@ -47,11 +47,9 @@ class KiviBatchingManager(ContinuousBatchingManager):
     """transformers' ``ContinuousBatchingManager`` over KIVI pages (see the module docstring). Build it with
     :func:`init_continuous_batching`."""
 
-    def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None, *, cache_options):
-        self._cache_options = cache_options
-        # Sized now, so that a bad budget fails here rather than in the generation thread.
-        options = {k: cache_options[k] for k in ("settings", "kv_memory", "max_requests")}
-        self.budget = PageBudget.plan(model.config.get_text_config(), dtype=model.dtype, **options)
+    def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None, *, cache_options,
+                 budget: PageBudget):  # fmt: skip
+        self._cache_options, self.budget = cache_options, budget
         self.max_batch_tokens = continuous_batching_config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         _exact_scheduling(continuous_batching_config)
         logger.info(self.budget.summary(generation_config.max_new_tokens or 0, self.max_batch_tokens))
@@ -106,16 +104,18 @@ def _exact_scheduling(config: ContinuousBatchingConfig) -> None:
         config.safety_margin = 0.0
 
 
-def _cache_options(model, kv_memory, max_requests, backend, kivi_settings: dict) -> dict:
-    """The checked keyword arguments of :class:`~kivi_xpu.paged.cache.KiviPagedCache` for ``model``."""
+def _cache_options(model, kv_memory, max_requests, backend, kivi_settings: dict) -> tuple[dict, PageBudget]:
+    """The checked keyword arguments of :class:`~kivi_xpu.paged.cache.KiviPagedCache` for ``model``, and the budget
+    they plan (planned here, so that a bad budget fails at once rather than in the generation thread)."""
     check_transformers_version()
     if not isinstance(kv_memory, int) or isinstance(kv_memory, bool) or kv_memory <= 0:
         raise ValueError(f"`kv_memory` must be a positive number of bytes, got {kv_memory!r}")
     if max_requests is not None and (not isinstance(max_requests, int) or max_requests < 1):
         raise ValueError(f"`max_requests` must be None or a positive integer, got {max_requests!r}")
     settings = KiviSettings(**kivi_settings).for_model_dtype(model.dtype)
-    PageBudget.plan(model.config.get_text_config(), settings, model.dtype, kv_memory, max_requests)
-    return dict(kv_memory=kv_memory, settings=settings, backend=select(backend, None).name, max_requests=max_requests)
+    budget = PageBudget.plan(model.config.get_text_config(), settings, model.dtype, kv_memory, max_requests)
+    backend = select(backend, None).name
+    return dict(kv_memory=kv_memory, settings=settings, backend=backend, max_requests=max_requests), budget
 
 
 def init_continuous_batching(
@@ -145,10 +145,9 @@ def init_continuous_batching(
         generation_config.eos_token_id = -1
     if getattr(generation_config, "num_return_sequences", None) not in (None, 1):
         raise ValueError("KIVI pages serve one sequence per request: `num_return_sequences` must be 1")
-    options = _cache_options(model, kv_memory, max_requests, backend, kivi_settings)
-    return KiviBatchingManager(
-        model, generation_config, continuous_batching_config or ContinuousBatchingConfig(), cache_options=options
-    )
+    options, budget = _cache_options(model, kv_memory, max_requests, backend, kivi_settings)
+    config = continuous_batching_config or ContinuousBatchingConfig()
+    return KiviBatchingManager(model, generation_config, config, cache_options=options, budget=budget)
 
 
 def install(model, *, kv_memory: int, max_requests: int | None = None, backend: str | None = None,
@@ -156,7 +155,7 @@ def install(model, *, kv_memory: int, max_requests: int | None = None, backend: 
     """Makes ``model.init_continuous_batching`` (what ``transformers serve --continuous-batching`` and other callers of
     transformers' API use) return a manager on KIVI pages with these options (see :func:`init_continuous_batching`).
     The options are checked now; returns the budget they plan (:meth:`PageBudget.summary` for the log)."""
-    options = _cache_options(model, kv_memory, max_requests, backend, kivi_settings)  # bad options fail here
+    _, budget = _cache_options(model, kv_memory, max_requests, backend, kivi_settings)  # bad options fail here
 
     def init_on_pages(generation_config=None, continuous_batching_config=None, workload_hints=None):
         return init_continuous_batching(
@@ -165,7 +164,7 @@ def install(model, *, kv_memory: int, max_requests: int | None = None, backend: 
         )  # fmt: skip
 
     model.init_continuous_batching = init_on_pages
-    return PageBudget.plan(model.config.get_text_config(), options["settings"], model.dtype, kv_memory, max_requests)
+    return budget
 
 
 def generate_batch(

@@ -30,6 +30,7 @@ from .windows import ExactUnits
 class Request(NamedTuple):
     """One request of a forward: query rows ``[q_start, q_start + q_len)`` after ``past`` tokens held."""
 
+    request_id: str
     slot: int  # its window unit
     past: int
     q_start: int
@@ -173,14 +174,15 @@ class PageWriter:
         """A chunk of a request's prompt: attention reads the exact prompt so far; a chunk before the last is staged,
         the last stores the whole prompt as ``KiviCache``'s prefill of ``prompt_end`` tokens does."""
         past, m, q_start = request.past, request.q_len, request.q_start
-        keys, values = key_states[:, :, q_start : q_start + m], value_states[:, :, q_start : q_start + m]
+        new_k, new_v = key_states[:, :, q_start : q_start + m], value_states[:, :, q_start : q_start + m]
         if past + m > request.prompt_end:
             raise RuntimeError(f"KiviPagedCache: a chunk runs past its prompt ({past} + {m} > {request.prompt_end})")
+        keys, values = new_k, new_v
         if past:
             staged_keys, staged_values = self.units.staged(request.staging, layer, past)
-            keys, values = torch.cat([staged_keys, keys], dim=2), torch.cat([staged_values, values], dim=2)
+            keys, values = torch.cat([staged_keys, new_k], dim=2), torch.cat([staged_values, new_v], dim=2)
         if past + m < request.prompt_end:
-            self.units.stage(request.staging, layer, past, keys[:, :, past:], values[:, :, past:])
+            self.units.stage(request.staging, layer, past, new_k, new_v)
         else:
             self._append(layer, pages, request.slot, request.blocks, 0, keys, values)
         return RequestStep(q_start, m, keys, values, True)
