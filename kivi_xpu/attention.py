@@ -25,6 +25,7 @@ and uses the fused path from its next update on.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
 from typing import NamedTuple
@@ -40,6 +41,7 @@ from .ops.reference import dense_attention, masked_scores, softmax_rows
 from .storage import dequantized
 
 ATTENTION_NAME = "kivi"
+logger = logging.getLogger("kivi_xpu")
 
 
 class DecodeInputs(NamedTuple):
@@ -72,14 +74,65 @@ def dense_states(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return dense_kind(inputs.keys, "keys", inputs.backend), dense_kind(inputs.values, "values", inputs.backend)
 
 
-def runs_kivi_attention(config) -> bool:
-    """Whether a model config selects this attention (``config._attn_implementation == "kivi"``). Read where
-    transformers 5 stores it, past the config class's ``__getattribute__`` hooks (~2 us through them, and every
-    layer reads it at every step); a config without that attribute is read the documented way."""
+# transformers' default attention, "sdpa" resolved because no attn_implementation was given, as a str object of its
+# own: models built after `import kivi_xpu` hold this very object (kivi_xpu.integration records it at load), while a
+# name the user chose, "sdpa" included, is another object. Under it a KiviCache takes the fused path.
+DEFAULT_SDPA = "".join(("sd", "pa"))
+
+
+def attention_name(config) -> str | None:
+    """``config._attn_implementation``, read where transformers 5 stores it, past the config class's
+    ``__getattribute__`` hooks (~2 us through them, and every layer reads it at every step); a config without that
+    attribute is read the documented way."""
     try:
-        return object.__getattribute__(config, "_attn_implementation_internal") == ATTENTION_NAME
+        return object.__getattribute__(config, "_attn_implementation_internal")
     except AttributeError:
-        return getattr(config, "_attn_implementation", None) == ATTENTION_NAME
+        return getattr(config, "_attn_implementation", None)
+
+
+def runs_kivi_attention(config) -> bool:
+    """Whether a model config selects this attention explicitly (``attn_implementation="kivi"``)."""
+    return attention_name(config) == ATTENTION_NAME
+
+
+def attention_path(config, seen: bool) -> tuple[bool, str]:
+    """(fused, why) for a KIVI layer read by the model of ``config``: fused under ``attn_implementation="kivi"``,
+    and under transformers' default attention once the layer's attention call went through the registered ``"sdpa"``
+    function (``seen``: a model whose attention bypasses transformers' interface must get dense states); dense under
+    any attention the user chose, ``"sdpa"`` included."""
+    name = attention_name(config)
+    if name == ATTENTION_NAME:
+        return True, 'attn_implementation="kivi"'
+    if name is DEFAULT_SDPA:
+        if seen:
+            return True, "the model runs transformers' default attention (no attn_implementation was chosen)"
+        return False, "the model's attention has not reached transformers' attention interface yet"
+    return False, (
+        f"the model's attention is {name!r}, chosen explicitly (or the model was loaded before kivi_xpu was "
+        "imported); kivi_xpu.use_fused_attention(model) switches to the fused attention"
+    )
+
+
+def fuses(config, seen: bool) -> bool:
+    """``attention_path(config, seen)[0]`` on the hot path (every layer, every step)."""
+    name = attention_name(config)
+    return name == ATTENTION_NAME or (seen and name is DEFAULT_SDPA)
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.info(message)
+
+
+def log_attention_path(layer) -> None:
+    """Says once per process in the log (logger ``kivi_xpu``, level INFO) which attention and kernels read the
+    history of layers like ``layer``."""
+    if layer.attention == "dense":
+        fused, why = False, 'the cache was built with attention="dense"'
+    else:
+        fused, why = attention_path(layer.model_config, layer.attention_seen)
+    path = "fused KIVI attention over the packed history" if fused else "SDPA over a dequantized copy"
+    _say_once(f"kivi_xpu: {path} ({why}); kernels: {layer.backend.describe()}")
 
 
 class Pending(NamedTuple):
@@ -140,8 +193,10 @@ def take_over(module, key: torch.Tensor, value: torch.Tensor) -> DecodeInputs | 
     if pending.key() is key and pending.value() is value:
         layer = pending.layer()
         config = getattr(module, "config", None)
-        if layer is not None and config is not None and layer.model_config is not config:
-            layer.model_config = config  # the model runs this attention: fuse from the next update on
+        if layer is not None and config is not None:
+            layer.attention_seen = True  # the model's attention reads this layer through our function
+            if layer.model_config is not config:
+                layer.model_config = config  # fused from the next update on, if attention_path says so
         if not pending.fused:
             return None
         return pending.inputs.with_tails(key, value)
@@ -195,6 +250,36 @@ def kivi_attention_forward(
     ``output_attentions=True`` ``([B, L, Hq, D], weights [B, Hq, L, n])``: then exact attention over the dense
     states (the packed history dequantized), as eager attention computes it, instead of the fused kernel."""
     inputs = take_over(module, key, value)
+    return _attend(module, query, key, value, inputs, attention_mask, dropout, scaling, is_causal, kwargs)
+
+
+def default_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``"sdpa"`` attention while kivi_xpu is imported: a step a KIVI layer handed over for fusing
+    (only under the default attention, see :func:`attention_path`) is attended as :func:`kivi_attention_forward`
+    does; every other call goes to the ``"sdpa"`` function registered before, untouched."""
+    inputs = take_over(module, key, value)
+    if inputs is None:
+        sdpa = default_attention_forward.__kivi_xpu_original__
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                    **kwargs)  # fmt: skip
+    return _attend(module, query, key, value, inputs, attention_mask, dropout, scaling, is_causal, kwargs)
+
+
+default_attention_forward.__kivi_xpu_original__ = sdpa_attention_forward
+
+
+def _attend(module, query, key, value, inputs, attention_mask, dropout, scaling, is_causal, kwargs):
+    """The kivi attention of one call, given what :func:`take_over` returned (``inputs``)."""
     softcap = kwargs.get("softcap")
     if kwargs.get("output_attentions"):
         if inputs is not None:
@@ -219,9 +304,14 @@ def kivi_attention_forward(
 
 
 def register() -> None:
-    """Registers ``"kivi"`` with transformers' attention and mask interfaces (idempotent)."""
+    """Registers ``"kivi"`` with transformers' attention and mask interfaces, and :func:`default_attention_forward`
+    as ``"sdpa"`` around the function registered there before (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, kivi_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    current = AttentionInterface._global_mapping["sdpa"]
+    if current is not default_attention_forward:
+        default_attention_forward.__kivi_xpu_original__ = current
+        AttentionInterface.register("sdpa", default_attention_forward)
 
 
 def use_fused_attention(model) -> None:

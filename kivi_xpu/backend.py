@@ -6,10 +6,11 @@ Backends (``backend=`` argument, else ``$KIVI_XPU_BACKEND``, else ``auto``):
   the packed history lives in host memory;
 * ``sycl``: the SYCL kernels of ``kivi_xpu._C`` on a SYCL device (``device=`` / ``$KIVI_XPU_DEVICE``, see
   :func:`kivi_xpu.runtime.select_device`): on the CPU device the packed history lives in host memory, on a GPU
-  each layer's lives on that layer's device (:meth:`Selection.storage_device`, the device-placement rule);
+  each layer's lives on that layer's device (:meth:`Selection.storage_device`);
 * ``reference``: the pure-PyTorch reference kernels on the model's device;
-* ``auto``: ``sycl`` on an Intel GPU when torch has XPU support or when a SYCL ``device`` is named; else ``native``
-  when it was built; else ``sycl`` on the CPU device; else ``reference``, with one warning.
+* ``auto``: the kernels of each layer's device (the device rule, :meth:`Selection.for_device`): native on the CPU
+  (else SYCL on the CPU device), SYCL on an Intel GPU (``xpu``), the reference on any other device (``cuda``,
+  ``mps``); with nothing built, the reference everywhere with one warning.
 
 A :class:`Selection` is a frozen record of strings (a cache keeps it, so it pickles and deep-copies); the ops are
 looked up by its name in :mod:`kivi_xpu.ops`.
@@ -21,7 +22,7 @@ import functools
 import importlib.metadata
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -51,45 +52,54 @@ class Selection:
     reason: str  # why this backend was chosen
     sycl_device: str | None = None  # filter string of the SYCL device (sycl only)
     device_name: str | None = None  # its name, or the ISA path of the native kernels
+    requested: str = "auto"  # the backend asked for: "auto" lets the device rule (for_device) pick per layer
 
     @property
     def gpu(self) -> bool:
         """Whether the SYCL device chosen is a GPU (its canonical filter is ``backend:gpu:index``)."""
         return self.name == "sycl" and self.sycl_device is not None and self.sycl_device.split(":")[1] == "gpu"
 
-    def storage_device(self, layer_device) -> torch.device:
-        """Where a layer keeps its packed history, and so where its kernels run: the device-placement rule, stated
-        here only. ``layer_device`` is the device of the keys the layer receives (its exact sinks and window stay
-        there); the packed history goes to
+    def for_device(self, layer_device) -> Selection:
+        """The device rule, stated here only: the kernels that serve a layer whose keys arrive on ``layer_device``
+        (keyed on those tensors, never on a process-wide default; :meth:`storage_device` of the result says where
+        the layer's packed history lives):
 
-        * ``reference``: ``layer_device`` (the pure-PyTorch kernels run wherever the layer runs);
-        * ``native``: host memory (``cpu``), the only memory the native kernels read, whatever ``layer_device``;
-        * ``sycl`` on a SYCL CPU device (``opencl:cpu``): host memory, likewise;
-        * ``sycl`` on a GPU: ``layer_device`` itself, ``cpu`` or ``xpu:<i>``: a layer on ``xpu:1`` keeps its
-          history on ``xpu:1``, a layer on the CPU in host memory.
+        * ``cpu``: the native CPU kernels (the SYCL ones when native was not built, or ``backend="sycl"``);
+        * ``xpu:<i>``: the SYCL kernels on that GPU, the packed history on it;
+        * any other device (``cuda``, ``mps``, ``meta``, ...): the pure-PyTorch kernels on that device, with one
+          warning: history and window stay there and the fused attention is composed in torch. Never a copy to the
+          host.
 
-        A SYCL op runs on the device holding its tensors (:func:`kivi_xpu.runtime.sycl_runtime_for`): ``xpu:<i>``
-        tensors on ``level_zero:gpu:<i>`` through that device's own in-order queue, host memory on the host SYCL
-        device. So with ``device_map`` or tensor parallelism (rank ``r`` on ``xpu:<r>``) each layer's history and
-        kernels follow that layer; which GPU was selected matters only for the choice of backend.
-
-        Raises ValueError naming ``layer_device`` when the kernels cannot read that device's tensors: ``meta``
-        (no data) for native and sycl, and any device but ``cpu`` / ``xpu`` for sycl on a GPU."""
+        An explicit ``backend="native"`` / ``"sycl"`` whose kernels cannot read ``layer_device`` raises ValueError
+        naming both; ``"reference"`` serves every device."""
         device = torch.device(layer_device)
         if self.name == "reference":
+            return self
+        if device.type == "cpu":
+            return _native_or(self) if self.gpu and self.requested == "auto" else self
+        if device.type == "xpu" and self.gpu:
+            return self
+        if self.requested == "auto":
+            return _reference_for(device.type)
+        served = "cpu and xpu" if self.gpu else "cpu"
+        raise ValueError(
+            f"`layer_device` is {device}, but backend={self.requested!r} runs its kernels on {served} tensors only: "
+            "use backend='auto' (the kernels of each layer's device) or backend='reference' (any device)"
+        )
+
+    def storage_device(self, layer_device) -> torch.device:
+        """Where a layer served by these kernels (a :meth:`for_device` result) keeps its packed history:
+        ``layer_device`` for the reference kernels and for SYCL on a GPU (a layer on ``xpu:1`` on ``xpu:1``, a layer
+        on the CPU in host memory), host memory for the native kernels and SYCL on a CPU device. The exact sinks and
+        window always stay on ``layer_device``.
+
+        A SYCL op runs on the device holding its tensors (:func:`kivi_xpu.runtime.sycl_runtime_for`), so with
+        ``device_map`` or tensor parallelism each layer's history and kernels follow that layer."""
+        device = torch.device(layer_device)
+        if self.name == "reference" or (self.gpu and device.type == "xpu"):
             return device
-        if device.type == "meta":
-            raise ValueError(
-                f"`layer_device` is meta, but the {self.name} kernels need tensors with data: use backend='reference' "
-                "for meta tensors"
-            )
-        if not self.gpu:
-            return torch.device("cpu")
-        if device.type not in ("cpu", "xpu"):
-            raise ValueError(
-                f"`layer_device` is {device}, but the SYCL GPU backend serves only cpu and xpu tensors: move the "
-                "model to cpu or xpu, or use backend='native' or 'reference'"
-            )
+        if device.type != "cpu":
+            raise ValueError(f"`layer_device` is {device}: ask for_device({str(device)!r}) which kernels serve it")
         return device
 
     def describe(self) -> str:
@@ -98,6 +108,28 @@ class Selection:
         if self.name == "native":
             return f"native CPU kernels ({self.device_name}, torch's thread pool)"
         return f"sycl on {self.sycl_device} ({self.device_name})"
+
+
+@functools.cache
+def _native_or(fallback: Selection) -> Selection:
+    """The native kernels for CPU layers when the automatic choice went to a SYCL GPU; ``fallback`` if not built."""
+    try:
+        return _native()
+    except RuntimeError:
+        return fallback
+
+
+@functools.cache
+def _reference_for(device_type: str) -> Selection:
+    reason = f"no kivi-xpu kernels read {device_type} tensors (native: cpu; SYCL: cpu, xpu)"
+    if device_type != "meta":  # (meta tensors carry shapes only: nothing runs)
+        warnings.warn(
+            f"kivi_xpu: layers on {device_type} use the pure-PyTorch kernels on that device ({reason}); correct, "
+            "not tuned",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return Selection("reference", reason)
 
 
 @functools.cache
@@ -125,8 +157,13 @@ def select(backend: str | None = None, device: str | None = None) -> Selection:
     """Chooses the kernels (see the module doc): ``reference`` loads no extension; ``native`` and ``sycl`` raise if
     theirs is missing; ``auto`` falls back with one warning. A ``device`` (or ``$KIVI_XPU_DEVICE``) that names no
     SYCL device is an error in every mode but ``reference``. The form of every argument and environment variable is
-    checked in every mode (:mod:`kivi_xpu.validation`)."""
+    checked in every mode (:mod:`kivi_xpu.validation`). The result records the choice (``requested``): under
+    ``auto`` each layer's kernels then follow its device (:meth:`Selection.for_device`)."""
     choice = backend_choice(backend)
+    return replace(_select(choice, device), requested=choice)
+
+
+def _select(choice: str, device: str | None) -> Selection:
     requested, _ = runtime.requested_device(device)
     file_variable(KERNEL_SOURCE_ENV)
     if choice == "reference":

@@ -1,13 +1,19 @@
-"""``generate(cache_implementation="kivi", cache_config={...})``: the one place kivi-xpu extends transformers.
+"""The one place kivi-xpu patches transformers: ``generate(cache_implementation="kivi", cache_config={...})`` and
+the record of a model's default attention.
 
 transformers 5.x has no registry of cache implementations: ``GenerationConfig.validate`` checks the name against
-a fixed tuple and ``GenerationMixin._prepare_cache_for_generation`` builds the cache with an if/elif chain.
-:func:`enable` (called by ``import kivi_xpu``; idempotent) therefore
+a fixed tuple and ``GenerationMixin._prepare_cache_for_generation`` builds the cache with an if/elif chain. Nor
+does it keep whether a model's attention was chosen by the user: it stores only the resolved name (``None`` becomes
+``"sdpa"``). :func:`enable` (called by ``import kivi_xpu``; idempotent) therefore
 
-* adds ``"kivi"`` to the names ``GenerationConfig`` accepts, and
+* adds ``"kivi"`` to the names ``GenerationConfig`` accepts;
 * wraps ``_prepare_cache_for_generation`` so that, for ``cache_implementation="kivi"`` only, it builds
   ``KiviCache(config=<the model's decoder config>, **cache_config)``; every other cache implementation goes to
-  transformers' own code unchanged.
+  transformers' own code unchanged;
+* wraps ``PreTrainedModel._check_and_adjust_attn_implementation`` so that a model built with no
+  ``attn_implementation`` resolves to :data:`kivi_xpu.attention.DEFAULT_SDPA` (``"sdpa"``, as an object of its own),
+  and ``set_attn_implementation`` so that any later choice, ``"sdpa"`` included, replaces it: a ``KiviCache`` then
+  takes the fused attention exactly when the user chose none (:func:`kivi_xpu.attention.attention_path`).
 
 It refuses to patch a transformers version outside :data:`SUPPORTED_TRANSFORMERS` (the range declared in
 ``pyproject.toml``), because the two patched places are private and may change.
@@ -23,7 +29,9 @@ import transformers
 from packaging.version import InvalidVersion, Version
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
+from transformers.modeling_utils import PreTrainedModel
 
+from .attention import DEFAULT_SDPA, attention_name
 from .cache import KiviCache
 from .overrides import meta_dtype_named
 
@@ -165,6 +173,40 @@ def _prepare_kivi_cache(original):
     return prepare
 
 
+def _default_attention_recorded(original):
+    @functools.wraps(original)
+    def check(self, attn_implementation, *args, **kwargs):
+        resolved = original(self, attn_implementation, *args, **kwargs)
+        if resolved == "sdpa" and (attn_implementation is None or attn_implementation is DEFAULT_SDPA):
+            return DEFAULT_SDPA  # transformers' default, not the user's choice
+        return resolved
+
+    check.__kivi_xpu_original__ = original
+    return check
+
+
+def _explicit_attention_recorded(original):
+    @functools.wraps(original)
+    def set_attn_implementation(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        for config in _configs(self.config):  # (transformers skips the call when the name does not change)
+            if attention_name(config) is DEFAULT_SDPA:
+                config._attn_implementation_internal = "sdpa"
+        return result
+
+    set_attn_implementation.__kivi_xpu_original__ = original
+    return set_attn_implementation
+
+
+def _configs(config):
+    """``config`` and its sub-configs, at any depth."""
+    yield config
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            yield from _configs(sub)
+
+
 def is_enabled() -> bool:
     return hasattr(GenerationMixin._prepare_cache_for_generation, "__kivi_xpu_original__")
 
@@ -182,6 +224,11 @@ def enable() -> None:
         GenerationMixin._prepare_cache_for_generation = _prepare_kivi_cache(
             GenerationMixin._prepare_cache_for_generation
         )
+    if not hasattr(PreTrainedModel.set_attn_implementation, "__kivi_xpu_original__"):
+        PreTrainedModel._check_and_adjust_attn_implementation = _default_attention_recorded(
+            PreTrainedModel._check_and_adjust_attn_implementation
+        )
+        PreTrainedModel.set_attn_implementation = _explicit_attention_recorded(PreTrainedModel.set_attn_implementation)
 
 
 __all__ = [

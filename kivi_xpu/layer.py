@@ -7,7 +7,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .algorithm import KiviSettings
-from .attention import DecodeInputs, dense_kind, dense_states, hand_over, runs_kivi_attention
+from .attention import DecodeInputs, dense_kind, dense_states, fuses, hand_over, log_attention_path
 from .backend import Selection, select
 from .memory import KiviMemoryReport
 from .ops import direct_kernel
@@ -32,7 +32,8 @@ class KiviLayer(CacheLayerMixin):
 
     ``settings`` (a :class:`~kivi_xpu.KiviSettings`) is this layer's configuration (per-layer overrides applied;
     a ``meta_dtype`` of ``None`` is resolved for the model's dtype at the first update);
-    ``backend`` the :class:`~kivi_xpu.backend.Selection` whose kernels (by name) read and write the codes.
+    ``backend`` the :class:`~kivi_xpu.backend.Selection` whose kernels (by name) read and write the codes: from the
+    first update on, those of the layer's device (:meth:`~kivi_xpu.backend.Selection.for_device`).
 
     Rollback: while ``record_past`` is True (``activate_past_recording()``, as transformers' assisted decoding
     does), the layer also keeps exact copies of the tokens that left the full-precision windows since the last
@@ -61,10 +62,14 @@ class KiviLayer(CacheLayerMixin):
                             f"{type(backend).__name__}")  # fmt: skip
         self.settings = settings if settings is not None else KiviSettings()
         self._given_settings = self.settings  # `settings` is this, `meta_dtype` resolved, from the first update on
-        self.backend = backend if isinstance(backend, Selection) else select(backend)
-        # "auto": fused exactly when `model_config._attn_implementation == "kivi"` (read at every update, so it
-        # follows `model.set_attn_implementation`); "dense": always return dense keys/values.
-        self.attention, self.model_config = attention, model_config
+        # The backend asked for; `backend` becomes the kernels of the layer's device at the first update (the
+        # device rule, Selection.for_device).
+        self.requested_backend = backend if isinstance(backend, Selection) else select(backend)
+        self.backend = self.requested_backend
+        # "auto": fused when kivi_xpu.attention.attention_path says so for `model_config` (read at every update, so
+        # it follows `model.set_attn_implementation`); "dense": always return dense keys/values. `attention_seen`:
+        # whether the model's attention has read this layer through a kivi_xpu attention function.
+        self.attention, self.model_config, self.attention_seen = attention, model_config, False
         self.keys_stream: KindStream | None = None
         self.values_stream: KindStream | None = None
         self._record_past = False
@@ -135,6 +140,7 @@ class KiviLayer(CacheLayerMixin):
         self.settings = self._given_settings.for_model_dtype(self.dtype)
         self.settings.check_head_dim(key_states.shape[-1], "keys")
         self.settings.check_head_dim(value_states.shape[-1], "values")
+        self.backend = self.requested_backend.for_device(self.device)
         storage, name = self.backend.storage_device(self.device), self.backend.name
         self.keys_stream = KindStream("keys", self.settings, key_states, storage, name)
         self.values_stream = KindStream("values", self.settings, value_states, storage, name)
@@ -142,10 +148,12 @@ class KiviLayer(CacheLayerMixin):
 
     @property
     def fused(self) -> bool:
-        """Whether the model reads this layer through the fused KIVI attention (``attn_implementation="kivi"``):
-        read from ``model_config``, which the kivi attention sets to the model's own config at its first call when
-        the cache was built without it (or with another config object)."""
-        return self.attention == "auto" and runs_kivi_attention(self.model_config)
+        """Whether the model reads this layer through the fused KIVI attention: under ``attn_implementation="kivi"``,
+        or transformers' default attention once the model's attention has read this layer through kivi_xpu's
+        function (:func:`kivi_xpu.attention.attention_path`). Read from ``model_config``, which that function sets to
+        the model's own config at its first call when the cache was built without it (or with another config
+        object)."""
+        return self.attention == "auto" and fuses(self.model_config, self.attention_seen)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -181,6 +189,7 @@ class KiviLayer(CacheLayerMixin):
             self.keys_stream.append(key_states, self.record_past)
             self.values_stream.append(value_states, self.record_past)
             return key_states, value_states, None
+        log_attention_path(self)
         one_call = not self._record_past and key_states.shape[2] == 1  # a decode step, nothing to record
         step = self._decode_step(key_states, value_states) if one_call else None
         if step is not None:

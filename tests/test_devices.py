@@ -1,6 +1,9 @@
-"""The device-placement rule (:meth:`kivi_xpu.backend.Selection.storage_device`): each layer's packed history and
-kernels follow that layer's tensors. XPU devices are named, not used: torch.device("xpu", 1) needs no GPU, and the
-mapping to SYCL devices is checked with the runtime lookup replaced."""
+"""The device rule (:meth:`kivi_xpu.backend.Selection.for_device` and ``storage_device``): each layer's kernels and
+packed history follow the device of the tensors the model hands it. XPU and CUDA devices are named, not used:
+torch.device("xpu", 1) needs no GPU, and the mapping to SYCL devices is checked with the runtime lookup replaced."""
+
+import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,44 +11,117 @@ from conftest import require_backend, require_sycl
 from tiny_models import tiny_llama
 from transformers import AutoModelForCausalLM
 
-from kivi_xpu import KiviCache, KiviLayer, runtime
+from kivi_xpu import KiviCache, KiviLayer, backend, runtime
 from kivi_xpu.backend import Selection
 from kivi_xpu.ops import kernel
+from kivi_xpu.ops.library import _KERNELS
 
 REFERENCE = Selection("reference", "test")
 NATIVE = Selection("native", "test", device_name="avx2")
 SYCL_CPU = Selection("sycl", "test", "opencl:cpu:0", "CPU")
 SYCL_GPU = Selection("sycl", "test", "level_zero:gpu:0", "GPU")
 CPU, XPU0, XPU1, META = (torch.device(d) for d in ("cpu", "xpu:0", "xpu:1", "meta"))
+CUDA, MPS = torch.device("cuda", 0), torch.device("mps")
+
+
+def _native_built() -> bool:
+    try:
+        runtime.load_native_extension()
+    except RuntimeError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize(
-    "selection, layer_device, storage",
+    "selection, layer_device, kernels, storage",
     [
-        (REFERENCE, CPU, CPU),
-        (REFERENCE, XPU1, XPU1),
-        (REFERENCE, META, META),
-        (NATIVE, CPU, CPU),
-        (NATIVE, XPU1, CPU),
-        (SYCL_CPU, CPU, CPU),
-        (SYCL_CPU, XPU1, CPU),
-        (SYCL_GPU, CPU, CPU),
-        (SYCL_GPU, XPU0, XPU0),
-        (SYCL_GPU, XPU1, XPU1),  # selected GPU 0, layer on GPU 1: the history stays on GPU 1
+        (REFERENCE, CPU, "reference", CPU),
+        (REFERENCE, XPU1, "reference", XPU1),
+        (REFERENCE, CUDA, "reference", CUDA),
+        (REFERENCE, META, "reference", META),
+        (NATIVE, CPU, "native", CPU),
+        (NATIVE, CUDA, "reference", CUDA),  # the crash of issue 49: native kernels were handed cuda tensors
+        (NATIVE, MPS, "reference", MPS),
+        (NATIVE, META, "reference", META),
+        (NATIVE, XPU1, "reference", XPU1),  # no SYCL GPU was selected (torch without XPU): never a host copy
+        (SYCL_CPU, CPU, "sycl", CPU),
+        (SYCL_CPU, CUDA, "reference", CUDA),
+        (SYCL_GPU, XPU0, "sycl", XPU0),
+        (SYCL_GPU, XPU1, "sycl", XPU1),  # selected GPU 0, layer on GPU 1: the history stays on GPU 1
+        (SYCL_GPU, CUDA, "reference", CUDA),
     ],
 )
-def test_packed_history_follows_the_rule(selection, layer_device, storage):
-    assert selection.storage_device(layer_device) == storage
-    assert selection.storage_device(str(layer_device)) == storage
+def test_each_layer_gets_the_kernels_and_storage_of_its_device(selection, layer_device, kernels, storage):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the one warning of the reference on cuda/mps)
+        for device in (layer_device, str(layer_device)):
+            chosen = selection.for_device(device)
+            assert chosen.name == kernels
+            assert chosen.storage_device(device) == storage
+
+
+def test_a_cpu_layer_gets_the_native_kernels_when_the_automatic_choice_is_a_gpu():
+    chosen = SYCL_GPU.for_device(CPU)
+    assert chosen.name == ("native" if _native_built() else "sycl") and chosen.storage_device(CPU) == CPU
+    assert replace(SYCL_GPU, requested="sycl").for_device(CPU).name == "sycl"  # asked for: kept
+
+
+def test_the_reference_on_another_device_warns_once_and_names_it():
+    backend._reference_for.cache_clear()
+    with pytest.warns(RuntimeWarning, match="layers on cuda use the pure-PyTorch kernels") as caught:
+        NATIVE.for_device(CUDA)
+        NATIVE.for_device(torch.device("cuda", 1))
+    assert len(caught) == 1
 
 
 @pytest.mark.parametrize(
     "selection, layer_device",
-    [(NATIVE, META), (SYCL_CPU, META), (SYCL_GPU, META), (SYCL_GPU, torch.device("cuda", 0))],
+    [
+        (replace(NATIVE, requested="native"), META),
+        (replace(NATIVE, requested="native"), CUDA),
+        (replace(NATIVE, requested="native"), XPU0),
+        (replace(SYCL_CPU, requested="sycl"), META),
+        (replace(SYCL_CPU, requested="sycl"), XPU0),
+        (replace(SYCL_GPU, requested="sycl"), META),
+        (replace(SYCL_GPU, requested="sycl"), CUDA),
+    ],
 )
-def test_devices_the_kernels_cannot_read_are_refused(selection, layer_device):
-    with pytest.raises(ValueError, match=f"`layer_device` is {layer_device}"):
-        selection.storage_device(layer_device)
+def test_an_explicit_backend_refuses_devices_its_kernels_cannot_read(selection, layer_device):
+    with pytest.raises(ValueError, match=f"`layer_device` is {layer_device}, but backend='{selection.name}'"):
+        selection.for_device(layer_device)
+
+
+def test_a_layer_chooses_again_after_a_reset_on_another_device():
+    layer = KiviLayer(backend=NATIVE if _native_built() else REFERENCE, settings=None)
+    keys = torch.randn(1, 2, 200, 32)
+    layer.update(keys, keys)
+    assert layer.backend.name == ("native" if _native_built() else "reference")
+    layer.reset()
+    layer.update(keys.to("meta"), keys.to("meta"))
+    assert layer.backend.name == "reference" and layer.keys_stream.packed.codes.data.device == META
+
+
+def test_a_model_on_a_device_without_kernels_runs_the_fused_attention_composed_in_torch(monkeypatch):
+    """The dispatch of a model on cuda, with CPU tensors standing in: the rule gives the layers the pure-PyTorch
+    kernels; the default (fused) attention then runs the reference ``decode_attention`` on the model's device and
+    answers as the dense path does. The native kernels must never be called."""
+    model = tiny_llama()
+    ids = torch.randint(3, 256, (2, 150))
+    dense = KiviCache(config=model.config, residual_length=32, attention="dense")
+    expected = model.generate(ids, past_key_values=dense, max_new_tokens=12, do_sample=False)
+
+    def native_must_not_run(*args):
+        raise AssertionError("a native kernel was called for a layer the rule gives the reference kernels")
+
+    for op, name in list(_KERNELS):
+        if name == "native":
+            monkeypatch.setitem(_KERNELS, (op, name), native_must_not_run)
+    stand_in = backend._reference_for("meta")  # what cuda gets, without its warning
+    monkeypatch.setattr(Selection, "for_device", lambda self, device: stand_in)
+    cache = KiviCache(config=model.config, residual_length=32)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    assert all(layer.fused and layer.backend.name == "reference" for layer in cache.layers)
+    assert out.tolist() == expected.tolist()
 
 
 def test_only_a_sycl_gpu_selection_is_a_gpu():
@@ -110,7 +186,7 @@ def test_kernels_refuse_tensors_they_cannot_read_instead_of_moving_them(backend_
     require_backend(backend_name)
     layer = KiviLayer(backend=backend_name)
     keys = torch.randn(1, 2, 40, 32, device="meta")
-    with pytest.raises(ValueError, match="`layer_device` is meta"):
+    with pytest.raises(ValueError, match=f"`layer_device` is meta, but backend='{backend_name}'"):
         layer.update(keys, keys)
     x = torch.randn(1, 2, 64, 32, device="meta")
     with pytest.raises(ValueError, match="`x`"):
@@ -137,5 +213,5 @@ def test_a_device_map_model_keeps_each_layer_history_where_the_rule_puts_it(tmp_
         tokens.append(model.generate(ids, past_key_values=cache, max_new_tokens=30, do_sample=False)[0].tolist())
         for index, layer in enumerate(cache.layers):
             device = model.model.layers[index].self_attn.k_proj.weight.device
-            assert layer.keys_stream.packed.codes.data.device == cache.backend.storage_device(device)
+            assert layer.keys_stream.packed.codes.data.device == cache.backend.for_device(device).storage_device(device)
     assert tokens[0] == tokens[1]

@@ -110,16 +110,19 @@ def kivi(**cache_config):
     return {"cache_implementation": "kivi", "cache_config": cache_config}
 
 
-def fused_and_dense(model, inputs, **kwargs):
-    """The same generate call under the model's attention (dense KIVI states) and under the fused KIVI attention."""
-    dense = model.generate(**inputs, **kwargs)
-    original = model.config._attn_implementation
-    model.set_attn_implementation("kivi")
+def fused_and_dense(model, inputs, seed=None, **kwargs):
+    """The same generate call under SDPA chosen explicitly (dense KIVI states) and under the fused KIVI attention
+    (``seed``: the RNG seed each call starts from, for sampling)."""
+    runs, original = [], model.config._attn_implementation
     try:
-        fused = model.generate(**inputs, **kwargs)
+        for attention in ("sdpa", "kivi"):
+            model.set_attn_implementation(attention)
+            if seed is not None:
+                torch.manual_seed(seed)
+            runs.append(model.generate(**inputs, **kwargs))
     finally:
-        model.set_attn_implementation(original)
-    return dense, fused
+        model.config._attn_implementation_internal = original  # (the default, if it was, stays the default)
+    return runs
 
 
 # --- cache_implementation="kivi" itself ---------------------------------------------------------------------
@@ -337,15 +340,7 @@ def test_sampling_and_num_return_sequences_match_dynamic_cache_inside_the_window
 def test_sampling_fused_matches_dense_across_many_flushes(llama):
     inputs = prompts()
     kwargs = dict(do_sample=True, top_k=20, max_new_tokens=60, num_return_sequences=2, **kivi(**NARROW))
-    torch.manual_seed(3)
-    dense = llama.generate(**inputs, **kwargs)
-    original = llama.config._attn_implementation
-    llama.set_attn_implementation("kivi")
-    try:
-        torch.manual_seed(3)
-        fused = llama.generate(**inputs, **kwargs)
-    finally:
-        llama.set_attn_implementation(original)
+    dense, fused = fused_and_dense(llama, inputs, seed=3, **kwargs)
     assert torch.equal(dense, fused)
 
 

@@ -1,7 +1,8 @@
 """Native CPU implementations of the ops (``kivi_xpu._cpu``, sources in ``csrc/cpu/``): SIMD code for the CPU's ISA
 (AVX-512, AVX2 or a portable baseline, chosen at run time; ``$KIVI_XPU_CPU_ISA`` forces one), run in torch's own
-intra-op thread pool, so they never compete with torch for the cores (size it with ``torch.set_num_threads``).
-Arguments arrive checked (:mod:`.declarations`); the extension re-checks what it relies on."""
+intra-op thread pool, so they never compete with torch for the cores (size it with ``torch.set_num_threads``). They
+read CPU tensors only: the device rule (:meth:`kivi_xpu.backend.Selection.for_device`) gives them only the layers on
+the CPU. Arguments arrive checked (:mod:`.declarations`); the extension re-checks what it relies on."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import functools
 
 from ..runtime import load_native_extension
 from .library import register_direct, register_kernel
-from .reference import composed_decode_step
 
 NATIVE_OPS = (
     "quantize_keys",
@@ -36,23 +36,11 @@ def _native(op: str):
 
 
 for _op in NATIVE_OPS:
-    if _op != "append_decode_step":  # (below: not every layer's windows are host memory)
-        register_kernel(_op, "native")(_native(_op))
-
-
-_native_step = _native("append_decode_step")
-_composed_step = composed_decode_step(_native("quantize_values_into"))
-
-
-@register_kernel("append_decode_step", "native")
-def append_decode_step(key_states, value_states, key_window, *args):
-    """One native call when the windows are host memory; a layer on another device (its packed history is still
-    host memory, see ``Selection.storage_device``) copies with torch and quantizes natively."""
-    step = _native_step if key_window.device.type == "cpu" else _composed_step
-    return step(key_states, value_states, key_window, *args)
+    register_kernel(_op, "native")(_native(_op))
 
 
 @register_direct("append_decode_step", "native")
 def _direct_decode_step(key_window):
-    """The extension's function itself for a layer whose windows are host memory (a steady run's decode steps)."""
-    return load_native_extension().append_decode_step if key_window.device.type == "cpu" else None
+    """The extension's function itself: a steady run's decode steps call it with no Python in between (the device
+    rule gives the native kernels only layers on the CPU, so the windows are host memory)."""
+    return load_native_extension().append_decode_step
