@@ -4,7 +4,7 @@ For each op and size, the bytes a kernel must move (input read + outputs written
 GB/s; ``vs copy_`` is that bandwidth relative to ``copy_`` moving the same number of bytes (half read, half
 written) in the same run; ``speedup`` is the reference (pure PyTorch) time over the kernel time.
 
-    python benchmarks/bench_kernels.py [--batch 1 4] [--tokens 4096] [--repeats 7] [--device opencl:cpu:0]
+    python benchmarks/bench_kernels.py [--batch 1 4] [--tokens 4096] [--repeats 7] [--sycl-device opencl:cpu:0]
 
 A second table covers the fused attention ops at decode shapes (L=1 query row per head, GQA Hq=9 / Hkv=3, D=64,
 2-bit, G=32, fp16 metadata by default): ms, GB/s of packed bytes read (codes + scales + zeros of the tokens used),
@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--backend", choices=("sycl", "native"), default="sycl", help="kernels to measure")
     parser.add_argument(
-        "--device", default=None, help="SYCL filter string (default: $KIVI_XPU_DEVICE / first GPU / CPU)"
+        "--sycl-device", default=None, help="SYCL filter string (default: $KIVI_XPU_DEVICE / first GPU / CPU)"
     )
     parser.add_argument("--attention-only", action="store_true", help="only the fused attention table")
     parser.add_argument("--attn-tokens", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -136,8 +136,8 @@ def main() -> None:
     parser.add_argument("--attn-meta-dtype", default="float16")
     args = parser.parse_args()
 
-    if args.device:
-        os.environ[backend.DEVICE_ENV] = args.device  # CPU tensors run on this SYCL device
+    if args.sycl_device:
+        os.environ[backend.DEVICE_ENV] = args.sycl_device  # CPU tensors run on this SYCL device
     kernels = for_backend(args.backend)
     print(f"kernels: {backend.select(args.backend).describe()}, torch threads: {torch.get_num_threads()}\n")
     if not args.attention_only:

@@ -61,7 +61,7 @@ FLAGS = {
     "residual_length": "--residual-length",
     "meta_dtype": "--meta-dtype",
     "backend": "--backend",
-    "device": "--kivi-device",
+    "device": "--sycl-device",
 }
 
 

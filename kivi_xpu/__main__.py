@@ -66,7 +66,10 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="versions, SYCL devices, chosen backend, kernel compilation")
     info.add_argument("--backend", choices=backend.BACKENDS, help="default: $KIVI_XPU_BACKEND or auto")
-    info.add_argument("--device", help="SYCL device filter, default: $KIVI_XPU_DEVICE or the first GPU/CPU")
+    # --sycl-device as in the tools, where --device is the model's torch device.
+    info.add_argument(
+        "--sycl-device", help="SYCL device filter, e.g. opencl:cpu (default: $KIVI_XPU_DEVICE or the first GPU/CPU)"
+    )
     info.add_argument("--json", action="store_true", help="print the facts as JSON")
     for name, tool, summary in (
         ("bench", bench_tool, "decode speed, KV and peak memory, token match of several caches"),
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
     if args.command != "info":
         return run_tool(args.func, args)
 
-    facts = backend.info(args.backend, args.device)
+    facts = backend.info(args.backend, args.sycl_device)
     if args.json:
         print(json.dumps(facts, indent=2, default=str))
     else:

@@ -79,7 +79,7 @@ def test_info_command_reports_the_backend():
 
 def test_unknown_device_is_a_clear_error():
     result = subprocess.run(
-        [sys.executable, "-m", "kivi_xpu", "info", "--backend", "auto", "--device", "level_zero:gpu:7"],
+        [sys.executable, "-m", "kivi_xpu", "info", "--backend", "auto", "--sycl-device", "level_zero:gpu:7"],
         capture_output=True,
         text=True,
         timeout=300,

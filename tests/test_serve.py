@@ -203,6 +203,7 @@ def test_server_models_use_kivi(model_dir):
     manager = manager_class(device="cpu", dtype="float32", attn_implementation="kivi", model_timeout=-1)
     model, _ = manager.load_model_and_processor(manager.process_model_name(str(model_dir)))
     try:
+        assert model.device == torch.device("cpu")  # where transformers' --device (the manager's device) says
         assert model.generation_config.cache_implementation == "kivi"
         assert model.generation_config.cache_config == KIVI
         assert model.config._attn_implementation == "kivi"
@@ -278,11 +279,22 @@ def test_compile_is_refused(model_dir, capsys):
         (["--kivi-option", "attention=dense"], "use --attn-implementation"),
         (["--kivi-option", "no_such_option=1"], "no_such_option"),
         (["--meta-dtype", "int8"], "invalid choice: 'int8'"),
+        (["--kivi-option", "device=opencl:cpu"], "use --sycl-device"),
+        (["--kivi-device", "opencl:cpu"], "No such option: --kivi-device"),  # renamed: now transformers' to refuse
     ],
 )
 def test_bad_kivi_options(args, message, capsys):
     assert main(["serve", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_sycl_device_is_the_kivi_filter_and_device_stays_transformers():
+    """--sycl-device becomes the cache_config's `device` (KiviCache's SYCL filter); --device and --dtype, the model's,
+    are left to transformers serve, whose model manager loads every model with them."""
+    args = ["--device", "cpu", "--sycl-device", "opencl:cpu", "--dtype", "float32", "--backend", "reference"]
+    options, rest = serve_tool.parser().parse_known_args(args)
+    assert options.sycl_device == "opencl:cpu" and rest == ["--device", "cpu", "--dtype", "float32"]
+    assert serve_tool.cache_config(options) == {"backend": "reference", "device": "opencl:cpu"}
 
 
 def test_missing_serving_dependencies(monkeypatch, capsys):

@@ -20,9 +20,9 @@ from kivi_xpu import KiviCache, attention
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import GENSIM_LEE, GENSIM_WHEEL, news_text, strip_wiki_markup, wiki_articles
 from kivi_xpu.integration import cache_argument
-from kivi_xpu.tools import bench, machine, report, workload
+from kivi_xpu.tools import bench, calibrate, machine, report, specs, workload
 from kivi_xpu.tools import eval_ppl as evaluate
-from kivi_xpu.tools.loading import resolve_text
+from kivi_xpu.tools.loading import load_model, resolve_text
 from kivi_xpu.tools.options import ToolError
 from kivi_xpu.tools.timing import fused_op_timer, op_stats
 
@@ -325,6 +325,7 @@ def test_bad_input_is_one_error_line_and_no_json(assets, tmp_path, capsys, args,
         (["eval-ppl", "--kivi-option", "sinks"], "expected NAME=VALUE"),
         (["bench", "--kivi-option", "bits=4"], "'bits' is not a --kivi-option: use --bits"),
         (["eval-ppl", "--kivi-option", "attention=dense"], "the cache names choose it"),
+        (["bench", "--kivi-option", "device=opencl:cpu"], "'device' is not a --kivi-option: use --sycl-device"),
     ],
 )
 def test_bad_arguments_are_argparse_errors(tmp_path, capsys, args, message):
@@ -384,6 +385,119 @@ def test_module_entry_points_exit_with_the_tool_status(module, tmp_path, capsys,
     err = capsys.readouterr().err
     assert err.startswith("error: cannot load model") and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --device (where the model runs) and --sycl-device (the SYCL device filter of the KIVI kernels)
+
+# The arguments each tool needs besides --model to get as far as loading the model and building its KIVI caches.
+TOOL_ARGS = {
+    "bench": ["--contexts", 20, "--batch-sizes", 1, "--new-tokens", 3, "--warmup", 0, "--repeats", 1],
+    "eval-ppl": ["--prefill", 20, "--decode-steps", 2, "--windows", 1],
+    "calibrate": ["--prefill", 20, "--decode-steps", 2, "--windows", 1],
+}
+# Where each tool looks up load_model and KiviCache (bench and eval-ppl build their caches in specs).
+LOADS_IN = {"bench": workload, "eval-ppl": evaluate, "calibrate": calibrate}
+BUILDS_IN = {"bench": specs, "eval-ppl": specs, "calibrate": calibrate}
+
+
+def tool_args(tool: str, model, text, tmp_path) -> list:
+    """The tool's command line up to its model-loading step, writing its JSON (if ever) under ``tmp_path``."""
+    output = ["--output" if tool == "calibrate" else "--json", tmp_path / "out.json"]
+    texts = [] if tool == "bench" else ["--text", text]
+    return [tool, "--model", model, *TOOL_ARGS[tool], *texts, *output, "--no-progress"]
+
+
+@pytest.mark.parametrize("tool", ["bench", "eval-ppl", "calibrate"])
+def test_device_and_dtype_reach_load_model(tool, tmp_path, capsys, monkeypatch):
+    loaded = []
+
+    def recording_load_model(name, dtype, device="cpu"):
+        loaded.append((name, dtype, device))
+        raise ToolError("stopped after load_model")
+
+    monkeypatch.setattr(LOADS_IN[tool], "load_model", recording_load_model)
+    args = [*tool_args(tool, "some-model", __file__, tmp_path), "--device", "xpu:1", "--dtype", "bfloat16"]
+    code, _, err = run(args, capsys)
+    assert code == 2 and err == "error: stopped after load_model\n"
+    assert loaded == [("some-model", "bfloat16", "xpu:1")]
+
+
+def test_load_model_puts_the_model_on_the_device_in_the_dtype(assets):
+    model_dir, _ = assets
+    model, path = load_model(str(model_dir), "bfloat16", "cpu")
+    assert path == str(model_dir) and not model.training
+    assert model.device == torch.device("cpu") and model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "tool, device, message",
+    [
+        ("bench", "gpu", "--device 'gpu' is not a torch device: use a torch device such as cpu, xpu"),
+        ("eval-ppl", "level_zero:gpu:0", "(a SYCL device filter such as opencl:cpu goes to --sycl-device)"),
+        ("calibrate", "cuda:0", "--device 'cuda:0': this torch"),
+        ("bench --curve", "meta", "--device 'meta' holds no data and cannot run a model"),
+    ],
+)
+def test_a_bad_device_is_one_error_line_before_the_model_loads(tool, device, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a machine with a GPU
+    missing = tmp_path / "no-such-model"  # the device is checked first: no error about the model
+    if tool == "bench --curve":
+        args = ["bench", "--curve", "--contexts", 32, "--new-tokens", 3, "--warmup", 1, "--no-progress"]
+    else:
+        args = tool_args(tool, missing, __file__, tmp_path)
+    code, out, err = run([*args, "--device", device], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: --device {device!r}") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("tool", ["bench", "eval-ppl", "calibrate"])
+def test_sycl_device_reaches_kivi_cache(tool, assets, tmp_path, capsys, monkeypatch):
+    model_dir, text = assets
+    built = []
+
+    def recording_kivi_cache(**kwargs):
+        built.append(kwargs)
+        raise ValueError("stopped at KiviCache")  # every tool reports a KiviCache it cannot build as a ToolError
+
+    monkeypatch.setattr(BUILDS_IN[tool], "KiviCache", recording_kivi_cache)
+    args = [*tool_args(tool, model_dir, text, tmp_path), "--sycl-device", "opencl:cpu", "--device", "cpu"]
+    code, _, err = run([*args, *([] if tool == "calibrate" else ["--caches", "kivi-dense"])], capsys)
+    assert code == 2 and "device='opencl:cpu'" in err and err.endswith("stopped at KiviCache\n"), err
+    assert [kwargs["device"] for kwargs in built] == ["opencl:cpu"]
+
+
+def test_bench_runs_on_the_model_device_with_the_sycl_filter_in_every_kivi_cache(assets, tmp_path, capsys, monkeypatch):
+    model_dir, _ = assets
+    devices = []
+
+    class RecordingKiviCache(KiviCache):
+        def __init__(self, **kwargs):
+            devices.append(kwargs["device"])
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(specs, "KiviCache", RecordingKiviCache)
+    args = ["bench", "--model", model_dir, *TOOL_ARGS["bench"], "--caches", "dynamic", "kivi-fused", *KIVI]
+    # The reference kernels check the filter's form only, so the run needs no SYCL device.
+    args += ["--device", "cpu", "--dtype", "bfloat16", "--backend", "reference", "--sycl-device", "opencl:cpu"]
+    payload = run_json(args, tmp_path, capsys)
+    assert payload["settings"]["device"] == "cpu" and payload["settings"]["dtype"] == "bfloat16"
+    assert payload["settings"]["sycl_device"] == "opencl:cpu" and "device" not in payload["settings"]["kivi_options"]
+    assert payload["environment"]["kivi_kernels"]["backend"] == "reference"
+    assert [r["cache"] for r in payload["rows"]] == ["dynamic", "kivi-fused 2-bit"]
+    assert len(devices) >= 3 and set(devices) == {"opencl:cpu"}  # the check, the warm-up run and the measured run
+
+
+def test_timed_phases_wait_for_the_model_device_only(monkeypatch):
+    from kivi_xpu.tools.timing import synchronize
+
+    waited = []
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "synchronize", waited.append)
+    synchronize(torch.device("cuda:1"))
+    synchronize(torch.device("cpu"))  # the CPU's work is done when its call returns
+    assert waited == [torch.device("cuda:1")]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ from .timing import (
     fused_op_phases,
     fused_op_timer,
     op_stats,
+    synchronize,
     timed_decode,
 )
 from .workload import BenchOptions, prepare, prompts
@@ -219,8 +220,10 @@ def run_once(
     baseline = meter.current()
     meter.reset()
     cache = make_cache(spec, model.config, options, ids.shape[1] + new_tokens)
+    synchronize(ids.device)
     start = time.perf_counter()
     logits = model(ids, **cache_argument(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
+    synchronize(ids.device)
     prefill_seconds = time.perf_counter() - start
     peak_prefill = meter.peak()
     token = logits.argmax(-1, keepdim=True)

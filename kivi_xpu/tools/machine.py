@@ -38,7 +38,7 @@ def environment(options: ToolOptions) -> dict:
 
     kivi_backend = kivi_kernels = None
     if any(name.startswith("kivi") for name in options.caches):
-        selection = select(options.backend, options.device)
+        selection = select(options.backend, options.sycl_device)
         kivi_backend, kivi_kernels = selection.describe(), kernel_implementation(selection)
     return {
         "kivi_xpu": __version__,

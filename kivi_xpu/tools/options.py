@@ -9,6 +9,8 @@ import torch
 
 CACHE_NAMES = ("dynamic", "static", "kivi-fused", "kivi-dense", "quanto", "hqq")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What --device takes, for help texts and errors: any torch device string whose device this torch can use.
+DEVICE_FORMS = "cpu, xpu, xpu:N, cuda, cuda:N, mps"
 
 
 class ToolError(Exception):
@@ -21,6 +23,7 @@ class ToolOptions:
 
     model: str = "smollm2"  # HF model id, local checkpoint directory or "smollm2"
     dtype: str = "float32"  # a key of DTYPES
+    device: str = "cpu"  # where the model runs: a torch device string (cpu, xpu, xpu:1, cuda:0, ...)
     threads: int | None = None  # torch threads (None: torch's choice)
     caches: list[str] = field(default_factory=lambda: list(CACHE_NAMES))
     bits: list[int] = field(default_factory=lambda: [2])
@@ -29,7 +32,7 @@ class ToolOptions:
     meta_dtype: str = "float16"  # KIVI scales/zeros, a key of DTYPES
     kivi_options: list[tuple[str, object]] = field(default_factory=list)  # extra KiviCache keyword arguments
     backend: str | None = None
-    device: str | None = None
+    sycl_device: str | None = None  # SYCL device filter of the KIVI kernels (KiviCache's `device`), e.g. opencl:cpu
     json: str | None = None
     no_progress: bool = False
 

@@ -6,9 +6,14 @@ definition, so every option and default is the installed transformers'), and req
 request's ``model`` names a hub id or a local model directory, loaded on first use (unless FORCE_MODEL pins one).
 
 The KIVI options (``--bits``, ``--group-size``, ``--residual-length``, ``--meta-dtype``, ``--backend``,
-``--kivi-device``, ``--kivi-option NAME=VALUE`` for any other ``KiviCache`` argument) are the other tools' (from
+``--sycl-device``, ``--kivi-option NAME=VALUE`` for any other ``KiviCache`` argument) are the other tools' (from
 :func:`kivi_xpu.tools.cli.add_kivi_arguments`); one not given keeps ``KiviCache``'s default. They become the
 ``cache_config`` of ``generate(cache_implementation="kivi")`` (:mod:`kivi_xpu.integration`).
+
+Devices: ``--device`` and ``--dtype`` are transformers serve's own (default ``auto`` for both): its
+``ModelManager._load_model`` passes them to ``from_pretrained`` as ``device_map`` and ``dtype``, and the KIVI model
+manager below loads every model through it, so the model runs where ``--device`` says, as in the other tools.
+``--sycl-device`` is only the SYCL device filter of the KIVI kernels (``KiviCache``'s ``device``).
 
 How the cache gets in: for the lifetime of the server, transformers' ``ModelManager`` class (looked up by ``Serve``
 when it starts) is replaced by a subclass (:func:`kivi_model_manager`) whose ``_load_model`` sets, on every model it
@@ -59,13 +64,21 @@ SERVE_OWN_FLAGS = {
     "residual_length": "use --residual-length",
     "meta_dtype": "use --meta-dtype",
     "backend": "use --backend",
-    "device": "use --kivi-device",
+    "device": "use --sycl-device",
     "attention": "use --attn-implementation (kivi: fused, the default; sdpa or eager: dense)",
     "config": "the server passes each model's config",
 }
 
-# The KIVI options' argparse destinations that are KiviCache arguments of the same name.
-_CACHE_ARGUMENTS = ("bits", "group_size", "residual_length", "meta_dtype", "backend", "device")
+# The KIVI options' argparse destinations -> the KiviCache arguments they set (--sycl-device is KiviCache's `device`;
+# transformers' --device, the model's, is not a KIVI option).
+_CACHE_ARGUMENTS = {
+    "bits": "bits",
+    "group_size": "group_size",
+    "residual_length": "residual_length",
+    "meta_dtype": "meta_dtype",
+    "backend": "backend",
+    "sycl_device": "device",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="KIVI bit width of keys and values: 2, 4 or 8 (default: KiviCache's, 2)",
     )
-    add_kivi_arguments(p, device_flag="--kivi-device", own_flags=SERVE_OWN_FLAGS, defaults=False)
+    add_kivi_arguments(p, own_flags=SERVE_OWN_FLAGS, defaults=False)
     p.add_argument(
         "--kv-memory",
         type=positive_int,
@@ -107,7 +120,7 @@ def paged_options(options: argparse.Namespace, config: dict) -> dict:
 def cache_config(options: argparse.Namespace) -> dict:
     """The ``cache_config`` (JSON-serialisable: dtypes by name) of the parsed KIVI options, checked by building a
     ``KiviCache`` from it; :class:`ToolError` naming the bad option otherwise."""
-    config = {name: getattr(options, name) for name in _CACHE_ARGUMENTS if hasattr(options, name)}
+    config = {name: getattr(options, dest) for dest, name in _CACHE_ARGUMENTS.items() if hasattr(options, dest)}
     config.update(options.kivi_options)
     config = settings_json(config)
     try:
@@ -217,7 +230,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kivi-xpu serve",
         description="transformers serve with the KIVI cache. The KIVI cache options are these; the other options, "
-        "below, are transformers serve's. Without --attn-implementation, models are loaded with the fused "
+        "below, are transformers serve's (--device and --dtype among them: the model's device and dtype; --sycl-device "
+        "is the KIVI kernels' SYCL device filter). Without --attn-implementation, models are loaded with the fused "
         "attention (attn_implementation=kivi); with --continuous-batching, transformers' continuous batching runs on "
         "KIVI pages within --kv-memory MiB; --compile is not supported.",
         add_help=False,

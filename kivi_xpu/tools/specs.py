@@ -75,7 +75,7 @@ def kivi_kwargs(options: ToolOptions, bits: int) -> dict:
         "residual_length": options.residual_length,
         "meta_dtype": DTYPES[options.meta_dtype],
         "backend": options.backend,
-        "device": options.device,
+        "device": options.sycl_device,  # KiviCache's device is the SYCL filter; the model's is options.device
     }
     kwargs.update(dict(options.kivi_options))
     return kwargs

@@ -61,22 +61,33 @@ def competitors(count: int, max_seconds: float = MAX_SECONDS):
             process.stdout.close()
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits until the work queued on ``device`` is done. An accelerator (cuda, xpu, mps) runs kernels
+    asynchronously, so a clock read without this would time their launches, not their work; the CPU needs nothing."""
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and device.type == accelerator.type:
+        torch.accelerator.synchronize(device)
+
+
 @torch.no_grad()
 def timed_decode(
     model, cache, token: torch.Tensor, steps: int, warmup: int, bar, on_timed: Callable[[], object] | None = None
 ) -> tuple[list[torch.Tensor], float]:
     """Greedy decode of ``steps`` tokens from ``token [B, 1]`` (fed first) through ``cache``; returns the ``[B, 1]``
     tokens and the seconds of the steps after the first ``warmup`` (``steps - warmup`` timed steps). ``on_timed()``,
-    when given, is called as the timed steps begin (e.g. ``calls.clear`` of a :func:`fused_op_timer`)."""
+    when given, is called as the timed steps begin (e.g. ``calls.clear`` of a :func:`fused_op_timer`). On an
+    accelerator the clock is read after its queued work is done (:func:`synchronize`)."""
     tokens, start = [], None
     for step in range(steps):
         if step == warmup:
             if on_timed is not None:
                 on_timed()
+            synchronize(token.device)
             start = time.perf_counter()
         token = model(token, **cache_argument(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
         bar.update(1)
+    synchronize(token.device)
     return tokens, time.perf_counter() - start
 
 
@@ -108,7 +119,8 @@ def fused_op_timer():
     :class:`OpCall` per call of ``kivi_xpu.attention.decode_attention`` (what the ``"kivi"`` attention calls for
     each layer of a decode step; it runs the backend's ``decode_attention`` op, whose CPU and SYCL kernels return
     when done). The module's function is wrapped for the block and restored after it, also on an error: outside a
-    ``with fused_op_timer()`` nothing is wrapped, so it costs nothing; inside, a few microseconds per call."""
+    ``with fused_op_timer()`` nothing is wrapped, so it costs nothing; inside, a few microseconds per call. On an
+    asynchronous device (the pure-PyTorch kernels on cuda) a call's time is that of its launches."""
     original = attention.decode_attention
     calls: list[OpCall] = []
 

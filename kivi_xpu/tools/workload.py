@@ -38,7 +38,7 @@ def prepare(options: BenchOptions) -> tuple:
     """The process options applied, the model loaded and checked for the longest run, the KIVI options checked:
     ``(model, model_path, runnable cache specs, skipped entries for the caches that cannot run here)``."""
     apply_process_options(options)
-    model, model_path = load_model(options.model, options.dtype)
+    model, model_path = load_model(options.model, options.dtype, options.device)
     check_positions(model, max(options.contexts) + options.new_tokens, "context + new tokens")
     specs = cache_specs(options)
     check_cache_options(specs, model.config, options)
@@ -48,13 +48,15 @@ def prepare(options: BenchOptions) -> tuple:
 
 
 def prompts(options: BenchOptions, model, model_path: str, total: int) -> Callable[[int, int], torch.Tensor]:
-    """A function ``(batch, context) -> ids [batch, context]``: random ids (seeded) or consecutive text slices."""
+    """A function ``(batch, context) -> ids [batch, context]`` on the model's device: random ids (seeded) or
+    consecutive text slices."""
     if options.text is None:
+        # Drawn on the CPU and then moved, so that every --device gets the same prompts.
         generator = torch.Generator().manual_seed(0)
         vocab = model.config.get_text_config(decoder=True).vocab_size
-        return lambda batch, context: torch.randint(0, vocab, (batch, context), generator=generator)
+        return lambda batch, context: torch.randint(0, vocab, (batch, context), generator=generator).to(model.device)
     path = resolve_text(options.text)
-    ids = text_tokens(load_tokenizer(model_path, options.model), path, total)
+    ids = text_tokens(load_tokenizer(model_path, options.model), path, total).to(model.device)
     if len(ids) < total:
         raise ToolError(
             f"--text {options.text!r} has {len(ids)} tokens; the largest batch x context needs {total}: use a longer "
