@@ -28,7 +28,7 @@ BUILD_INFO = ROOT / "kivi_xpu" / "_build_info.py"
 NO_SYCL_ENV = "KIVI_XPU_NO_SYCL"
 DEPENDENCIES = [
     # kivi_xpu/integration.py extends generate() internals of exactly this range (checked at import time).
-    "transformers>=5.23,<6",
+    "transformers>=5.24,<6",
     "packaging>=23",
     "numpy>=1.24",
     "pybind11>=2.12",

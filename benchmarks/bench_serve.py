@@ -218,9 +218,7 @@ def kv_bytes(model_path: str, dtype: str, text: str, new_tokens: int, kivi: dict
         ("kivi", KiviCache(config=model.config, **cache_kwargs(kivi))),
         ("dynamic", DynamicCache(config=model.config)),
     ):
-        model.generate(
-            **inputs, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-        )
+        model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         result[f"{name}_bytes"] = accounted_bytes(cache)[0]
     return result
 

@@ -47,7 +47,7 @@ def text_prompts(tokenizer, lengths) -> list[list[int]]:
 
 
 def own_generate(model, prompt, new_tokens, cache) -> tuple[list[int], list[torch.Tensor]]:
-    out = model.generate(torch.tensor([prompt]), past_key_values=cache, generation_config=greedy(new_tokens),
+    out = model.generate(torch.tensor([prompt]), cache=cache, generation_config=greedy(new_tokens),
                          output_scores=True, return_dict_in_generate=True)  # fmt: skip
     return out.sequences[0, len(prompt) :].tolist(), [s[0].float() for s in out.scores]
 

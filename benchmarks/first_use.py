@@ -49,7 +49,7 @@ mark("model")
 def generate(cache) -> float:
     begin = time.perf_counter()
     with torch.no_grad():
-        model.generate(**inputs, past_key_values=cache, **options)
+        model.generate(**inputs, cache=cache, **options)
     return time.perf_counter() - begin
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import add_model_arguments, chat_inputs, load, new_token_options, tiny_llama
+from common import add_model_arguments, cache_options, chat_inputs, load, new_token_options, tiny_llama
 from transformers import AutoModelForCausalLM
 
 import kivi_xpu  # noqa: F401  (enables cache_implementation="kivi")
@@ -32,15 +32,19 @@ def main(argv=None):
     model, tokenizer = load(args)
     drafts = {"prompt_lookup_num_tokens": 8}
     if args.tiny:
-        drafts = {"assistant_model": tiny_llama(num_hidden_layers=1, seed=5)}
+        drafts = {"assistant_model": tiny_llama(num_hidden_layers=1, seed=5).to(model.device, model.dtype)}
     elif args.assistant:
-        drafts = {"assistant_model": AutoModelForCausalLM.from_pretrained(args.assistant, dtype=torch.float32)}
-    inputs = chat_inputs(tokenizer, [{"role": "user", "content": PROMPT}])
+        drafts = {
+            "assistant_model": AutoModelForCausalLM.from_pretrained(
+                args.assistant, dtype=model.dtype, device_map=model.device
+            )
+        }
+    inputs = chat_inputs(tokenizer, [{"role": "user", "content": PROMPT}], model.device)
     kwargs = dict(
         **new_token_options(args),
         do_sample=False,
         cache_implementation="kivi",
-        cache_config={"residual_length": 32, "backend": args.backend, "device": args.device},
+        cache_config={"residual_length": 32, **cache_options(args)},
     )
     with torch.no_grad():
         assisted = model.generate(**inputs, **drafts, **kwargs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import add_model_arguments, chat_inputs, load, new_token_options
+from common import add_model_arguments, cache_options, chat_inputs, load, new_token_options
 from transformers import GenerationConfig
 
 import kivi_xpu  # noqa: F401  (importing kivi_xpu enables cache_implementation="kivi" and attn_implementation="kivi")
@@ -26,9 +26,10 @@ def main(argv=None):
 
     # attn_implementation="kivi": the fused attention reads the packed history in place (optional).
     model, tokenizer = load(args, attn_implementation="kivi")
-    inputs = chat_inputs(tokenizer, [{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
+    messages = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+    inputs = chat_inputs(tokenizer, messages, model.device)
     # residual_length=64 (the paper uses 128) so that even this short text gets a quantized history
-    cache_config = {"bits": 2, "group_size": 32, "residual_length": 64, "backend": args.backend, "device": args.device}
+    cache_config = {"bits": 2, "group_size": 32, "residual_length": 64, **cache_options(args)}
     length = new_token_options(args)
 
     with torch.no_grad():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import add_model_arguments, chat_inputs, load, new_token_options
+from common import add_model_arguments, cache_options, chat_inputs, load, new_token_options
 
 from kivi_xpu import KiviCache
 
@@ -29,17 +29,17 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     model, tokenizer = load(args)
-    cache = KiviCache(
-        config=model.config, residual_length=args.residual_length, backend=args.backend, device=args.device
-    )
+    cache = KiviCache(config=model.config, residual_length=args.residual_length, **cache_options(args))
     messages = []
     for question in QUESTIONS:
         messages.append({"role": "user", "content": question})
-        inputs = chat_inputs(tokenizer, messages)  # the whole conversation; the cache already holds most of it
+        inputs = chat_inputs(
+            tokenizer, messages, model.device
+        )  # the whole conversation; the cache already holds most of it
         with torch.no_grad():
             out = model.generate(
                 **inputs,
-                past_key_values=cache,
+                cache=cache,
                 **new_token_options(args),
                 do_sample=False,
             )

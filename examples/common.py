@@ -19,11 +19,24 @@ from kivi_xpu.assets import byte_tokenizer
 TINY_VOCAB = 256  # one token per byte
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model id or local directory (default: SmolLM2-135M-Instruct via pip)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama + byte tokenizer (offline smoke test)")
-    parser.add_argument("--backend", choices=("auto", "sycl", "reference"), default=None)
-    parser.add_argument("--device", help="SYCL device filter, e.g. opencl:cpu or level_zero:gpu")
+    parser.add_argument(
+        "--device", default="cpu", help="where the model runs: cpu (default), xpu (Intel GPU), cuda, ... (the cache "
+        "follows it: native kernels on cpu, SYCL on xpu, pure PyTorch elsewhere)"
+    )  # fmt: skip
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="model dtype (default float32)")
+    parser.add_argument("--backend", choices=("auto", "native", "sycl", "reference"), default=None)
+    parser.add_argument("--sycl-device", help="SYCL device filter for the KIVI kernels, e.g. opencl:cpu")
+
+
+def cache_options(args) -> dict:
+    """The KiviCache arguments the example flags choose (kernels)."""
+    return {"backend": args.backend, "device": args.sycl_device}
 
 
 def new_token_options(args) -> dict:
@@ -70,19 +83,39 @@ def model_path(args) -> str:
 
 
 def load(args, **model_kwargs):
-    """``(model, tokenizer)`` for ``--tiny`` / ``--model`` / the default SmolLM2 checkpoint, in fp32."""
+    """``(model, tokenizer)`` for ``--tiny`` / ``--model`` / the default SmolLM2 checkpoint, on ``--device`` in
+    ``--dtype``."""
+    device = check_device(args.device)
     if args.tiny:
-        return tiny_llama(**model_kwargs), byte_tokenizer()
+        return tiny_llama(**model_kwargs).to(device, DTYPES[args.dtype]), byte_tokenizer()
     path = model_path(args)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **model_kwargs).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype], device_map=device, **model_kwargs)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
-def chat_inputs(tokenizer, messages: list[dict]) -> dict:
-    """Token ids of a conversation: the tokenizer's chat template, or plain "role: text" lines without one."""
+def check_device(device: str) -> torch.device:
+    """``--device`` as a torch device, or a clear error when it is malformed or this torch cannot use it."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise SystemExit(f"error: --device {device!r} is not a torch device (cpu, xpu, xpu:1, cuda, ...)") from None
+    backend = getattr(torch, parsed.type, None)
+    if parsed.type != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
+        hint = " (install an XPU build of torch: see README, Intel GPUs)" if parsed.type == "xpu" else ""
+        raise SystemExit(
+            f"error: --device {device}: this torch ({torch.__version__}) has no {parsed.type} device{hint}"
+        )
+    return parsed
+
+
+def chat_inputs(tokenizer, messages: list[dict], device="cpu") -> dict:
+    """Token ids of a conversation on ``device``: the tokenizer's chat template, or plain "role: text" lines without
+    one."""
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(
+        inputs = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    return tokenizer(text, return_tensors="pt")
+    else:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        inputs = tokenizer(text, return_tensors="pt")
+    return {name: tensor.to(device) for name, tensor in inputs.items()}

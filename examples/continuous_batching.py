@@ -37,6 +37,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.device != "cpu":  # (the paged kernels read host memory: native or SYCL on the CPU device)
+        raise SystemExit(f"error: --device {args.device}: continuous batching on KIVI pages runs on cpu only")
     model, tokenizer = load(args)
     inputs = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)

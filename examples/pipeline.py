@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import add_model_arguments, load, new_token_options
+from common import add_model_arguments, cache_options, load, new_token_options
 from transformers import pipeline
 
 import kivi_xpu  # noqa: F401  (enables cache_implementation="kivi")
@@ -21,7 +21,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     model, tokenizer = load(args)
-    generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)  # on the model's device
     messages = [{"role": "user", "content": "List three uses of a key-value cache."}]
     prompt = messages if tokenizer.chat_template else messages[0]["content"]
     result = generator(
@@ -29,7 +29,7 @@ def main(argv=None):
         **new_token_options(args),
         do_sample=False,
         cache_implementation="kivi",
-        cache_config={"bits": 2, "residual_length": 64, "backend": args.backend, "device": args.device},
+        cache_config={"bits": 2, "residual_length": 64, **cache_options(args)},
     )
     reply = result[0]["generated_text"]
     print(reply[-1]["content"] if isinstance(reply, list) else reply)

@@ -62,7 +62,7 @@ def generate(model, inputs: dict, attention: str, args) -> dict:
     cache = KiviCache(config=model.config, residual_length=args.residual_length, backend=args.backend)
     n = args.max_new_tokens
     out = model.generate(
-        **inputs, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        **inputs, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
         output_logits=True, return_dict_in_generate=True,
     )  # fmt: skip
     report = cache.memory_report()

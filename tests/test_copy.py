@@ -68,7 +68,7 @@ def greedy(model, ids, cache, new_tokens):
         return model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
+            cache=cache,
             do_sample=False,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,

@@ -108,7 +108,7 @@ def test_a_model_on_a_device_without_kernels_runs_the_fused_attention_composed_i
     model = tiny_llama()
     ids = torch.randint(3, 256, (2, 150))
     dense = KiviCache(config=model.config, residual_length=32, attention="dense")
-    expected = model.generate(ids, past_key_values=dense, max_new_tokens=12, do_sample=False)
+    expected = model.generate(ids, cache=dense, max_new_tokens=12, do_sample=False)
 
     def native_must_not_run(*args):
         raise AssertionError("a native kernel was called for a layer the rule gives the reference kernels")
@@ -119,7 +119,7 @@ def test_a_model_on_a_device_without_kernels_runs_the_fused_attention_composed_i
     stand_in = backend._reference_for("meta")  # what cuda gets, without its warning
     monkeypatch.setattr(Selection, "for_device", lambda self, device: stand_in)
     cache = KiviCache(config=model.config, residual_length=32)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    out = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False)
     assert all(layer.fused and layer.backend.name == "reference" for layer in cache.layers)
     assert out.tolist() == expected.tolist()
 
@@ -210,7 +210,7 @@ def test_a_device_map_model_keeps_each_layer_history_where_the_rule_puts_it(tmp_
     tokens = []
     for model in (split, whole):
         cache = KiviCache(config=model.config, residual_length=32)
-        tokens.append(model.generate(ids, past_key_values=cache, max_new_tokens=30, do_sample=False)[0].tolist())
+        tokens.append(model.generate(ids, cache=cache, max_new_tokens=30, do_sample=False)[0].tolist())
         for index, layer in enumerate(cache.layers):
             device = model.model.layers[index].self_attn.k_proj.weight.device
             assert layer.keys_stream.packed.codes.data.device == cache.backend.for_device(device).storage_device(device)

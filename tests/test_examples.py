@@ -17,7 +17,7 @@ def run(script: str, *args: str) -> str:
 
 def test_generate_with_a_kivi_cache_object():
     out = run("generate.py", "--max-new-tokens", "24", "--residual-length", "32")
-    assert "KIVI 2-bit (default): 24 tokens" in out and "smaller" in out
+    assert "KIVI 2-bit (default): prefill" in out and "24 tokens at" in out and "x smaller" in out
     assert "greedy tokens identical to full precision" in out
 
 

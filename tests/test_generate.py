@@ -43,9 +43,9 @@ def test_greedy_is_token_identical_while_inside_the_residual_window(model, backe
     ids = torch.randint(0, VOCAB, (2, 20))
     mask = torch.ones_like(ids)
     kwargs = dict(attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
-    dense = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs)
+    dense = model.generate(ids, cache=DynamicCache(config=model.config), **kwargs)
     cache = kivi(model, backend_name, bits=2)
-    quant = model.generate(ids, past_key_values=cache, **kwargs)
+    quant = model.generate(ids, cache=cache, **kwargs)
     assert torch.equal(dense, quant)
     assert cache.get_seq_length() == 59 < 64  # 20 + 40 - 1 tokens went through the cache
 
@@ -75,15 +75,11 @@ def test_logit_error_is_bounded_and_shrinks_with_more_bits(model, backend_name):
 def test_beam_search_matches_dynamic_cache_inside_the_window_and_runs_beyond(model, backend_name):
     ids = torch.randint(0, VOCAB, (2, 12))
     kwargs = dict(attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=2, do_sample=False)
-    dense = model.generate(
-        ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=30, min_new_tokens=30, **kwargs
-    )
-    quant = model.generate(
-        ids, past_key_values=kivi(model, backend_name), max_new_tokens=30, min_new_tokens=30, **kwargs
-    )
+    dense = model.generate(ids, cache=DynamicCache(config=model.config), max_new_tokens=30, min_new_tokens=30, **kwargs)
+    quant = model.generate(ids, cache=kivi(model, backend_name), max_new_tokens=30, min_new_tokens=30, **kwargs)
     assert torch.equal(dense, quant)  # reorder_cache and the batch expansion are exact
     long = model.generate(
-        ids, past_key_values=kivi(model, backend_name, bits=4), max_new_tokens=150, min_new_tokens=150, **kwargs
+        ids, cache=kivi(model, backend_name, bits=4), max_new_tokens=150, min_new_tokens=150, **kwargs
     )
     assert long.shape == (4, 12 + 150)
 
@@ -95,7 +91,7 @@ def test_sampling_runs_across_many_flushes(model, backend_name):
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        past_key_values=cache,
+        cache=cache,
         do_sample=True,
         top_k=20,
         max_new_tokens=200,
@@ -112,15 +108,15 @@ def test_sampling_runs_across_many_flushes(model, backend_name):
 def test_continuing_a_conversation_appends_many_tokens_onto_the_history(model, backend_name):
     ids = torch.randint(0, VOCAB, (1, 90))
     cache = kivi(model, backend_name, bits=8)
-    first = model.generate(ids, past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    first = model.generate(ids, cache=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     follow_up = torch.cat([first, torch.randint(0, VOCAB, (1, 45))], dim=1)  # a new user turn of 45 tokens
-    second = model.generate(follow_up, past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    second = model.generate(follow_up, cache=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert second.shape[1] == follow_up.shape[1] + 20 and torch.equal(second[:, : follow_up.shape[1]], follow_up)
     assert cache.get_seq_length() == second.shape[1] - 1
     # At 8 bits the continuation agrees with a full-precision cache on the first tokens at least.
     dense = DynamicCache(config=model.config)
-    model.generate(ids, past_key_values=dense, max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    expected = model.generate(follow_up, past_key_values=dense, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    model.generate(ids, cache=dense, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    expected = model.generate(follow_up, cache=dense, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert torch.equal(second[:, : follow_up.shape[1] + 3], expected[:, : follow_up.shape[1] + 3])
 
 
@@ -128,9 +124,9 @@ def test_continuing_a_conversation_appends_many_tokens_onto_the_history(model, b
 def test_cache_without_config_creates_kivi_layers_on_first_use(model, backend_name):
     ids = torch.randint(0, VOCAB, (1, 20))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=30, do_sample=False)
-    dense = model.generate(ids, past_key_values=DynamicCache(), **kwargs)
+    dense = model.generate(ids, cache=DynamicCache(), **kwargs)
     cache = KiviCache(group_size=32, residual_length=64, backend=backend_name)
-    assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), dense)
+    assert torch.equal(model.generate(ids, cache=cache, **kwargs), dense)
     assert len(cache.layers) == model.config.num_hidden_layers and cache.get_seq_length() == 49
 
 
@@ -150,5 +146,5 @@ def test_a_cache_filled_under_inference_mode_continues_outside_it_and_back(backe
         with first():
             model(ids[:, :40], **cache_argument(cache))  # the packed history is created here, with spare room
         with then():
-            outs.append(model.generate(ids, past_key_values=cache, **kwargs))  # appends into that room
+            outs.append(model.generate(ids, cache=cache, **kwargs))  # appends into that room
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])

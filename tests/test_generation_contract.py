@@ -142,7 +142,7 @@ def test_generate_continue_from_past_key_values(model, window):
     continued_inputs = {"input_ids": first.sequences, "attention_mask": torch.ones_like(first.sequences)}
     with torch.no_grad():
         continued = model.generate(
-            **continued_inputs, past_key_values=first.past_key_values, do_sample=False, max_new_tokens=4,
+            **continued_inputs, cache=first.past_key_values, do_sample=False, max_new_tokens=4,
             min_new_tokens=4, return_dict_in_generate=True,
         )  # fmt: skip
     assert torch.equal(continued.sequences, whole.sequences)
@@ -164,16 +164,14 @@ def test_continuing_from_a_deep_copied_prompt_cache(model, window):
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         with torch.no_grad():
             out = model.generate(
-                **inputs, past_key_values=copy.deepcopy(prompt_cache), do_sample=False, max_new_tokens=5,
+                **inputs, cache=copy.deepcopy(prompt_cache), do_sample=False, max_new_tokens=5,
                 min_new_tokens=5, return_dict_in_generate=True,
             )  # fmt: skip
         check_past_key_values(out.past_key_values, 1, 40 + 5 + 5 - 1, model.config)
         if window is WIDE:
             fresh = KiviCache(config=model.config, **window)
             with torch.no_grad():
-                expected = model.generate(
-                    **inputs, past_key_values=fresh, do_sample=False, max_new_tokens=5, min_new_tokens=5
-                )
+                expected = model.generate(**inputs, cache=fresh, do_sample=False, max_new_tokens=5, min_new_tokens=5)
             assert torch.equal(out.sequences, expected)
     for (k, v, _), (hk, hv) in zip(prompt_cache, held, strict=True):
         assert torch.equal(k, hk) and torch.equal(v, hv)

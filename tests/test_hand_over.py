@@ -97,8 +97,8 @@ def test_a_cache_without_the_models_config_uses_the_fused_attention(config):
     reference = KiviCache(config=model.config, group_size=16, residual_length=32, backend="reference")
     ids = torch.randint(1, 256, (1, 50))
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=20, min_new_tokens=20)
-        expected = model.generate(ids, past_key_values=reference, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+        out = model.generate(ids, cache=cache, do_sample=False, max_new_tokens=20, min_new_tokens=20)
+        expected = model.generate(ids, cache=reference, do_sample=False, max_new_tokens=20, min_new_tokens=20)
     assert torch.equal(out, expected)
     assert all(layer.fused for layer in cache.layers)
     states = torch.randn(1, 2, 1, 32)

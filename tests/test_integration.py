@@ -111,15 +111,16 @@ def kivi(**cache_config):
 
 
 def fused_and_dense(model, inputs, seed=None, **kwargs):
-    """The same generate call under SDPA chosen explicitly (dense KIVI states) and under the fused KIVI attention
-    (``seed``: the RNG seed each call starts from, for sampling)."""
+    """The same ``generate(**kivi(...))`` call with dense KIVI states (``attention="dense"``, under the model's own
+    attention) and under the fused KIVI attention (``seed``: the RNG seed each call starts from, for sampling)."""
+    dense = dict(kwargs, cache_config={**kwargs["cache_config"], "attention": "dense"})
     runs, original = [], model.config._attn_implementation
     try:
-        for attention in ("sdpa", "kivi"):
+        for attention, arguments in ((original, dense), ("kivi", kwargs)):
             model.set_attn_implementation(attention)
             if seed is not None:
                 torch.manual_seed(seed)
-            runs.append(model.generate(**inputs, **kwargs))
+            runs.append(model.generate(**inputs, **arguments))
     finally:
         model.config._attn_implementation_internal = original  # (the default, if it was, stays the default)
     return runs
@@ -226,25 +227,15 @@ def test_enable_is_idempotent():
     assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS.count("kivi") == 1
 
 
-@pytest.mark.parametrize("version", ["4.57.1", "5.22.0", "5.22.99.post1", "6.0.0", "6.0.0.dev0", "6.0.0rc1", "6.1"])
+@pytest.mark.parametrize("version", ["4.57.1", "5.23.0", "5.23.99.post1", "6.0.0", "6.0.0.dev0", "6.0.0rc1", "6.1"])
 def test_unsupported_transformers_versions_are_refused(version):
-    with pytest.raises(RuntimeError, match=r"supports transformers >=5\.23,<6"):
+    with pytest.raises(RuntimeError, match=r"supports transformers >=5\.24,<6"):
         integration.check_transformers_version(version)
 
 
-@pytest.mark.parametrize("version", ["5.23.0", "5.23.0rc1", "5.23.1.post2", "5.99.0.dev0"])
+@pytest.mark.parametrize("version", ["5.24.0", "5.24.0rc1", "5.24.1.post2", "5.99.0.dev0"])
 def test_supported_transformers_versions_and_their_pre_releases_are_accepted(version):
     integration.check_transformers_version(version)
-
-
-@pytest.mark.parametrize(
-    "version,key",
-    [("5.23.0", "past_key_values"), ("5.23.9", "past_key_values"), ("5.24.0", "cache"), ("5.30.1", "cache")],
-)
-def test_generate_keeps_its_cache_under_the_version_s_name(version, key):
-    """transformers 5.24 renamed generate's `past_key_values` to `cache`: the kivi cache goes where generate (and
-    assisted decoding, which requires it there) looks."""
-    assert integration.generate_cache_key(version) == key
 
 
 @torch.no_grad()
@@ -252,7 +243,7 @@ def test_cache_argument_hands_the_cache_to_forward_without_a_deprecation_warning
     """The tools call `model(ids, **cache_argument(cache))`: `past_key_values=` warns from transformers 5.24 and
     leaves `forward` in 5.40, inside the range this package supports."""
     cache = KiviCache()
-    assert integration.cache_argument(cache) == {integration.generate_cache_key(): cache}
+    assert integration.cache_argument(cache) == {"cache": cache}
     ids = prompts(batch=1, length=12)["input_ids"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
@@ -263,7 +254,7 @@ def test_cache_argument_hands_the_cache_to_forward_without_a_deprecation_warning
 
 @pytest.mark.parametrize("version", ["not-a-version", "", "5.23-custom build"])
 def test_an_unparsable_transformers_version_is_a_clear_error(version):
-    with pytest.raises(RuntimeError, match=r"transformers >=5\.23,<6.*not a PEP 440 version"):
+    with pytest.raises(RuntimeError, match=r"transformers >=5\.24,<6.*not a PEP 440 version"):
         integration.check_transformers_version(version)
 
 
@@ -275,7 +266,7 @@ def test_an_unparsable_transformers_version_is_a_clear_error(version):
 def test_architecture_generates_like_dynamic_cache_inside_the_window(name):
     model = build(name)
     inputs = prompts()
-    dynamic = greedy(model, inputs, past_key_values=DynamicCache(config=model.config))
+    dynamic = greedy(model, inputs, cache=DynamicCache(config=model.config))
     out = greedy(model, inputs, **kivi(**WIDE), return_dict_in_generate=True)
     assert torch.equal(out.sequences, dynamic)
     kinds = [next(k for k, cls in LAYER_KINDS.items() if type(layer) is cls) for layer in out.past_key_values.layers]
@@ -444,8 +435,13 @@ def test_assisted_decoding_rollbacks_leave_the_cache_as_if_the_rejected_tokens_n
 
     next_token = out.sequences[:, -1:]
     position = torch.tensor([[out.sequences.shape[1] - 1]])
-    logits = llama(next_token, position_ids=position, **integration.cache_argument(cache)).logits
-    expected = llama(next_token, position_ids=position, **integration.cache_argument(replay)).logits
+    original = llama.config._attn_implementation
+    llama.set_attn_implementation("kivi")  # both caches fused (the replay's layers never met the default attention)
+    try:
+        logits = llama(next_token, position_ids=position, **integration.cache_argument(cache)).logits
+        expected = llama(next_token, position_ids=position, **integration.cache_argument(replay)).logits
+    finally:
+        llama.config._attn_implementation_internal = original
     assert torch.equal(logits, expected)
 
 
@@ -491,11 +487,11 @@ def test_a_conversation_continues_in_the_same_cache(llama):
             llama, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, max_new_tokens=20, **kwargs
         )
 
-    ids, out = continued(reply.sequences, past_key_values=cache)
+    ids, out = continued(reply.sequences, cache=cache)
     assert cache.get_seq_length() == ids.shape[1] + 19
     # The same conversation with a window wider than the text is exactly the full-precision one.
     reply = greedy(llama, first, max_new_tokens=20, **kivi(**WIDE), return_dict_in_generate=True)
-    _, wide = continued(reply.sequences, past_key_values=reply.past_key_values)
+    _, wide = continued(reply.sequences, cache=reply.past_key_values)
     _, dynamic = continued(reply.sequences)
     assert torch.equal(wide, dynamic) and out.shape == dynamic.shape
 
@@ -531,10 +527,8 @@ def test_bad_cache_config_is_refused_with_the_allowed_values(llama, cache_config
 
 
 def test_cache_implementation_together_with_a_cache_object_is_refused(llama):
-    with pytest.raises(ValueError, match="Passing both cache_implementation='kivi' and `past_key_values`"):
-        llama.generate(
-            **prompts(batch=1), max_new_tokens=2, cache_implementation="kivi", past_key_values=KiviCache(llama.config)
-        )
+    with pytest.raises(ValueError, match="Passing both cache_implementation='kivi' and a cache object"):
+        llama.generate(**prompts(batch=1), max_new_tokens=2, cache_implementation="kivi", cache=KiviCache(llama.config))
 
 
 @torch.no_grad()

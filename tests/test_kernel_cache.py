@@ -227,7 +227,7 @@ config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_
 model = LlamaForCausalLM(config).eval()
 kivi_xpu.use_fused_attention(model)
 cache = kivi_xpu.KiviCache(config=config, residual_length=32)
-model.generate(torch.randint(0, 256, (1, 40)), past_key_values=cache, max_new_tokens=30, min_new_tokens=30)
+model.generate(torch.randint(0, 256, (1, 40)), cache=cache, max_new_tokens=30, min_new_tokens=30)
 print("backend", cache.backend.name, "sycl loaded:", "kivi_xpu._C" in sys.modules or "dpctl" in sys.modules)
 """
 

@@ -219,7 +219,7 @@ def test_a_small_window_with_the_default_preset_generates():
     cache = KiviCache(config=model.config, residual_length=4, group_size=4)
     assert cache.layers[0].settings.sink_tokens == 3
     tokens = model.generate(
-        torch.randint(3, 256, (1, 9)), past_key_values=cache, max_new_tokens=12, do_sample=False, min_new_tokens=12
+        torch.randint(3, 256, (1, 9)), cache=cache, max_new_tokens=12, do_sample=False, min_new_tokens=12
     )
     assert tokens.shape == (1, 21) and cache.get_seq_length() == 20
 
@@ -387,7 +387,7 @@ def test_fused_greedy_generation_equals_the_dense_path_with_options(options):
         model.set_attn_implementation(attn)
         cache = KiviCache(config=model.config, group_size=16, residual_length=32, backend="reference", **options)
         with torch.no_grad():
-            outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=90, min_new_tokens=90))
+            outs.append(model.generate(ids, cache=cache, max_new_tokens=90, min_new_tokens=90))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -643,7 +643,7 @@ def test_assisted_generation_with_a_recording_kivi_cache():
     cache.crop = lambda n: (crops.append(n), crop(n))[1]
     with torch.no_grad():
         out = model.generate(
-            ids, past_key_values=cache, assistant_model=assistant, max_new_tokens=60, min_new_tokens=60, do_sample=False
+            ids, cache=cache, assistant_model=assistant, max_new_tokens=60, min_new_tokens=60, do_sample=False
         )
     assert out.shape[1] == 90
     assert any(n < 0 for n in crops)  # drafts were rejected: the rollback really ran

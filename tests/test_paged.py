@@ -37,7 +37,7 @@ def _own_generate(model, prompt, new_tokens, backend=None, **settings) -> list[i
     """Greedy tokens of ``model.generate`` with the request's own KiviCache (fused attention)."""
     use_fused_attention(model)
     cache = KiviCache(model.config, backend=backend, **settings)
-    out = model.generate(torch.tensor([prompt]), past_key_values=cache, generation_config=_greedy(new_tokens))
+    out = model.generate(torch.tensor([prompt]), cache=cache, generation_config=_greedy(new_tokens))
     return out[0, len(prompt) :].tolist()
 
 
@@ -85,7 +85,7 @@ def test_bf16_answers_differ_from_own_generate_only_at_near_ties(model, max_batc
     use_fused_attention(model)
     for prompt, answer in zip(prompts, _answers(results), strict=True):
         cache = KiviCache(model.config, **SMALL)
-        out = model.generate(torch.tensor([prompt]), past_key_values=cache, generation_config=_greedy(new),
+        out = model.generate(torch.tensor([prompt]), cache=cache, generation_config=_greedy(new),
                              output_scores=True, return_dict_in_generate=True)  # fmt: skip
         own = out.sequences[0, len(prompt) :].tolist()
         if own != answer:

@@ -125,7 +125,7 @@ def test_fused_equals_dense_with_one_kind_rotated_and_head_dim_48(backend_name, 
         model.set_attn_implementation(attn)
         cache = KiviCache(model.config, group_size=16, residual_length=32, backend=backend_name, **kinds)
         with torch.no_grad():
-            outputs.append(model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=70))
+            outputs.append(model.generate(ids, cache=cache, do_sample=False, max_new_tokens=70))
     assert torch.equal(outputs[0], outputs[1])
 
 
