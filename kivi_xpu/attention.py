@@ -1,12 +1,13 @@
 """Fused KIVI attention for transformers: attention computed straight from the packed history.
 
-``model.set_attn_implementation("kivi")`` (or :func:`use_fused_attention`) makes the model's attention modules
-call :func:`kivi_attention_forward`. With a :class:`~kivi_xpu.KiviCache` built from that model's config, each
-``KiviLayer.update`` then returns only the full-precision tail (window + new tokens) and hands over a
-:class:`DecodeInputs` (the sinks, the packed history in place and the tails) to the attention function, which
-scores the packed keys and sums the packed values in place through the ``decode_attention`` op: no dense copy of
-the quantized history is ever built. Everything else (prefill, other caches, sliding-window layers, dropout)
-goes to transformers' SDPA attention unchanged, so the implementation is safe to set on any model.
+A model runs it under transformers' default attention (no ``attn_implementation`` chosen: :func:`attention_path`
+is the rule, :func:`default_attention_forward` the ``"sdpa"`` function while kivi_xpu is imported) and under
+``attn_implementation="kivi"`` (:func:`use_fused_attention`, :func:`kivi_attention_forward`). A
+:class:`~kivi_xpu.KiviCache` layer then returns from ``update`` only the full-precision tail (window + new tokens)
+and hands over a :class:`DecodeInputs` (the sinks, the packed history in place and the tails) to the attention
+function, which scores the packed keys and sums the packed values in place through the ``decode_attention`` op: no
+dense copy of the quantized history is ever built. Everything else (prefill, other caches, sliding-window layers,
+dropout) goes to transformers' SDPA attention unchanged, so both functions are safe on any model.
 
 The hand-over: the attention function never receives the cache, only the module and the tensors ``update``
 returned. ``update`` records a :class:`Pending` step in a thread-local slot (never part of the cache): weak
@@ -17,9 +18,10 @@ received are those very objects. The step holds nothing alive: when the returned
 a stale step never breaks an unrelated forward. The one case still refused is a model that changes the keys or
 values between ``update`` and attention (the tail alone would be silently wrong).
 
-The same record lets the attention function tell a layer that the model runs the kivi attention: a layer built
-without the model's config (``KiviCache()``) or with a copy of it then takes ``module.config`` as its model config
-and uses the fused path from its next update on.
+The same record lets the attention function tell a layer that the model's attention reads it through one of these
+functions (``attention_seen``) and which config the model runs: a layer built without the model's config
+(``KiviCache()``) or with a copy of it then takes ``module.config`` as its model config and uses the fused path from
+its next update on.
 """
 
 from __future__ import annotations

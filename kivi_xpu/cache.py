@@ -1,8 +1,8 @@
 """:class:`KiviCache`, the transformers ``Cache`` container: one :class:`~kivi_xpu.layer.KiviLayer` per
 full-attention layer, transformers' own layers for sliding-window and shared-KV layers.
 
-Each layer's full-precision window stays on the device of the keys that layer receives; its packed low-bit history
-and kernels go where :meth:`kivi_xpu.backend.Selection.storage_device` (the device-placement rule) puts them.
+Each layer's full-precision window stays on the device of the keys that layer receives; its kernels and packed
+low-bit history follow that device (the device rule, :meth:`kivi_xpu.backend.Selection.for_device`).
 """
 
 from __future__ import annotations
@@ -67,15 +67,17 @@ class KiviCache(Cache):
             Memory follows the tokens held (a 27-token cache allocates about 27 tokens' worth whatever ``R``).
         meta_dtype: dtype of the stored scales and zero points: ``torch.float16``, ``torch.bfloat16``,
             ``torch.float32``, or ``None`` (default): ``bfloat16`` for a bfloat16 model, ``float16`` otherwise.
-        backend: ``"auto"`` (default: ``$KIVI_XPU_BACKEND`` or SYCL kernels when a SYCL device exists, else the
-            pure-PyTorch reference with one warning), ``"sycl"`` or ``"reference"``.
+        backend: ``"auto"`` (default: ``$KIVI_XPU_BACKEND``, else the kernels of each layer's device: native on
+            the CPU, SYCL on an Intel GPU, pure PyTorch elsewhere; see :meth:`kivi_xpu.backend.Selection.for_device`),
+            ``"native"``, ``"sycl"`` or ``"reference"``.
         device: SYCL device filter string (e.g. ``"opencl:cpu"``, ``"level_zero:gpu"``), default
             ``$KIVI_XPU_DEVICE`` or the first GPU (with an XPU build of torch), else the first CPU device. With a
             GPU, each layer's history and kernels go to that layer's own ``xpu:<i>`` (``device_map``, tensor
-            parallelism): see :meth:`kivi_xpu.backend.Selection.storage_device`.
+            parallelism).
         attention: ``"auto"`` (default): the layers hand the packed history to the fused KIVI attention when the
-            model runs with ``attn_implementation="kivi"`` (see :func:`kivi_xpu.use_fused_attention`), and return
-            dense keys/values to any other attention; ``"dense"`` always returns dense keys/values.
+            model runs transformers' default attention (no ``attn_implementation`` chosen) or ``"kivi"``, and return
+            dense keys/values to an attention the user chose (:func:`kivi_xpu.attention.attention_path`);
+            ``"dense"`` always returns dense keys/values.
         key_bits / value_bits: bits of the key / value codes (default ``bits``), e.g. ``key_bits=4`` with 2-bit values.
         key_group_size / value_group_size: group sizes per kind (default ``group_size``); each divides head_dim,
             the key group also divides ``residual_length``.

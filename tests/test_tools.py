@@ -20,7 +20,7 @@ from kivi_xpu import KiviCache, attention
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import GENSIM_LEE, GENSIM_WHEEL, news_text, strip_wiki_markup, wiki_articles
 from kivi_xpu.integration import cache_argument
-from kivi_xpu.tools import bench, calibrate, machine, report, specs, workload
+from kivi_xpu.tools import bench, calibrate, curve, machine, report, shapes, specs, workload
 from kivi_xpu.tools import eval_ppl as evaluate
 from kivi_xpu.tools.loading import load_model, resolve_text
 from kivi_xpu.tools.options import ToolError
@@ -635,7 +635,7 @@ def test_bench_curve_writes_rows_for_every_context_a_table_and_a_plot(tmp_path, 
     assert out.startswith("| cache |") and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     payload = json.loads(path.read_text())
     check_machine_facts(payload, out)
-    assert payload["curve_model"]["max_position_embeddings"] == 96 + 3 and payload["context_fill"]
+    assert payload["curve_model"]["max_position_embeddings"] == 96 + 3 + curve.PART_STEPS and payload["context_fill"]
     assert [s["cache"] for s in payload["skipped"]] == ["quanto 2-bit"]
     rows = payload["rows"]
     assert [(r["context"], r["name"]) for r in rows] == [
@@ -650,7 +650,47 @@ def test_bench_curve_writes_rows_for_every_context_a_table_and_a_plot(tmp_path, 
 def test_bench_curve_refuses_a_model_or_text(assets, capsys):
     model_dir, _ = assets
     code, _, err = run(["bench", "--curve", "--model", model_dir, "--no-progress"], capsys)
-    assert code == 2 and err == "error: --curve runs its own tiny random Llama on random K/V: drop --model and --text\n"
+    assert code == 2 and err.startswith("error: --curve runs a tiny random Llama, or a named shape (--model with one")
+    assert "llama-3.1-8b" in err
+
+
+# A named shape small enough for a test, built by the same code as the public ones.
+TINY_SHAPE = (LlamaConfig, LlamaForCausalLM, dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, vocab_size=300, tie_word_embeddings=False,
+))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(shapes.SHAPES))
+def test_each_public_shape_has_the_dimensions_of_its_config(name):
+    config = shapes.shape_config(name, 4096)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert head_dim in (64, 128) and config.num_attention_heads % config.num_key_value_heads == 0
+    assert config.max_position_embeddings >= 8192
+    with pytest.raises(ValueError, match="`name` must be one of"):
+        shapes.shape_config("llama-9", 1)
+
+
+def test_a_shape_model_is_random_finite_and_the_same_at_every_build(monkeypatch):
+    monkeypatch.setitem(shapes.SHAPES, "tiny-shape", TINY_SHAPE)
+    first, second = (shapes.shape_model("tiny-shape", torch.bfloat16) for _ in range(2))
+    for (name, a), b in zip(first.named_parameters(), second.parameters(), strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b) and torch.isfinite(a).all(), name
+        assert (a == 1).all() if a.dim() == 1 else a.float().std() > 0.01
+    logits = first(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 300) and torch.isfinite(logits).all()
+
+
+def test_bench_on_a_named_shape_runs_the_curve_and_says_where_the_step_goes(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(shapes.SHAPES, "tiny-shape", TINY_SHAPE)
+    args = ["bench", "--model", "tiny-shape", "--dtype", "bfloat16", "--contexts", 64, "--new-tokens", 3]
+    args += ["--warmup", 1, "--repeats", 1, "--caches", "dynamic", "static", "kivi-fused", *KIVI]
+    payload = run_json([*args, "--no-progress"], tmp_path, capsys)
+    assert "tiny-shape shape with random weights" in payload["model"]
+    assert payload["curve_model"]["hidden_size"] == 128 and payload["curve_model"]["dtype"] == "bfloat16"
+    for row in payload["rows"]:
+        assert 0 < row["weights_ms"] and 0 < row["attention_ms"] and row["rest_ms"] is not None
+        assert row["weights_ms"] + row["attention_ms"] < row["ms_per_step"] * 3  # shares of one step, not totals
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,14 @@ threads (:func:`kivi_xpu.tools.machine.read_bandwidth`). With ``--phases`` the n
 split each call into its phases (the task-start read of the packed keys, their metadata, factors and integer
 products, the softmax, the values' metadata, factors and products, the exact sinks and tail, the merge): a second
 table gives each phase's share of the call's thread time (:func:`kivi_xpu.tools.timing.fused_op_phases`).
+
+Model shapes people run, without their weights: ``--model`` with a name of :data:`kivi_xpu.tools.shapes.SHAPES`
+(``llama-3.2-1b``, ``llama-3.2-3b``, ``llama-3.1-8b``, ``qwen2.5-7b``) builds that architecture with random weights
+in seconds and runs the ``--curve`` measurement on it (caches filled with random K/V, no prefill): decode ms/step
+against ``DynamicCache`` and ``StaticCache``, and where a step goes (the weights' products, the attention function,
+the rest)::
+
+    kivi-xpu bench --model llama-3.1-8b --dtype bfloat16 --contexts 2048 8192 --batch-sizes 1 4 --new-tokens 8
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from .memory import KvBytes, PeakMemory, kv_bytes, release_freed_memory
 from .options import ToolError
 from .plots import bench_plot, budget_plot, check_matplotlib, curve_plot
 from .report import bench_table, budget_table, curve_table, machine_line, phases_table
+from .shapes import SHAPES
 from .specs import CacheSpec, make_cache, third_party_failure
 from .timing import (
     OpStats,
@@ -374,7 +383,7 @@ def benchmark(options: BenchOptions) -> dict:
             f"--new-tokens ({options.new_tokens}) must exceed --warmup ({options.warmup}) + 1: the prefill yields the "
             "first token, the warm-up steps are not timed, and at least one decode step must be"
         )
-    if options.phases and (options.curve or options.kv_budget is not None):
+    if options.phases and (options.curve or options.model in SHAPES or options.kv_budget is not None):
         raise ToolError(
             "--phases times the fused attention of the caches side by side, not with --curve or --kv-budget"
         )
@@ -400,7 +409,7 @@ def run_mode(options: BenchOptions) -> dict:
     side."""
     if options.kv_budget is not None:
         return budget(options)
-    if options.curve:
+    if options.curve or options.model in SHAPES:
         return curve(options)
     model, model_path, runnable, skipped = prepare(options)
     make_prompt = prompts(options, model, model_path, max(c * b for c in options.contexts for b in options.batch_sizes))

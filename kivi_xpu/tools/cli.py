@@ -95,7 +95,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         default=DEFAULTS.model,
         help="HF model id or local checkpoint directory; 'smollm2' (default) = SmolLM2-135M-Instruct obtained "
-        "through pip and converted once (kivi_xpu.assets.smollm2_checkpoint)",
+        "through pip and converted once (kivi_xpu.assets.smollm2_checkpoint); bench also takes a public model shape "
+        "with random weights: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-7b (kivi_xpu.tools.shapes)",
     )
     p.add_argument("--dtype", choices=tuple(DTYPES), default=DEFAULTS.dtype, help="model dtype (default float32)")
     p.add_argument(

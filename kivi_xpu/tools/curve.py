@@ -26,8 +26,9 @@ from .loading import model_device
 from .machine import report_header
 from .memory import kv_bytes, release_freed_memory
 from .options import DTYPES, ToolError, ToolOptions
+from .shapes import SHAPES, parameter_bytes, shape_model
 from .specs import CacheSpec, cache_specs, check_cache_options, make_cache
-from .timing import add_step_ratios, competitors, synchronize, timed_decode
+from .timing import add_step_ratios, competitors, step_parts, synchronize, timed_decode
 from .workload import BenchOptions
 
 CURVE_LLAMA = dict(
@@ -41,6 +42,7 @@ CURVE_LLAMA = dict(
 )
 CURVE_CACHES = ("dynamic", "static", "kivi-fused", "kivi-dense")
 FILL = "random K/V (standard normal, seeded) written into every layer by one cache.update call; no prefill"
+PART_STEPS = 3  # decode steps after the timed ones, run with step_parts' timers (not part of ms/step)
 
 
 def curve_model(max_positions: int, dtype: str, device: str = "cpu") -> LlamaForCausalLM:
@@ -83,6 +85,10 @@ class CurveRow:
     kv_measured_bytes: int
     kv_check: str
     fill_seconds: float  # median time to write the context's random K/V (not a prefill time)
+    # Where a step goes (timing.step_parts, PART_STEPS steps after the timed ones, CPU only), ms per step:
+    weights_ms: float | None = None  # nn.Linear calls (the products with the weights)
+    attention_ms: float | None = None  # the attention function (the fused op, or SDPA over dense states)
+    rest_ms: float | None = None  # everything else: norms, rope, the cache's own work, argmax
     step_speedup_vs_dynamic: float | None = None
     step_speedup_vs_static: float | None = None
     runs_ms_per_step: list[float] = field(default_factory=list)
@@ -92,19 +98,25 @@ class CurveRow:
 def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batch: int, contend: int, bar) -> tuple:
     """(decode seconds per timed step, KvBytes, fill seconds) of one fresh cache filled to ``context`` tokens, its
     decode steps run next to ``contend`` competitor processes."""
+    original = model.config._attn_implementation_internal  # (restored as it was: the default stays the default)
     model.set_attn_implementation(spec.attn_implementation)
     release_freed_memory()
-    cache = make_cache(spec, model.config, options, context + options.new_tokens)
+    cache = make_cache(spec, model.config, options, context + options.new_tokens + PART_STEPS)
     generator = torch.Generator().manual_seed(context)
     fill_seconds = fill(cache, model.config, batch, context, model.dtype, generator, model.device)
     token = torch.randint(0, model.config.vocab_size, (batch, 1), generator=generator).to(model.device)
     steps = options.new_tokens - 1
     with competitors(contend):
-        _, seconds = timed_decode(model, cache, token, steps, options.warmup, bar)
+        decoded, seconds = timed_decode(model, cache, token, steps, options.warmup, bar)
+        parts = None
+        if model.device.type == "cpu":  # (the part timers read the clock around each call)
+            with step_parts(model) as parts:
+                _, parts_seconds = timed_decode(model, cache, decoded[-1], PART_STEPS, 0, bar)
+            parts = {k: v / PART_STEPS for k, v in parts.items()} | {"step": parts_seconds / PART_STEPS}
     kv = kv_bytes(cache)
     del cache
-    model.set_attn_implementation("sdpa")
-    return seconds / (steps - options.warmup), kv, fill_seconds
+    model.config._attn_implementation_internal = original
+    return seconds / (steps - options.warmup), kv, fill_seconds, parts
 
 
 def curve_specs(options: ToolOptions) -> tuple[list[CacheSpec], list[dict]]:
@@ -120,10 +132,18 @@ def curve_specs(options: ToolOptions) -> tuple[list[CacheSpec], list[dict]]:
 
 def curve(options: BenchOptions) -> dict:
     """Runs the long-context curve (options already checked by ``bench.benchmark``); returns the JSON payload."""
-    if options.text is not None or options.model != ToolOptions.model:
-        raise ToolError("--curve runs its own tiny random Llama on random K/V: drop --model and --text")
+    shape = options.model if options.model in SHAPES else None
+    if options.text is not None or (shape is None and options.model != ToolOptions.model):
+        raise ToolError(
+            "--curve runs a tiny random Llama, or a named shape (--model with one of "
+            f"{', '.join(SHAPES)}), on random K/V: drop --text, and --model unless it names a shape"
+        )
     apply_process_options(options)
-    model = curve_model(max(options.contexts) + options.new_tokens, options.dtype, options.device)
+    positions = max(options.contexts) + options.new_tokens + PART_STEPS
+    if shape is None:
+        model = curve_model(positions, options.dtype, options.device)
+    else:
+        model = shape_model(shape, DTYPES[options.dtype], model_device(options.device), positions)
     specs, skipped = curve_specs(options)
     check_cache_options(specs, model.config, options)
     configurations = [(c, b) for c in options.contexts for b in options.batch_sizes]
@@ -144,10 +164,14 @@ def curve(options: BenchOptions) -> dict:
             rows += results
             gc.collect()
     text = model.config
-    return report_header(
-        "kivi-xpu bench --curve", options, model="tiny random Llama (kivi_xpu.tools.curve.CURVE_LLAMA)"
-    ) | {
-        "curve_model": CURVE_LLAMA | {"max_position_embeddings": text.max_position_embeddings, "dtype": options.dtype},
+    described = "tiny random Llama (kivi_xpu.tools.curve.CURVE_LLAMA)"
+    fields = CURVE_LLAMA
+    if shape is not None:
+        gib = parameter_bytes(model) / 2**30
+        described = f"{shape} shape with random weights (kivi_xpu.tools.shapes), {gib:.2f} GiB"
+        fields = SHAPES[shape][2]
+    return report_header("kivi-xpu bench --curve", options, model=described) | {
+        "curve_model": fields | {"max_position_embeddings": text.max_position_embeddings, "dtype": options.dtype},
         "context_fill": FILL,
         "rows": [asdict(r) for r in rows],
         "skipped": skipped,
@@ -155,7 +179,11 @@ def curve(options: BenchOptions) -> dict:
 
 
 def summarize(spec: CacheSpec, context: int, batch: int, runs: list[tuple]) -> CurveRow:
-    seconds = [s for s, _, _ in runs]
+    seconds = [s for s, _, _, _ in runs]
+    parts = [p for _, _, _, p in runs if p is not None]
+    split = {}
+    if parts:
+        split = {k: 1000 * statistics.median(p[k] for p in parts) for k in ("weights", "attention", "step")}
     kv = runs[0][1]
     step = statistics.median(seconds)
     return CurveRow(
@@ -170,6 +198,9 @@ def summarize(spec: CacheSpec, context: int, batch: int, runs: list[tuple]) -> C
         kv_allocated_bytes=kv.allocated,
         kv_measured_bytes=kv.measured,
         kv_check=kv.check,
-        fill_seconds=statistics.median(f for _, _, f in runs),
+        fill_seconds=statistics.median(f for _, _, f, _ in runs),
+        weights_ms=split.get("weights"),
+        attention_ms=split.get("attention"),
+        rest_ms=split["step"] - split["weights"] - split["attention"] if split else None,
         runs_ms_per_step=[1000 * s for s in seconds],
     )

@@ -102,9 +102,16 @@ def phases_table(payload: dict) -> str:
 
 CURVE_HEADER = (
     "| cache | context | batch | ms/step | step speedup vs Dynamic | step speedup vs Static | decode tok/s | KV MiB | "
-    "fill s | notes |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "weights / attention / rest ms | fill s | notes |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+def _parts(r: dict) -> str:
+    """``weights / attention / rest`` ms of a step (—: not measured, e.g. on an accelerator)."""
+    if r.get("weights_ms") is None:
+        return "—"
+    return f"{r['weights_ms']:.1f} / {r['attention_ms']:.1f} / {r['rest_ms']:.1f}"
 
 
 def curve_table(payload: dict) -> str:
@@ -113,10 +120,10 @@ def curve_table(payload: dict) -> str:
         notes = "" if r["kv_check"] == "ok" else f"KV check: {r['kv_check']}"
         lines.append(
             f"| {r['cache']} | {r['context']} | {r['batch']} | {_steps(r)} | {r['decode_tokens_per_s']:.1f} | "
-            f"{_mib(r['kv_bytes'])} | {r['fill_seconds']:.2f} | {notes} |"
+            f"{_mib(r['kv_bytes'])} | {_parts(r)} | {r['fill_seconds']:.2f} | {notes} |"
         )
     for s in payload["skipped"]:
-        lines.append(f"| {s['cache']} | — | — | — | — | — | — | — | — | {s['reason']} |")
+        lines.append(f"| {s['cache']} | — | — | — | — | — | — | — | — | — | {s['reason']} |")
     return "\n".join(lines)
 
 

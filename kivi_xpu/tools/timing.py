@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from transformers import AttentionInterface
 
 from .. import attention
 from ..integration import cache_argument
@@ -89,6 +90,49 @@ def timed_decode(
         bar.update(1)
     synchronize(token.device)
     return tokens, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def step_parts(model):
+    """Where a decode step goes: yields a dict whose ``"weights"`` and ``"attention"`` entries add up, while the
+    context is active, the seconds the model's forward passes spend in its ``nn.Linear`` layers (the products with
+    the weights, ``lm_head`` included) and in the function transformers' attention interface calls (the fused KIVI
+    op, or SDPA over the dense states); the rest of a step (norms, rotary embeddings, the caches' own work, the
+    argmax) is the step's time minus both. Clock reads around each call, so an accelerator needs :func:`synchronize`
+    inside them: use it on the CPU."""
+    seconds = {"weights": 0.0, "attention": 0.0}
+    started: dict[int, float] = {}
+
+    def start(module, args):
+        started[id(module)] = time.perf_counter()
+
+    def stop(module, args, output):
+        seconds["weights"] += time.perf_counter() - started.pop(id(module))
+
+    handles = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            handles += [module.register_forward_pre_hook(start), module.register_forward_hook(stop)]
+    mapping = AttentionInterface._global_mapping
+    name = model.config.get_text_config(decoder=True)._attn_implementation
+    original = mapping.get(name)
+
+    def timed_attention(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds["attention"] += time.perf_counter() - begin
+
+    if original is not None:
+        mapping[name] = timed_attention
+    try:
+        yield seconds
+    finally:
+        for handle in handles:
+            handle.remove()
+        if original is not None:
+            mapping[name] = original
 
 
 class OpCall(NamedTuple):
