@@ -15,16 +15,15 @@ faster than ``DynamicCache``). Not a test: run it on a quiet machine.
 
 import argparse
 import statistics
-import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.generation.streamers import BaseStreamer
 
 from kivi_xpu import KiviCache, assets
 from kivi_xpu.tools.loading import text_tokens
 from kivi_xpu.tools.machine import lscpu_lines
 from kivi_xpu.tools.options import DTYPES
+from kivi_xpu.tools.timing import GenerateClock
 
 WAYS = ("dynamic", "readme", "no-config", "cache-implementation", "sdpa-chosen")
 
@@ -45,21 +44,6 @@ tokenizer = AutoTokenizer.from_pretrained(path)
 ids = text_tokens(tokenizer, assets.wikipedia_text(), args.context)[None].to(args.device)
 
 
-class Clock(BaseStreamer):
-    """Clock reads inside one ``generate``: it hands the streamer the prompt, then each new token."""
-
-    def __init__(self):
-        self.start, self.first, self.puts = time.perf_counter(), None, 0
-
-    def put(self, value):
-        self.puts += 1
-        if self.puts == 2:  # the first new token: the prefill is done
-            self.first = time.perf_counter()
-
-    def end(self):
-        self.stop = time.perf_counter()
-
-
 def run(way: str, new_tokens: int) -> tuple[float, float, torch.Tensor]:
     """(time to first token s, decode ms/token, new tokens) of one ``generate`` in ``way``."""
     model = chosen if way == "sdpa-chosen" else plain
@@ -70,13 +54,12 @@ def run(way: str, new_tokens: int) -> tuple[float, float, torch.Tensor]:
         "cache-implementation": lambda: {"cache_implementation": "kivi"},
         "sdpa-chosen": lambda: {"cache": KiviCache(config=model.config)},
     }[way]()
-    clock = Clock()
+    clock = GenerateClock()
     with torch.inference_mode():
         out = model.generate(
             ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock, **kwargs
         )
-    decode = (clock.stop - clock.first) / (new_tokens - 1) * 1e3
-    return clock.first - clock.start, decode, out[0, ids.shape[1] :]
+    return clock.first - clock.start, clock.decode_ms_per_token(new_tokens), out[0, ids.shape[1] :]
 
 
 for way in args.ways:  # untimed: kernel compilation, first-touch allocations

@@ -58,11 +58,11 @@ def llama_run(kv: str, context: int) -> tuple[float, float]:
     start = time.perf_counter()
     llm.eval(text[:context])
     prefill = time.perf_counter() - start
-    token = int(llm.scores[llm.n_tokens - 1].argmax())
+    token = llm.sample(top_k=1, temp=0.0)  # greedy
     start = time.perf_counter()
     for _ in range(args.steps):
         llm.eval([token])
-        token = int(llm.scores[llm.n_tokens - 1].argmax())
+        token = llm.sample(top_k=1, temp=0.0)  # greedy
     decode = (time.perf_counter() - start) / args.steps * 1e3
     llm.close()
     return prefill, decode

@@ -14,15 +14,14 @@ this is the path a user gets by default: the fused attention reads the packed hi
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from common import add_model_arguments, cache_options, chat_inputs, load, new_token_options
 from transformers import DynamicCache
-from transformers.generation.streamers import BaseStreamer
 
 from kivi_xpu import KiviCache, assets
 from kivi_xpu.algorithm import PRESETS
+from kivi_xpu.tools.timing import GenerateClock
 
 QUESTION = "Summarize the text above in three sentences."
 
@@ -54,21 +53,6 @@ def document(tokenizer, tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-class Clock(BaseStreamer):
-    """Times a ``generate`` call: ``generate`` hands the streamer the prompt, then each new token."""
-
-    def __init__(self):
-        self.start, self.first, self.puts = time.perf_counter(), None, 0
-
-    def put(self, value):
-        self.puts += 1
-        if self.puts == 2:  # the first new token: the prefill is done
-            self.first = time.perf_counter()
-
-    def end(self):
-        self.stop = time.perf_counter()
-
-
 def dense_bytes(cache: DynamicCache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
@@ -89,13 +73,13 @@ def main(argv=None):
     print(f"{prompt_len}-token prompt, {args.dtype} model on {model.device}\n")
     outputs, sizes, speeds = {}, {}, {}
     for name, cache in caches.items():
-        clock = Clock()
+        clock = GenerateClock()
         with torch.inference_mode():
             out = model.generate(**inputs, cache=cache, streamer=clock, **new_token_options(args), do_sample=False)
         outputs[name] = out[0, prompt_len:]
         new = len(outputs[name])
         sizes[name] = cache.memory_report().total_bytes if isinstance(cache, KiviCache) else dense_bytes(cache)
-        speeds[name] = (new - 1) / (clock.stop - clock.first) if new > 1 else float("nan")
+        speeds[name] = 1e3 / clock.decode_ms_per_token(new)
         text = tokenizer.decode(outputs[name], skip_special_tokens=True).strip()
         print(f"=== {name}: prefill {clock.first - clock.start:.1f} s, {new} tokens at {speeds[name]:.1f} tokens/s")
         print(f"{text}\n")

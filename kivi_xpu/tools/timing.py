@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
+from transformers.generation.streamers import BaseStreamer
 
 from .. import attention
 from ..integration import cache_argument
@@ -90,6 +91,27 @@ def timed_decode(
         bar.update(1)
     synchronize(token.device)
     return tokens, time.perf_counter() - start
+
+
+class GenerateClock(BaseStreamer):
+    """A ``generate(streamer=...)`` that reads the clock: ``generate`` hands a streamer the prompt, then each new token,
+    so ``first - start`` is the time to the first new token (the prefill) and ``stop - first`` the decode of the
+    others. Build it just before the call."""
+
+    def __init__(self):
+        self.start, self.first, self.stop, self.puts = time.perf_counter(), None, None, 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:  # the first new token: the prefill is done
+            self.first = time.perf_counter()
+
+    def end(self):
+        self.stop = time.perf_counter()
+
+    def decode_ms_per_token(self, new_tokens: int) -> float:
+        """Mean ms of the decode steps after the first new token (``nan`` for fewer than 2 new tokens)."""
+        return (self.stop - self.first) / (new_tokens - 1) * 1e3 if new_tokens > 1 else float("nan")
 
 
 @contextlib.contextmanager
