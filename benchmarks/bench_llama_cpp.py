@@ -8,15 +8,19 @@ about the cache is the slope: decode ms/token added per 1k tokens of context, wh
 
 For each context the engines take turns (``--rounds`` times): a fresh context is prefilled with the text's first
 ``context`` tokens (timed: the prefill) and ``--steps`` single-token decode steps follow (timed; each step feeds the
-token the previous one chose, greedy). Medians over the rounds. Not a test: run it on a quiet machine.
+token the previous one chose, greedy). Each llama.cpp run is a process of its own, so that its thread pool (which
+spins between calls) is gone before torch's runs. Medians over the rounds. Not a test: run it on a quiet machine.
 
     pip install --no-binary llama-cpp-python "llama-cpp-python>=0.3"   # builds llama.cpp for this CPU (~20 min)
     python benchmarks/bench_llama_cpp.py --contexts 1024 4096 --steps 32
 """
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -40,17 +44,25 @@ p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
 p.add_argument("--steps", type=int, default=32, help="decode steps timed per run (32)")
 p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--threads", type=int, default=os.cpu_count())
+p.add_argument("--llama-run", nargs=2, metavar=("KV", "CONTEXT"), help=argparse.SUPPRESS)  # one run, in a child
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 
 path = assets.smollm2_checkpoint()
-model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # no attn_implementation: the default
 tokenizer = AutoTokenizer.from_pretrained(path)
 text = text_tokens(tokenizer, assets.wikipedia_text(), max(args.contexts)).tolist()
 
 
 def llama_run(kv: str, context: int) -> tuple[float, float]:
-    """(prefill seconds, decode ms/token) of llama.cpp with the ``kv`` cache type."""
+    """(prefill seconds, decode ms/token) of llama.cpp with the ``kv`` cache type, in a child process."""
+    command = [sys.executable, __file__, "--llama-run", kv, str(context), "--threads", str(args.threads)]
+    command += ["--steps", str(args.steps), "--contexts", str(context)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    prefill, decode = json.loads(result.stdout.splitlines()[-1])
+    return prefill, decode
+
+
+def llama_child(kv: str, context: int) -> None:
     llm = llama_cpp.Llama(
         model_path=str(assets.smollm2_gguf()), n_ctx=context + args.steps + 8, n_batch=512, n_threads=args.threads,
         n_threads_batch=args.threads, flash_attn=True, type_k=KV_TYPES[kv], type_v=KV_TYPES[kv], verbose=False,
@@ -62,10 +74,14 @@ def llama_run(kv: str, context: int) -> tuple[float, float]:
     start = time.perf_counter()
     for _ in range(args.steps):
         llm.eval([token])
-        token = llm.sample(top_k=1, temp=0.0)  # greedy
-    decode = (time.perf_counter() - start) / args.steps * 1e3
-    llm.close()
-    return prefill, decode
+        token = llm.sample(top_k=1, temp=0.0)
+    print(json.dumps([prefill, (time.perf_counter() - start) / args.steps * 1e3]))
+
+
+if args.llama_run is not None:
+    llama_child(args.llama_run[0], int(args.llama_run[1]))
+    sys.exit(0)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # no attn_implementation: the default
 
 
 @torch.inference_mode()

@@ -74,7 +74,7 @@ def generate(model, inputs: dict, attention: str, args) -> dict:
         "quantized_tokens": cache.layers[0].keys_stream.packed.num_tokens,
         "total_bytes": report.total_bytes,
         "code_bytes": report.code_bytes,
-        "backend": cache.backend.name,
+        "backend": cache.layers[0].backend.name,  # the kernels of the layers' device
     }
 
 

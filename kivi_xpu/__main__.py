@@ -55,6 +55,9 @@ def _print_info(facts: dict) -> None:
     print(f"OCL_ICD_FILENAMES: {facts['OCL_ICD_FILENAMES']}")
     if facts["backend"] == "error":
         return
+    print("a KiviCache layer whose keys arrive on (the device rule, docs/devices.md):")
+    for device, kernels in facts["device_rule"].items():
+        print(f"  {device:<22} {kernels}")
     op_backend = {"sycl": "SYCL kernels", "native": "native CPU kernels"}.get(
         facts["backend"], "pure-PyTorch reference"
     )

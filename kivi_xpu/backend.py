@@ -198,7 +198,8 @@ def device_rule(selection: Selection) -> dict[str, str]:
         return {"cpu": anywhere, "xpu": anywhere, "other (cuda, mps, ...)": anywhere}
     refused = f"refused: backend={selection.requested!r} cannot read those tensors"
     other = anywhere if selection.requested == "auto" else refused
-    xpu = selection.describe() if selection.gpu else other
+    no_gpu = " (no SYCL GPU selected: this torch has no XPU support, or no Level Zero GPU answered)"
+    xpu = selection.describe() if selection.gpu else other + (no_gpu if other == anywhere else "")
     return {"cpu": selection.for_device("cpu").describe(), "xpu": xpu, "other (cuda, mps, ...)": other}
 
 

@@ -215,3 +215,13 @@ def test_a_device_map_model_keeps_each_layer_history_where_the_rule_puts_it(tmp_
             device = model.model.layers[index].self_attn.k_proj.weight.device
             assert layer.keys_stream.packed.codes.data.device == cache.backend.for_device(device).storage_device(device)
     assert tokens[0] == tokens[1]
+
+
+def test_info_states_the_rule_for_each_kind_of_device():
+    assert backend.device_rule(SYCL_GPU)["xpu"] == SYCL_GPU.describe()
+    assert backend.device_rule(NATIVE)["cpu"] == NATIVE.describe()
+    assert backend.device_rule(NATIVE)["other (cuda, mps, ...)"] == "pure-PyTorch kernels on that device"
+    assert set(backend.device_rule(REFERENCE).values()) == {"pure-PyTorch kernels on that device"}
+    explicit = backend.device_rule(replace(NATIVE, requested="native"))
+    assert explicit["xpu"].startswith("refused: backend='native'")
+    assert explicit["other (cuda, mps, ...)"] == explicit["xpu"]

@@ -13,7 +13,14 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import kivi_xpu.assets
 from kivi_xpu import KiviCache, attention
@@ -654,10 +661,14 @@ def test_bench_curve_refuses_a_model_or_text(assets, capsys):
     assert "llama-3.1-8b" in err
 
 
-# A named shape small enough for a test, built by the same code as the public ones.
+# Named shapes small enough for a test, built by the same code as the public ones (Qwen2's config has no head_dim).
 TINY_SHAPE = (LlamaConfig, LlamaForCausalLM, dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=32, vocab_size=300, tie_word_embeddings=False,
+))  # fmt: skip
+TINY_QWEN_SHAPE = (Qwen2Config, Qwen2ForCausalLM, dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=300, tie_word_embeddings=False,
 ))  # fmt: skip
 
 
@@ -681,8 +692,9 @@ def test_a_shape_model_is_random_finite_and_the_same_at_every_build(monkeypatch)
     assert logits.shape == (1, 3, 300) and torch.isfinite(logits).all()
 
 
-def test_bench_on_a_named_shape_runs_the_curve_and_says_where_the_step_goes(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(shapes.SHAPES, "tiny-shape", TINY_SHAPE)
+@pytest.mark.parametrize("shape", [TINY_SHAPE, TINY_QWEN_SHAPE], ids=["llama", "qwen2"])
+def test_bench_on_a_named_shape_runs_the_curve_and_says_where_the_step_goes(shape, monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(shapes.SHAPES, "tiny-shape", shape)
     args = ["bench", "--model", "tiny-shape", "--dtype", "bfloat16", "--contexts", 64, "--new-tokens", 3]
     args += ["--warmup", 1, "--repeats", 1, "--caches", "dynamic", "static", "kivi-fused", *KIVI]
     payload = run_json([*args, "--no-progress"], tmp_path, capsys)
