@@ -11,7 +11,7 @@ For each context the engines take turns (``--rounds`` times): a fresh context is
 token the previous one chose, greedy). Each llama.cpp run is a process of its own, so that its thread pool (which
 spins between calls) is gone before torch's runs. Medians over the rounds. Not a test: run it on a quiet machine.
 
-    pip install --no-binary llama-cpp-python "llama-cpp-python>=0.3"   # builds llama.cpp for this CPU (~20 min)
+    pip install --no-binary llama-cpp-python "llama-cpp-python>=0.3"   # builds llama.cpp for this CPU (~30 min)
     python benchmarks/bench_llama_cpp.py --contexts 1024 4096 --steps 32
 """
 
@@ -115,7 +115,7 @@ for line in lscpu_lines():
     print(line)
 print(f"llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}, {args.threads} threads, SmolLM2-135M, ")
 print(f"{args.steps} decode steps after each prefill, medians of {args.rounds} interleaved rounds")
-header = "".join(f"{'ctx ' + str(c) + ' prefill s':>18}{'decode ms':>10}" for c in args.contexts)
+header = "".join(f"{'ctx ' + str(c) + ' prefill s':>18}{'decode ms':>11}" for c in args.contexts)
 print(f"{'engine':34}{header}{'ms per 1k ctx':>15}")
 for name in ENGINES:
     cells, decodes = "", []
@@ -123,7 +123,7 @@ for name in ENGINES:
         prefill = statistics.median(p for p, _ in results[name, context])
         decode = statistics.median(d for _, d in results[name, context])
         decodes.append(decode)
-        cells += f"{prefill:18.2f}{decode:10.1f}"
+        cells += f"{prefill:18.2f}{decode:11.1f}"
     span = (args.contexts[-1] - args.contexts[0]) / 1000
     slope = f"{(decodes[-1] - decodes[0]) / span:15.2f}" if span else ""
     print(f"{name:34}{cells}{slope}")
