@@ -16,7 +16,7 @@ does it keep whether a model's attention was chosen by the user: it stores only 
   takes the fused attention exactly when the user chose none (:func:`kivi_xpu.attention.attention_path`).
 
 It refuses to patch a transformers version outside :data:`SUPPORTED_TRANSFORMERS` (the range declared in
-``pyproject.toml``), because the two patched places are private and may change.
+``pyproject.toml``), because the patched places are private and may change.
 """
 
 from __future__ import annotations
