@@ -15,6 +15,8 @@ from transformers import (
 )
 
 from kivi_xpu.assets import byte_tokenizer
+from kivi_xpu.tools.loading import model_device
+from kivi_xpu.tools.options import ToolError
 
 TINY_VOCAB = 256  # one token per byte
 
@@ -94,18 +96,12 @@ def load(args, **model_kwargs):
 
 
 def check_device(device: str) -> torch.device:
-    """``--device`` as a torch device, or a clear error when it is malformed or this torch cannot use it."""
+    """``--device`` as a torch device, checked as the kivi-xpu tools check it: one ``error:`` line when it is
+    malformed or this torch cannot use it."""
     try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise SystemExit(f"error: --device {device!r} is not a torch device (cpu, xpu, xpu:1, cuda, ...)") from None
-    backend = getattr(torch, parsed.type, None)
-    if parsed.type != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
-        hint = " (install an XPU build of torch: see README, Intel GPUs)" if parsed.type == "xpu" else ""
-        raise SystemExit(
-            f"error: --device {device}: this torch ({torch.__version__}) has no {parsed.type} device{hint}"
-        )
-    return parsed
+        return model_device(device)
+    except ToolError as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def chat_inputs(tokenizer, messages: list[dict], device="cpu") -> dict:

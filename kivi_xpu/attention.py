@@ -92,11 +92,6 @@ def attention_name(config) -> str | None:
         return getattr(config, "_attn_implementation", None)
 
 
-def runs_kivi_attention(config) -> bool:
-    """Whether a model config selects this attention explicitly (``attn_implementation="kivi"``)."""
-    return attention_name(config) == ATTENTION_NAME
-
-
 def attention_path(config, seen: bool) -> tuple[bool, str]:
     """(fused, why) for a KIVI layer read by the model of ``config``: fused under ``attn_implementation="kivi"``,
     and under transformers' default attention once the layer's attention call went through the registered ``"sdpa"``

@@ -196,10 +196,17 @@ def device_rule(selection: Selection) -> dict[str, str]:
     anywhere = "pure-PyTorch kernels on that device"
     if selection.name == "reference":
         return {"cpu": anywhere, "xpu": anywhere, "other (cuda, mps, ...)": anywhere}
-    refused = f"refused: backend={selection.requested!r} cannot read those tensors"
-    other = anywhere if selection.requested == "auto" else refused
-    no_gpu = " (no SYCL GPU selected: this torch has no XPU support, or no Level Zero GPU answered)"
-    xpu = selection.describe() if selection.gpu else other + (no_gpu if other == anywhere else "")
+    other = (
+        anywhere
+        if selection.requested == "auto"
+        else f"refused: backend={selection.requested!r} cannot read those tensors"
+    )
+    if selection.gpu:
+        xpu = selection.describe()
+    elif selection.requested == "auto":
+        xpu = anywhere + " (no SYCL GPU selected: this torch has no XPU support, or no Level Zero GPU answered)"
+    else:
+        xpu = other
     return {"cpu": selection.for_device("cpu").describe(), "xpu": xpu, "other (cuda, mps, ...)": other}
 
 

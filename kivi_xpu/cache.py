@@ -27,7 +27,7 @@ from .overrides import load_layer_overrides
 from .validation import name_choice
 
 
-def _head_dim(config) -> int:
+def config_head_dim(config) -> int:
     """head_dim of a (decoder) config, with clear errors when the attention fields KiviCache needs are missing."""
     missing = [f for f in ("num_hidden_layers", "num_attention_heads") if getattr(config, f, None) is None]
     if missing:
@@ -171,7 +171,7 @@ class KiviCache(Cache):
                 f"`config` must be a transformers PretrainedConfig or None, got {type(config).__name__}{hint}"
             )
         decoder_config = config.get_text_config(decoder=True)
-        head_dim = _head_dim(decoder_config)
+        head_dim = config_head_dim(decoder_config)
         self.settings.check_head_dim(head_dim)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(decoder_config)
         if isinstance(layer_overrides, tuple) and len(layer_overrides) != len(layer_types):

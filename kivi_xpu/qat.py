@@ -38,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .algorithm import KiviSettings
-from .cache import KiviCache, _head_dim
+from .cache import KiviCache, config_head_dim
 from .layer import KiviLayer
 from .ops import reference as ref
 from .ops.checks import check_float_tensor
@@ -312,7 +312,7 @@ class KiviQAT:
             raise ValueError(
                 f"`cache` has {len(self.layer_settings)} layers, the model {decoder_config.num_hidden_layers}"
             )
-        head_dim = _head_dim(decoder_config)
+        head_dim = config_head_dim(decoder_config)
         for settings in self.layer_settings:
             if settings is not None:
                 settings.check_head_dim(head_dim)  # a cache built for another model

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..cache import KiviCache
+from ..cache import KiviCache, config_head_dim
 from ..integration import cache_argument
 from ..layer import KiviLayer
 from ..overrides import override_entry, settings_json
@@ -286,7 +286,7 @@ def calibrate(options: CalibrateOptions) -> dict:
     kivi_layers = [i for i, layer in enumerate(base_cache.layers) if isinstance(layer, KiviLayer)]
     if not kivi_layers:
         raise ToolError(f"model {options.model!r} has no full-attention layer for KIVI to quantize")
-    head_dim = getattr(decoder, "head_dim", None) or decoder.hidden_size // decoder.num_attention_heads
+    head_dim = config_head_dim(decoder)
     menu, skipped = candidate_menu(base, options.candidates, head_dim)
     if not menu:
         raise ToolError("no --candidates entry is valid with the base settings: " + json.dumps(skipped))

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ..cache import config_head_dim
 from .cli import apply_process_options, progress
 from .loading import model_device
 from .machine import report_header
@@ -61,8 +62,7 @@ def fill(
     """Writes ``context`` tokens of random ``[batch, H_kv, context, D]`` keys and values on ``device`` (drawn from
     the CPU ``generator``, so that every device gets the same values) into every layer of ``cache``; returns the
     seconds."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # (Qwen2: none)
-    shape = (batch, config.num_key_value_heads, context, head_dim)
+    shape = (batch, config.num_key_value_heads, context, config_head_dim(config))  # (Qwen2's config has no head_dim)
     start = time.perf_counter()
     for layer in range(config.num_hidden_layers):
         keys, values = (torch.randn(shape, generator=generator).to(device=device, dtype=dtype) for _ in range(2))
