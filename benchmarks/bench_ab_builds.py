@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 from kivi_xpu import KiviCache, assets
 from kivi_xpu import attention as kivi_attention
 from kivi_xpu.integration import cache_argument
-from kivi_xpu.ops.checks import decode_args
+from kivi_xpu.ops.operands import decode_args
 from kivi_xpu.tools.machine import lscpu_lines
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -378,7 +378,7 @@ def test_direct_kernel_is_the_extension_function_where_the_backend_has_one():
 
 
 def test_kind_operands_with_tail_and_with_count_replace_only_their_fields():
-    from kivi_xpu.ops.checks import KindOperands
+    from kivi_xpu.ops.operands import KindOperands
 
     sinks, codes, scales, zeros, tail, rotation = (torch.zeros(i + 1) for i in range(6))
     operands = KindOperands(sinks, codes, scales, zeros, 64, 32, 2, None)

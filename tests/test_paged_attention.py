@@ -17,7 +17,7 @@ from conftest import require_backend
 from kivi_xpu import ops
 from kivi_xpu.algorithm import KiviSettings
 from kivi_xpu.ops import integer_twin, reference
-from kivi_xpu.ops.checks import PAGED_REQUEST_COLUMNS
+from kivi_xpu.ops.operands import PAGED_REQUEST_COLUMNS
 from kivi_xpu.ops.reference import composed_paged_decode_attention, quantize_keys, quantize_values
 from kivi_xpu.paged.pages import LayerPages, PageLayout
 from kivi_xpu.rotation import rotation_matrix

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 
 from ..rotation import unrotate
+from .library import takes_arguments_of
+from .operands import split_decode_args
 from .reference import group_queries, masked_scores, softmax_rows, unpack
 
 KEY_FACTOR_MAX = 127  # signed query factors
@@ -51,7 +53,7 @@ def value_block(bits: int) -> int:
     return 32 if bits == 2 else 16
 
 
-# The native kernel's split of the positions past the sinks (csrc/cpu/decode_tasks.cpp, chunk_tokens).
+# The native kernel's split of the positions past the sinks (csrc/cpu/decode_problem.cpp, chunk_tokens).
 MIN_CHUNK, MAX_CHUNK, MIN_TASKS = 256, 4096, 12
 
 
@@ -126,59 +128,30 @@ def packed_value_sum(p, codes, scales, zeros, count: int, group: int, bits: int,
     return total + zero_part
 
 
-def decode_attention(
-    query,
-    key_sinks,
-    key_codes,
-    key_scales,
-    key_zeros,
-    key_count,
-    key_group,
-    key_bits,
-    key_tail,
-    value_sinks,
-    value_codes,
-    value_scales,
-    value_zeros,
-    value_count,
-    value_group,
-    value_bits,
-    value_tail,
-    mask=None,
-    scaling=1.0,
-    softcap=0.0,
-    key_rotation=None,
-    value_rotation=None,
-) -> torch.Tensor:
+@takes_arguments_of("decode_attention")
+def decode_attention(query, *args) -> torch.Tensor:
     """The arguments and result of :func:`kivi_xpu.ops.reference.decode_attention`, computed as the native kernel's
     integer path does (see the module docstring)."""
+    keys, values, mask, scaling, softcap = split_decode_args(args)
     b, hq, length, _ = query.shape
-    kv_heads = key_tail.shape[1]
+    kv_heads = keys.tail.shape[1]
     q = group_queries(query.float() * scaling, kv_heads)
-    packed_q = q if key_rotation is None else q @ key_rotation.float()
-    parts = [] if key_sinks is None else [q @ key_sinks.float().transpose(2, 3)]
-    if key_count:
-        parts.append(packed_key_scores(packed_q, key_codes, key_scales, key_zeros, key_count, key_group, key_bits))
-    parts.append(q @ key_tail.float().transpose(2, 3))
+    packed_q = q if keys.rotation is None else q @ keys.rotation.float()
+    parts = [] if keys.sinks is None else [q @ keys.sinks.float().transpose(2, 3)]
+    if keys.count:
+        parts.append(packed_key_scores(packed_q, *keys[1:7]))  # codes, scales, zeros, count, group, bits
+    parts.append(q @ keys.tail.float().transpose(2, 3))
     scores = torch.cat(parts, dim=-1).reshape(b, hq, length, -1)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     p = group_queries(softmax_rows(masked_scores(scores, mask)), kv_heads)
-    sinks = 0 if key_sinks is None else key_sinks.shape[2]
-    out = p[..., sinks + value_count :] @ value_tail.float()
+    sinks = 0 if keys.sinks is None else keys.sinks.shape[2]
+    out = p[..., sinks + values.count :] @ values.tail.float()
     if sinks:
-        out = out + p[..., :sinks] @ value_sinks.float()
-    if value_count:
-        chunk = chunk_tokens(p.shape[-1] - sinks, key_group, b * kv_heads)
-        packed = packed_value_sum(
-            p[..., sinks : sinks + value_count],
-            value_codes,
-            value_scales,
-            value_zeros,
-            value_count,
-            value_group,
-            value_bits,
-            chunk,
-        )
-        out = out + unrotate(packed, value_rotation)
+        out = out + p[..., :sinks] @ values.sinks.float()
+    if values.count:
+        chunk = chunk_tokens(p.shape[-1] - sinks, keys.group, b * kv_heads)
+        history = p[..., sinks : sinks + values.count]
+        packed = packed_value_sum(history, *values[1:7], chunk)  # as the keys
+        out = out + unrotate(packed, values.rotation)
     return out.reshape(b, hq, length, -1).to(query.dtype)

@@ -1,6 +1,7 @@
 """Every KIVI op, declared exactly once: ``torch.ops.kivi_xpu.<name>``.
 
-Each :class:`OpDef` holds an op's schema, its argument check (which names the bad argument) and its shape rule
+Each :class:`OpDef` holds an op's schema (derived from the annotated signature of its reference implementation:
+:func:`define`, :func:`schema_of`), its argument check (which names the bad argument) and its shape rule
 (``outputs``: empty output tensors allocated like the inputs), from which follow the fake (meta) implementation for
 ``torch.compile`` / export and the output allocation of the device kernels. Implementations register per backend
 with :func:`register_kernel` (``reference``: :mod:`.reference`, the pure-PyTorch default; ``native``: :mod:`.native`;
@@ -19,12 +20,14 @@ arguments); tests and users call the checked ops, or :func:`for_backend` to pick
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib
 import inspect
 import os
 import threading
+import typing
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,15 +40,25 @@ IMPLEMENTATIONS = {"reference": ".reference", "native": ".native", "sycl": ".syc
 
 @dataclass(frozen=True)
 class OpDef:
-    """One op: ``schema`` (arguments and returns), ``check(*args)`` (raises naming the argument), ``outputs(*args)``
-    (its empty output tensor(s), allocated like the inputs: the shape rule) and the Python ``signature`` with the
-    defaults of the reference implementation."""
+    """One op: ``schema`` (arguments and returns, derived from the reference: :func:`schema_of`), the Python
+    ``signature`` with the defaults of the reference implementation, ``arguments`` (a named tuple of the op's
+    parameters, in order), and two rules that read the arguments by name: ``check_rule`` (raises naming the bad
+    argument) and ``shape_rule`` (the empty output tensor(s), allocated like the inputs)."""
 
     name: str
     schema: str
-    check: Callable[..., None]
-    outputs: Callable[..., object]
     signature: inspect.Signature
+    arguments: type
+    check_rule: Callable[[tuple], None]
+    shape_rule: Callable[[tuple], object]
+
+    def check(self, *args) -> None:
+        """Raises, naming the argument, unless ``args`` (all of the op's, in order) are valid."""
+        self.check_rule(self.arguments(*args))
+
+    def outputs(self, *args):
+        """The op's empty output tensor(s) for ``args`` (all of the op's, in order)."""
+        return self.shape_rule(self.arguments(*args))
 
 
 OPS: dict[str, OpDef] = {}
@@ -96,8 +109,9 @@ def register_direct(op: str, backend: str):
 
 def direct_kernel(op: str, backend: str, *like) -> Callable:
     """:func:`kernel` for a hot path that keeps it for many calls on arguments stored like ``like``: the backend's
-    direct callable where it has one (see :func:`register_direct`). A Python wrapper frame costs ~2-3 us per call in
-    the model, where the layers' weights pass through the caches between two calls of the same layer."""
+    direct callable where it has one (see :func:`register_direct`): a Python wrapper frame is a measurable share of
+    a decode step in the model (docs/measurements.md), where the layers' weights pass through the caches between
+    two calls of the same layer."""
     fn = kernel(op, backend)  # (imports the backend, which registers its direct callables)
     pick = _DIRECT.get((op, backend))
     direct = pick(*like) if pick is not None else None
@@ -116,6 +130,21 @@ def call(op: str, backend: str, *args, **kwargs):
     args = _bind(spec, args, kwargs)
     spec.check(*args)
     return kernel(op, backend)(*args)
+
+
+def takes_arguments_of(op: str):
+    """Decorator for an implementation of ``op`` written over its arguments in order, ``fn(*args)`` (a twin kept
+    outside the registry): the result takes them by name too, with the op's signature and defaults."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            return fn(*_bind(OPS[op], args, kwargs))
+
+        run.__signature__ = OPS[op].signature
+        return run
+
+    return wrap
 
 
 class BackendOps:
@@ -200,17 +229,75 @@ def _dispatcher(op: OpDef, which: str):
 
 def _fake(op: OpDef):
     def fake(*args):
-        op.check(*args)
-        return op.outputs(*args)
+        args = op.arguments(*args)
+        op.check_rule(args)
+        return op.shape_rule(args)
 
     return fake
 
 
-def define(name: str, schema: str, check: Callable, outputs: Callable, reference: Callable) -> None:
-    """Declares op ``name``; ``reference`` (a function of :mod:`.reference`) gives the Python signature."""
-    op = OpDef(name, schema, check, outputs, inspect.signature(reference))
+# The schema types of the reference's annotations. Integers are ``int``, not the ``SymInt`` of
+# torch.library.infer_schema: the kernels take plain integers, and the declared schemas have always said so.
+_SCHEMA_TYPES = {
+    torch.Tensor: "Tensor",
+    torch.Tensor | None: "Tensor?",
+    int: "int",
+    float: "float",
+    bool: "bool",
+    torch.dtype: "ScalarType",
+}
+
+
+def schema_of(signature: inspect.Signature, mutates: tuple[str, ...] = (), views: tuple[str, ...] = ()) -> str:
+    """The op schema of an annotated reference ``signature`` (its annotations evaluated). ``mutates``: the tensor
+    arguments written in place (aliases ``a!``, ``b!``, ... in order); ``views``: for an op returning views of
+    mutated arguments, the argument each returned tensor is a view of. The optional tensors that end the argument
+    list keep their ``None`` default (a call of the op may leave them out); the reference's other defaults are
+    conveniences of its Python callers (:func:`call`), not of the op."""
+    aliases = {name: chr(ord("a") + i) for i, name in enumerate(mutates)}
+    parameters = list(signature.parameters.values())
+    optional = len(parameters)
+    while optional and parameters[optional - 1].default is None:
+        optional -= 1
+    arguments = []
+    for i, p in enumerate(parameters):
+        kind = _SCHEMA_TYPES[p.annotation] + (f"({aliases[p.name]}!)" if p.name in aliases else "")
+        arguments.append(f"{kind} {p.name}" + ("=None" if i >= optional else ""))
+    returns = signature.return_annotation
+    if views:
+        out = "(" + ", ".join(f"Tensor({aliases[name]})" for name in views) + ")"
+    elif returns is None:
+        out = "()"
+    elif typing.get_origin(returns) is tuple:
+        out = "(" + ", ".join(_SCHEMA_TYPES[t] for t in typing.get_args(returns)) + ")"
+    else:
+        out = _SCHEMA_TYPES[returns]
+    return f"({', '.join(arguments)}) -> {out}"
+
+
+def define(
+    name: str,
+    reference: Callable,
+    check: Callable[[tuple], None],
+    outputs: Callable[[tuple], object],
+    *,
+    mutates: tuple[str, ...] = (),
+    views: tuple[str, ...] = (),
+) -> None:
+    """Declares op ``name`` from its annotated ``reference`` (a function of :mod:`.reference`, which writes the op's
+    signature once: the schema, the Python defaults and the argument names follow from it), ``check(args)`` and
+    ``outputs(args)`` (the shape rule), both given the arguments as the op's named tuple; ``mutates`` and ``views``
+    as for :func:`schema_of`."""
+    signature = inspect.signature(reference, eval_str=True)
+    parameters = list(signature.parameters.values())
+    defaulted = len(parameters)
+    while defaulted and parameters[defaulted - 1].default is not inspect.Parameter.empty:
+        defaulted -= 1  # (torch leaves out the arguments a schema gives defaults: the named tuple has them too)
+    defaults = [p.default for p in parameters[defaulted:]]
+    arguments = collections.namedtuple(f"{name}_arguments", signature.parameters, defaults=defaults)
+    op = OpDef(name, schema_of(signature, mutates, views), signature, arguments, check, outputs)
     OPS[name] = op
-    _lib.define(name + schema)
+    _lib.define(name + op.schema)
     _lib.impl(name, _dispatcher(op, "cpu"), "CPU")
     _lib.impl(name, _dispatcher(op, "xpu"), "XPU")
     _lib.impl(name, _dispatcher(op, "other"), "CompositeExplicitAutograd")

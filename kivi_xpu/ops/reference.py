@@ -39,8 +39,9 @@ from __future__ import annotations
 import torch
 
 from ..rotation import rotate, unrotate
-from .checks import KindOperands, codes_per_byte, decode_args
+from .checks import codes_per_byte
 from .library import register_kernel
+from .operands import KindOperands, RequestColumns, decode_args
 
 
 def _quantize_groups(x: torch.Tensor, dim: int, bits: int, meta_dtype: torch.dtype):
@@ -83,36 +84,30 @@ def unpack(codes: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     return q.reshape(shape[:dim] + [shape[dim] * per] + shape[dim + 1 :])
 
 
-@register_kernel("quantize_keys", "reference")
-def quantize_keys(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
-    """Per-channel key quantization.
+def _quantize_rows(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype):
+    """Quantizes float32 ``x [B, H, R, C]`` in groups of ``group_size`` along its last axis, codes packed along it:
+    ``codes [B, H, R, C / P]``, ``scales``/``zeros [B, H, R, C / G]``."""
+    b, h, r, c = x.shape
+    q, scale, zero = _quantize_groups(x.reshape(b, h, r, c // group_size, group_size), 4, bits, meta_dtype)
+    return pack(q.reshape(b, h, r, c), 3, bits), scale.squeeze(4).contiguous(), zero.squeeze(4).contiguous()
 
-    Args:
-        x: ``[B, H, T, D]`` float32/float16/bfloat16, ``T`` a multiple of ``group_size``.
-    Returns:
-        ``codes`` uint8 ``[B, H, D, T * bits / 8]``, ``scales`` and ``zeros`` ``[B, H, D, T / G]`` in ``meta_dtype``.
-    """
-    b, h, t, d = x.shape
-    groups = x.float().transpose(2, 3).reshape(b, h, d, t // group_size, group_size)
-    q, scale, zero = _quantize_groups(groups, 4, bits, meta_dtype)
-    codes = pack(q.reshape(b, h, d, t), 3, bits)
-    return codes, scale.squeeze(4).contiguous(), zero.squeeze(4).contiguous()
+
+@register_kernel("quantize_keys", "reference")
+def quantize_keys(
+    x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel key quantization of ``x [B, H, T, D]`` (float32/float16/bfloat16, ``T`` a multiple of
+    ``group_size``) -> ``codes`` uint8 ``[B, H, D, T * bits / 8]``, ``scales``/``zeros [B, H, D, T / G]``."""
+    return _quantize_rows(x.float().transpose(2, 3), group_size, bits, meta_dtype)  # channel-major
 
 
 @register_kernel("quantize_values", "reference")
-def quantize_values(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16):
-    """Per-token value quantization.
-
-    Args:
-        x: ``[B, H, T, D]`` float32/float16/bfloat16, ``D`` a multiple of ``group_size``.
-    Returns:
-        ``codes`` uint8 ``[B, H, T, D * bits / 8]``, ``scales`` and ``zeros`` ``[B, H, T, D / G]`` in ``meta_dtype``.
-    """
-    b, h, t, d = x.shape
-    groups = x.float().reshape(b, h, t, d // group_size, group_size)
-    q, scale, zero = _quantize_groups(groups, 4, bits, meta_dtype)
-    codes = pack(q.reshape(b, h, t, d), 3, bits)
-    return codes, scale.squeeze(4).contiguous(), zero.squeeze(4).contiguous()
+def quantize_values(
+    x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token value quantization of ``x [B, H, T, D]`` (float32/float16/bfloat16, ``D`` a multiple of
+    ``group_size``) -> ``codes`` uint8 ``[B, H, T, D * bits / 8]``, ``scales``/``zeros [B, H, T, D / G]``."""
+    return _quantize_rows(x.float(), group_size, bits, meta_dtype)
 
 
 @register_kernel("quantize_values_into", "reference")
@@ -190,15 +185,8 @@ append_decode_step = register_kernel("append_decode_step", "reference")(composed
 
 
 @register_kernel("dequantize_keys", "reference")
-def dequantize_keys(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    num_tokens: int,
-    group_size: int,
-    bits: int,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+def dequantize_keys(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, num_tokens: int, group_size: int,
+                    bits: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
     """Inverse of :func:`quantize_keys` for the first ``num_tokens`` tokens. Returns ``[B, H, num_tokens, D]``."""
     per = codes_per_byte(bits)
     q = unpack(codes[..., : num_tokens // per], 3, bits).float()
@@ -209,15 +197,8 @@ def dequantize_keys(
 
 
 @register_kernel("dequantize_values", "reference")
-def dequantize_values(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    num_tokens: int,
-    group_size: int,
-    bits: int,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+def dequantize_values(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, num_tokens: int, group_size: int,
+                      bits: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
     """Inverse of :func:`quantize_values` for the first ``num_tokens`` tokens. Returns ``[B, H, num_tokens, D]``."""
     q = unpack(codes[:, :, :num_tokens], 3, bits).float()
     scale = scales[:, :, :num_tokens].float().repeat_interleave(group_size, dim=3)
@@ -232,15 +213,8 @@ def group_queries(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 @register_kernel("packed_key_scores", "reference")
-def packed_key_scores(
-    query: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    num_tokens: int,
-    group_size: int,
-    bits: int,
-) -> torch.Tensor:
+def packed_key_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      num_tokens: int, group_size: int, bits: int) -> torch.Tensor:  # fmt: skip
     """Attention scores against packed per-channel keys, without keeping a dequantized copy.
 
     Args:
@@ -257,15 +231,8 @@ def packed_key_scores(
 
 
 @register_kernel("packed_value_combine", "reference")
-def packed_value_combine(
-    probs: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    num_tokens: int,
-    group_size: int,
-    bits: int,
-) -> torch.Tensor:
+def packed_value_combine(probs: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         num_tokens: int, group_size: int, bits: int) -> torch.Tensor:  # fmt: skip
     """Probability-weighted sum of packed per-token values.
 
     Args:
@@ -374,6 +341,18 @@ def gather_pages(kind: str, codes: torch.Tensor, scales: torch.Tensor, zeros: to
     return tuple(x.transpose(0, 1).flatten(1, 2).unsqueeze(0).contiguous() for x in parts)
 
 
+def _request_kind(kind: str, r: RequestColumns, windows, storage, pages, page_size: int, count: int, group: int,
+                  bits: int, tail_row: int, rotation) -> KindOperands:  # fmt: skip
+    """One kind's operands of a request of ``paged_decode_attention`` as ``decode_attention`` takes them (batch 1):
+    its sinks (the first rows of its slot of ``windows``), its ``count`` packed tokens from the first of its
+    ``pages`` (``page_size`` tokens each) in the packed ``storage`` (codes, scales, zeros), its tail from row
+    ``tail_row`` of its slot."""
+    window = windows[r.slot : r.slot + 1]
+    packed = gather_pages(kind, *storage, pages[: -(-count // page_size)])
+    tail = window[:, :, tail_row : tail_row + r.length - r.sinks - count]
+    return KindOperands(window[:, :, : r.sinks], *packed, count, group, bits, tail, rotation)
+
+
 def composed_paged_decode_attention(decode_attention):
     """``paged_decode_attention`` as one ``decode_attention`` (of a backend) per request over its gathered pages."""
 
@@ -397,37 +376,23 @@ def composed_paged_decode_attention(decode_attention):
         value_rotation: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode attention of continuous batching over KIVI pages, ``query [N, Hq, 1, D]`` (one row per request,
-        unscaled) -> ``[N, Hq, 1, Dv]`` in query's dtype. Request ``i`` (row ``i`` of ``requests``: ``slot, sinks,
-        key_count, key_tail_row, value_count, value_tail_row, length``) attends to its ``length`` tokens as
+        unscaled) -> ``[N, Hq, 1, Dv]`` in query's dtype. Request ``i`` (row ``i`` of ``requests``, its columns
+        :class:`~.operands.RequestColumns`) attends to its ``length`` tokens as
         ``decode_attention`` over ``[sinks | packed | tail]`` per kind: the sinks are rows ``[0, sinks)`` of its slot
         of ``key_windows`` / ``value_windows [slots, H, W, D]``; the packed tokens (``key_count`` / ``value_count``)
         are pages ``block_table[i, 0], block_table[i, 1], ...`` of ``T = key_group`` tokens each (key codes
         ``[blocks, H, D, T/P]``, one key group per page, scales/zeros ``[blocks, H, D, 1]``; value codes ``[blocks, H,
         T, Dv/P]``, scales/zeros ``[blocks, H, T, Dv/value_group]``); the tail is the rest, exact, from rows
         ``key_tail_row`` / ``value_tail_row`` of its slot. Rotations as in ``decode_attention``."""
-        tokens = key_codes.shape[3] * codes_per_byte(key_bits)
+        tokens = key_codes.shape[3] * codes_per_byte(key_bits)  # per page: one key group
+        key_storage, value_storage = (key_codes, key_scales, key_zeros), (value_codes, value_scales, value_zeros)
         outputs = []
-        for i, (slot, sinks, key_count, key_row, value_count, value_row, length) in enumerate(requests.tolist()):
-            pages = block_table[i]
-            key_window, value_window = key_windows[slot : slot + 1], value_windows[slot : slot + 1]
-            keys = KindOperands(
-                key_window[:, :, :sinks],
-                *gather_pages("keys", key_codes, key_scales, key_zeros, pages[: key_count // tokens]),
-                key_count,
-                tokens,
-                key_bits,
-                key_window[:, :, key_row : key_row + length - sinks - key_count],
-                key_rotation,
-            )
-            values = KindOperands(
-                value_window[:, :, :sinks],
-                *gather_pages("values", value_codes, value_scales, value_zeros, pages[: -(-value_count // tokens)]),
-                value_count,
-                value_group,
-                value_bits,
-                value_window[:, :, value_row : value_row + length - sinks - value_count],
-                value_rotation,
-            )
+        for i, row in enumerate(requests.tolist()):
+            r, pages = RequestColumns(*row), block_table[i]
+            keys = _request_kind("keys", r, key_windows, key_storage, pages, tokens, r.key_count, tokens, key_bits,
+                                 r.key_tail_row, key_rotation)  # fmt: skip
+            values = _request_kind("values", r, value_windows, value_storage, pages, tokens, r.value_count,
+                                   value_group, value_bits, r.value_tail_row, value_rotation)  # fmt: skip
             outputs.append(decode_attention(query[i : i + 1], *decode_args(keys, values, None, scaling, 0.0)))
         if not outputs:
             return query.new_empty(0, query.shape[1], 1, value_windows.shape[3])

@@ -12,8 +12,9 @@ import torch
 
 from ..rotation import rotate, unrotate
 from ..runtime import SyclRuntime, sycl_runtime_for
-from .checks import KindOperands, codes_per_byte, split_decode_args
+from .checks import codes_per_byte
 from .library import OPS, register_kernel
+from .operands import KindOperands, RequestColumns, split_decode_args
 from .reference import (
     composed_decode_step,
     group_queries,
@@ -25,8 +26,8 @@ from .reference import (
 # packed_value_combine splits the token loop into chunks whose partial sums are added afterwards (in order), so that a
 # decode step (few kv heads, one query row) still spreads over all cores / EUs. Each chunk is a work-group with a fixed
 # start-up cost, so chunks are as long as possible while leaving VALUE_GROUPS_PER_UNIT work-groups per compute unit
-# (load balance), and at least VALUE_CHUNK_TOKENS long (on the 2-core CPU device 1024-token chunks ran ~1.5x faster
-# than 256-token ones).
+# (load balance), and at least VALUE_CHUNK_TOKENS long (longer chunks ran faster on the CPU device:
+# docs/measurements.md).
 VALUE_CHUNK_TOKENS = 256
 VALUE_GROUPS_PER_UNIT = 4
 
@@ -267,26 +268,25 @@ def composed_decode_attention(query, *args):
 @register_kernel("decode_attention", "sycl")
 def decode_attention(query, *args):
     """XPU tensors: :func:`fused_decode_attention`, one kernel launch per layer. CPU tensors (the OpenCL CPU device, a
-    stand-in for Intel GPUs here): :func:`composed_decode_attention`, which measured 1.1-1.4x faster there (Zen 4,
-    batch 1 to 4, 1k-8k tokens, `benchmarks/bench_sycl_attention.py`). Both are checked against the reference on that
+    stand-in for Intel GPUs here): :func:`composed_decode_attention`, which measured faster there
+    (`benchmarks/bench_sycl_attention.py`, docs/measurements.md). Both are checked against the reference on that
     device."""
     keys = split_decode_args(args)[0]
     fused = keys.codes.device.type != "cpu"
     return (fused_decode_attention if fused else composed_decode_attention)(query, *args)
 
 
-def _exact_rows(requests: torch.Tensor, window_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per request, the window rows of what ``kivi_paged_attention`` leaves to the host: the sinks, then the tokens
-    after the packed ones of both kinds. Returns key rows and value rows ``[N, E]`` (clamped into the window) and
-    which of the ``E`` columns are tokens."""
-    _, sinks, key_count, key_row, value_count, value_row, length = requests.unbind(1)
-    top = torch.maximum(key_count, value_count)
-    exact = length - top  # the sinks and the tail after `top`
-    columns = torch.arange(int(exact.max()), device=requests.device).unsqueeze(0)
-    in_sinks = columns < sinks.unsqueeze(1)
-    after = columns - sinks.unsqueeze(1)
-    keys = torch.where(in_sinks, columns, (key_row + top - key_count).unsqueeze(1) + after)
-    values = torch.where(in_sinks, columns, (value_row + top - value_count).unsqueeze(1) + after)
+def _exact_rows(r: RequestColumns, window_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per request (the columns ``r`` of ``requests``), the window rows of what ``kivi_paged_attention`` leaves to
+    the host: the sinks, then the tokens after the packed ones of both kinds. Returns key rows and value rows
+    ``[N, E]`` (clamped into the window) and which of the ``E`` columns are tokens."""
+    top = torch.maximum(r.key_count, r.value_count)
+    exact = r.length - top  # the sinks and the tail after `top`
+    columns = torch.arange(int(exact.max()), device=r.length.device).unsqueeze(0)
+    in_sinks = columns < r.sinks.unsqueeze(1)
+    after = columns - r.sinks.unsqueeze(1)
+    keys = torch.where(in_sinks, columns, (r.key_tail_row + top - r.key_count).unsqueeze(1) + after)
+    values = torch.where(in_sinks, columns, (r.value_tail_row + top - r.value_count).unsqueeze(1) + after)
     valid = columns < exact.unsqueeze(1)
     return keys.clamp(0, window_rows - 1), values.clamp(0, window_rows - 1), valid
 
@@ -305,8 +305,9 @@ def paged_decode_attention(query, key_windows, value_windows, key_codes, key_sca
     if n == 0:
         return query.new_zeros(0, hq, 1, value_dim)
     q = query.float() * scaling
-    slots = requests[:, 0]
-    key_rows, value_rows, valid = _exact_rows(requests, key_windows.shape[2])
+    r = RequestColumns(*requests.unbind(1))
+    slots = r.slot
+    key_rows, value_rows, valid = _exact_rows(r, key_windows.shape[2])
     exact_keys = key_windows[slots.unsqueeze(1), :, key_rows].transpose(1, 2).float()  # [N, H, E, D]
     # Rows past a request's tail hold whatever the pool held there (pages' bytes too): zeroed, as 0 * NaN is NaN.
     exact_values = value_windows[slots.unsqueeze(1), :, value_rows].masked_fill(~valid[:, :, None, None], 0.0)
@@ -316,7 +317,7 @@ def paged_decode_attention(query, key_windows, value_windows, key_codes, key_sca
     top = scores.amax(dim=-1, keepdim=True)
 
     tokens = key_codes.shape[3] * codes_per_byte(key_bits)
-    packed = int(torch.maximum(requests[:, 2], requests[:, 4]).max())
+    packed = int(torch.maximum(r.key_count, r.value_count).max())
     if packed:
         rt = _runtime("key_codes", key_codes)
         rows = hq // kv_heads
