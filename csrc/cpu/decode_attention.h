@@ -54,7 +54,8 @@ struct Problem {
   // Packed 2/4-bit codes on integer arithmetic (int8 factors, see decode_int8.h) where the ISA has it, else fp32.
   bool integer;
   int64_t chunk, chunks;   // tokens per chunk past the sinks (a multiple of the key group); chunk 0 adds the sinks
-  // Floats per row of a task's scores, then probabilities (task_score_row gives it; task_scores places them).
+  // Floats per row of a task's scores, then probabilities (decode_problem.cpp: plan gives it; task_scores places
+  // them).
   int64_t score_row;
   // [B, Hkv, chunks, rows, acc_row]: chunk max, chunk sum, then from float kAccOffset on the unnormalised output,
   // acc_width floats: the whole sum, or, when the values are stored rotated, the exact sum and from packed_acc on the
@@ -118,16 +119,8 @@ extern bool phase_timing;
 extern uint64_t phase_ticks[kPhaseCount];
 extern thread_local uint64_t thread_phase_ticks[kPhaseCount];
 
-// ---- host side (decode_tasks.cpp), shared by decode_attention.cpp and paged_attention.cpp ----------------------
-
-// Tokens per chunk (Problem::chunk, whole key groups) for `tokens` positions past the sinks in each of `heads`
-// (batch x kv head) histories: 256-4096 tokens, at least 12 tasks in all; the shapes alone decide it (the
-// integer twin's chunk_tokens mirrors it). A paged request gets the chunks of decode_attention over its tokens.
-int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads);
-
-// Problem::score_row for `sinks` exact sinks and chunks of `chunk` tokens: a task's positions (chunk 0 adds the sinks)
-// after at most 15 floats that align position `sinks`.
-int64_t task_score_row(int64_t sinks, int64_t chunk);
+// ---- host side (decode_tasks.cpp), run by decode_problem.cpp for both ops ------------------------------------------
+// (A Problem's chunk split and score_row: decode_problem.cpp, plan.)
 
 // Where the task of `p` from position p0 keeps its scores, then probabilities: position t of row r at
 // out[r * p.score_row + t], in the calling thread's scratch (kept for its next tasks; one grown past 1 MiB, for a long

@@ -1,8 +1,8 @@
 // A layer's cache work of one decode step in one native call (kivi_xpu/ops/reference.py: append_decode_step is its
 // twin): the new key and value tokens copied into their full-precision windows, the value tokens that leave the
 // window quantized into the packed value storage, and the tails attention reads returned as views of the windows.
-// In Python the same step is ~10 torch calls (views, copies, the quantizer), each ~2 us of dispatch: more than the
-// work itself at short contexts.
+// In Python the same step is ~10 torch calls (views, copies, the quantizer), whose dispatch costs more than the work
+// itself at short contexts.
 #include <torch/extension.h>
 
 #include <cstring>

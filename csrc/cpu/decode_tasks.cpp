@@ -1,7 +1,6 @@
-// The host side of the fused decode attention shared by decode_attention.cpp and paged_attention.cpp: the chunk size,
-// the tasks of one or more problems in torch's intra-op pool (each thread reading its task's packed keys into the
-// caches first), the in-order merge of the chunks, and the per-ISA dispatch of the row-times-matrix helpers (see
-// decode_attention.h).
+// The host side of the fused decode attention that decode_problem.cpp runs for both ops: the tasks of one or more
+// problems in torch's intra-op pool (each thread reading its task's inputs into the caches first), the in-order merge
+// of the chunks, and rows_times for the ISA in use (see kernel_table.h).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -42,18 +41,10 @@ void read_page_rows(const Packed& x, int64_t block, int64_t bh, int64_t first, i
 
 // Reads one byte of every cache line of the packed keys task `task` will score (task_span), channel run by
 // channel run in storage order, so that the kernel, which walks all D channels group by group, finds them in the
-// caches. Real loads, not prefetches: in the model (SmolLM2-135M, Zen 4, KiviCaches of random history, one per
-// variant, steps interleaved in one process, fused op per layer call) batch 4 / 8064 took 0.804-0.904 ms per call with
-// the earlier prefetches (each thread's next task into L1, each key block two blocks ahead into L2) and 0.634-0.644
-// ms with this read and no prefetch; batch 4 / 4096 0.443 -> 0.355, batch 1 / 8064 0.219 -> 0.192, batch 1 / 1k
-// 0.090 / 0.092 ms. Also measured: the next task read one task ahead, 0.72 ms; the key blocks read two blocks ahead
-// inside the kernel, 0.83 ms; the values read too, 0.685 ms (each value buffer is one contiguous run, which the
-// hardware prefetcher follows); each thread's next task claimed early and its key lines read a few at a time between
-// the value blocks of the current one (benchmarks/bench_ab_builds.py, Zen 4, batch 4 / 8064): 0.83x as fast with
-// loads, 0.92x with prefetcht0; the runs read array by array (all codes, then scales, then zeros), or line k of every
-// channel's codes in turn: 0.98x both, within that A/B's noise. Why real loads win where prefetches did not is not
-// measured (no counters in these VMs); each channel run of a chunk lies in another 4 KiB page, and a prefetch may be
-// dropped where a load walks the page tables.
+// caches. Real loads, not prefetches: they measured faster in the model than prefetches (this task's or the next
+// one's, into L1 or L2), than reading ahead inside the kernel, and than also reading the contiguous values (one run
+// each, which the hardware prefetcher follows); docs/measurements.md has the figures. Each channel run of a chunk lies
+// in another 4 KiB page, and a prefetch may be dropped where a load walks the page tables.
 void read_task_keys(const Problem& p, const TaskSpan& task) {
   const int64_t S = p.sinks, bh = task.bh, p0 = task.p0, p1 = task.p1;
   const Packed& K = p.keys;
@@ -75,9 +66,7 @@ void read_task_keys(const Problem& p, const TaskSpan& task) {
 
 // Reads one byte of every cache line of the paged values task `task` will combine, for the reason of read_task_keys:
 // each page holds only a short run of codes, scales and zeros per head, which the hardware prefetcher does not follow
-// from page to page (contiguous values are one run each, and reading them did not pay). `bench_native_attention.py
-// --batch 4 --context 8064 --cold --paged` (Zen 4): 1.005 -> 0.656 ms per call, against 0.543 / 0.558 ms for
-// decode_attention over the same tokens in contiguous storage in the same runs.
+// from page to page (contiguous values are one run each, and reading them did not pay).
 void read_task_paged_values(const Problem& p, const TaskSpan& task) {
   const Packed& V = p.values;
   if (V.pages == nullptr) return;
@@ -91,8 +80,7 @@ void read_task_paged_values(const Problem& p, const TaskSpan& task) {
 }
 
 // Reads one byte of every cache line of the exact rows (sinks and tail, keys and values) task `task` will read, for
-// the same reason as read_task_keys: the window was last read a whole step ago. In the model (SmolLM2-135M, Zen 3,
-// benchmarks/bench_ab_builds.py, with and without it) batch 1 / 1k: op 4 % faster; batch 4 / 8064: 0.99x, noise.
+// the same reason as read_task_keys: the window was last read a whole step ago (it helps short contexts most).
 void read_task_exact(const Problem& p, const TaskSpan& task) {
   const int64_t S = p.sinks, b = task.bh / p.kv_heads, h = task.bh % p.kv_heads, p0 = task.p0, p1 = task.p1;
   const auto rows = [&](const Exact& x, int64_t width, int64_t t0, int64_t t1) {
@@ -167,28 +155,9 @@ void merge_rows(const Problem& p, float* out, float* packed_out, int64_t begin, 
 
 }  // namespace
 
-// (see decode_attention.h) Long chunks: the packed keys are stored channel-major (codes [B, H, D, tokens / P]), so a
-// chunk reads D runs of codes and metadata `code_row` bytes apart, and short runs leave the loads waiting on memory. In
-// the model (SmolLM2-135M, Zen 4, batch 4 / 8064, one process, steps interleaved) the op took 1.01 ms per layer with
-// chunks of 256 tokens and 0.87 with 4096 (another run: 0.98 / 0.90 / 0.91 ms at 2048 / 4096 / 8192; in a phase of the
-// VM with slow memory 1.80 / 1.20 / 1.04 / 0.97 ms at 256 / 1024 / 2048 / 4096); batch 1 / 8064: 0.47 / 0.33 / 0.29 /
-// 0.28 ms at 256 / 1024 / 2048 / 4096. But at least kMinTasks tasks, so that a few cores stay balanced and a thread can
-// take over the tasks of one that lost its core. The split depends on the shapes only, never on the thread count: the
-// result is the same on any number of threads.
-constexpr int64_t kMinChunk = 256, kMaxChunk = 4096, kMinTasks = 12;
-int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads) {
-  const int64_t per_head = std::max<int64_t>(1, (kMinTasks + heads - 1) / heads);
-  const int64_t chunk = std::clamp<int64_t>((tokens + per_head - 1) / per_head, kMinChunk, kMaxChunk);
-  return group * std::max<int64_t>(1, (chunk + group - 1) / group);
-}
-
-int64_t task_score_row(int64_t sinks, int64_t chunk) { return (15 + sinks + chunk + 15) / 16 * 16; }
-
 // Scores in a per-thread scratch rather than in one workspace of the call: a task's rows (3 x ~4100 floats for
 // SmolLM2-135M) stay in the core's caches from task to task, where the call's workspace (1.2 MB at batch 4 / 8064)
-// came cold from memory at every layer, each line read before it was written. In the model
-// (benchmarks/bench_ab_builds.py, Zen 4, 40 step pairs, op per layer call) batch 4 / 8064: 0.573 -> 0.542 ms (A/B
-// 1.056, quartiles 1.046-1.061), forced AVX2 0.763 -> 0.697 ms (1.091); batch 1 / 8064: 0.169 -> 0.162 ms (1.040).
+// came cold from memory at every layer, each line read before it was written.
 float* task_scores(const Problem& p, int64_t p0) {
   constexpr int64_t kKept = (1 << 20) / sizeof(float);
   thread_local std::vector<float> scratch;
@@ -203,11 +172,8 @@ float* task_scores(const Problem& p, int64_t p0) {
 // The task (b * Hkv + h) * chunks + c that a problem hands out as its `claimed`-th: history by history, every other
 // history's chunks in reverse. Two threads in step take alternate tasks, and with an even number of chunks per
 // history the task order gave one of them every first chunk (the sinks and 4096 positions) and the other every
-// second (the rest and the exact tail), whose costs differ. In the model (SmolLM2-135M, Zen 4, batch 4 / 7850-
-// 8150, 24 tasks; one build running the orders in turn step by step) the threads' last tasks ended 15.7 us apart per
-// call in task order, 6.2 in this one, and the tasks' region took 492.8 / 481.1 us (forced AVX2: 46.6 / 14.1 us
-// apart, 622.8 / 586.4 us; batch 1, 12 tasks: 12.3 / 6.3 us apart, 135.9 / 133.2 us). All first chunks before any
-// second one gave 21.6 us apart, 489.1 us (AVX2 27.2, 594.0; batch 1 7.9, 132.4).
+// second (the rest and the exact tail), whose costs differ: this order ends the threads' last tasks closer together
+// than the task order or all first chunks before any second one.
 int64_t handed_out(const Problem& p, int64_t claimed) {
   const int64_t history = claimed / p.chunks, c = claimed % p.chunks;
   return history * p.chunks + (history % 2 == 0 ? c : p.chunks - 1 - c);
@@ -221,10 +187,8 @@ void run_problems(const Problem* problems, const int64_t* first_task, int64_t co
   // takes the core of one of torch's threads mid-step, the other threads run its share instead of waiting for it.
   // Every task writes only its own partial, so the result does not depend on which thread ran it. A thread first
   // reads its task's packed keys, paged values and exact rows into the caches (read_task_keys,
-  // read_task_paged_values, read_task_exact: in a model they are cold). Every call uses the pool, however small: in
-  // the model (SmolLM2-135M, Zen 4, interleaved A/B) batch 1 with 200 / 512 / 1024 tokens took 0.051 / 0.060 / 0.082
-  // ms per call on one thread (which calls below ~8k token-rows of work got, a rule from warm micro-benchmarks) and
-  // 0.043 / 0.048 / 0.061 ms on two.
+  // read_task_paged_values, read_task_exact: in a model they are cold). Every call uses the pool, however small: even
+  // the smallest calls measured faster on two threads than on one (a rule from warm micro-benchmarks said otherwise).
   const auto problem_of = [&](int64_t task) {
     if (count == 1) return int64_t{0};
     return int64_t(std::upper_bound(first_task, first_task + count + 1, task) - first_task) - 1;
