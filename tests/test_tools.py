@@ -27,7 +27,7 @@ from kivi_xpu import KiviCache, attention
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import GENSIM_LEE, GENSIM_WHEEL, news_text, strip_wiki_markup, wiki_articles
 from kivi_xpu.integration import cache_argument
-from kivi_xpu.tools import bench, calibrate, curve, machine, report, shapes, specs, workload
+from kivi_xpu.tools import calibrate, curve, machine, report, shapes, side_by_side, specs, workload
 from kivi_xpu.tools import eval_ppl as evaluate
 from kivi_xpu.tools.loading import load_model, resolve_text
 from kivi_xpu.tools.options import ToolError
@@ -191,14 +191,14 @@ class FailingCache(DynamicCache):
 @pytest.mark.parametrize("tool", ["bench", "eval-ppl"])
 def test_a_failing_third_party_cache_is_reported_and_the_others_run(assets, tmp_path, capsys, monkeypatch, tool):
     model_dir, text = assets
-    real_make_cache = bench.make_cache
+    real_make_cache = side_by_side.make_cache
 
     def make_cache(spec, *args):
         return FailingCache() if spec.name == "quanto" else real_make_cache(spec, *args)
 
     for module in (workload, evaluate):  # as if quanto were installed
         monkeypatch.setattr(module, "unavailable_reason", lambda spec: None)
-    for module in (bench, evaluate):
+    for module in (side_by_side, evaluate):
         monkeypatch.setattr(module, "make_cache", make_cache)
     args = ["--model", model_dir, "--caches", "dynamic", "quanto", *KIVI]
     if tool == "bench":
@@ -362,7 +362,7 @@ def test_a_missing_output_directory_fails_before_running(assets, tmp_path, capsy
 
 def test_a_run_that_fails_midway_writes_no_json(assets, tmp_path, capsys, monkeypatch):
     model_dir, _ = assets
-    real_run_once, calls = bench.run_once, []
+    real_run_once, calls = side_by_side.run_once, []
 
     def failing_run_once(*args, **kwargs):
         calls.append(1)
@@ -370,7 +370,7 @@ def test_a_run_that_fails_midway_writes_no_json(assets, tmp_path, capsys, monkey
             raise KeyboardInterrupt
         return real_run_once(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "run_once", failing_run_once)
+    monkeypatch.setattr(side_by_side, "run_once", failing_run_once)
     path = tmp_path / "out.json"
     with pytest.raises(KeyboardInterrupt):
         main(

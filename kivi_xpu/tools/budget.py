@@ -132,9 +132,7 @@ def summarize(spec: CacheSpec, context: int, budget: int, peak: int, batch: int,
     seconds = [s for s, _, _ in runs]
     kv: KvBytes = runs[0][1]
     return BudgetRow(
-        cache=spec.label,
-        name=spec.name,
-        bits=spec.bits,
+        **spec.row_fields(),
         context=context,
         budget_bytes=budget,
         sequence_kv_bytes=peak,

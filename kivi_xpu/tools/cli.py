@@ -61,14 +61,22 @@ class Flatten(argparse.Action):
         setattr(namespace, self.dest, [v for group in values for v in group])
 
 
-# KiviCache arguments the tools set themselves: what --kivi-option says instead.
-OWN_FLAGS = {
+def add_positive_ints(p: argparse.ArgumentParser, flag: str, default: list[int], help: str) -> None:
+    """``flag`` taking positive integers, space- or comma-separated (:class:`Flatten`)."""
+    p.add_argument(flag, type=positive_ints, nargs="+", action=Flatten, default=default, help=help)
+
+
+# KiviCache arguments with a flag of their own in every tool (add_kivi_arguments): what --kivi-option says instead.
+KIVI_FLAGS = {
     "bits": "use --bits",
     "group_size": "use --group-size",
     "residual_length": "use --residual-length",
     "meta_dtype": "use --meta-dtype",
     "backend": "use --backend",
     "device": "use --sycl-device",
+}
+# KiviCache arguments the bench tools set themselves.
+OWN_FLAGS = KIVI_FLAGS | {
     "attention": "the cache names choose it (kivi-fused, kivi-dense)",
     "config": "the tool passes the model's config",
 }
@@ -117,13 +125,11 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         metavar="CACHE",
         help=f"caches to compare, from {', '.join(CACHE_NAMES)} (default: all; quanto/hqq when installed)",
     )
-    p.add_argument(
+    add_positive_ints(
+        p,
         "--bits",
-        type=positive_ints,
-        nargs="+",
-        action=Flatten,
-        default=DEFAULTS.bits,
-        help="bit widths: every quantized cache runs at each (default 2; KIVI takes 2, 4, 8; quanto 2, 4; hqq "
+        DEFAULTS.bits,
+        "bit widths: every quantized cache runs at each (default 2; KIVI takes 2, 4, 8; quanto 2, 4; hqq "
         "1, 2, 3, 4, 8)",
     )
     add_kivi_arguments(p)

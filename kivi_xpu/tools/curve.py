@@ -188,9 +188,7 @@ def summarize(spec: CacheSpec, context: int, batch: int, runs: list[tuple]) -> C
     kv = runs[0][1]
     step = statistics.median(seconds)
     return CurveRow(
-        cache=spec.label,
-        name=spec.name,
-        bits=spec.bits,
+        **spec.row_fields(),
         context=context,
         batch=batch,
         ms_per_step=1000 * step,

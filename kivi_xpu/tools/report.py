@@ -19,6 +19,18 @@ def _signed(value: float | None, digits: int = 3, percent: bool = False) -> str:
     return f"{100 * value:+.{digits}f}%" if percent else f"{value:+.{digits}f}"
 
 
+def _table(header: str, payload: dict, row_line, where: tuple[str, ...] | None = ()) -> str:
+    """A tool's table: ``header``, a line ``row_line(r)`` per row of the payload (``None``: no line), then a line per
+    skipped entry (``where`` ``None``: none): its cache, its ``where`` keys (— for None), — in the other columns,
+    and the reason."""
+    lines = [header, *(line for line in map(row_line, payload["rows"]) if line is not None)]
+    columns = header.split("\n")[0].count("|") - 1
+    for s in payload["skipped"] if where is not None else ():
+        cells = [s["cache"], *("—" if s[k] is None else str(s[k]) for k in where)]
+        lines.append("| " + " | ".join(cells + ["—"] * (columns - len(cells) - 1) + [s["reason"]]) + " |")
+    return "\n".join(lines)
+
+
 BENCH_HEADER = (
     "| cache | context | batch | prefill s | prefill vs Dynamic | decode tok/s | speed vs Dynamic | ms/step | "
     "step speedup vs Dynamic | step speedup vs Static | attn op ms | attn op GB/s | % of read BW | KV MiB | "
@@ -28,24 +40,25 @@ BENCH_HEADER = (
 
 
 def bench_table(payload: dict) -> str:
-    lines = [BENCH_HEADER]
-    for r in payload["rows"]:
-        if r["token_match"] is None:
-            match = divergence = "—"
-        else:
-            match = f"{100 * r['token_match']:.1f}%"
-            divergence = "none" if r["first_divergence"] is None else str(r["first_divergence"])
-        notes = "" if r["kv_check"] == "ok" else f"KV check: {r['kv_check']}"
-        lines.append(
-            f"| {r['cache']} | {r['context']} | {r['batch']} | {r['prefill_seconds']:.3f} | "
-            f"{_ratio(r['prefill_vs_dynamic'])} | {r['decode_tokens_per_s']:.1f} | {_ratio(r['speed_vs_dynamic'])} | "
-            f"{_steps(r)} | {_fused_op(r)} | {_mib(r['kv_bytes'])} | {_ratio(r['memory_vs_dynamic'])} | "
-            f"{_mib(r['peak_decode_bytes'])} | {match} | {divergence} | {notes} |"
-        )
-    for s in payload["skipped"]:
-        where = ["—" if s[k] is None else str(s[k]) for k in ("context", "batch")]
-        lines.append(f"| {s['cache']} | {' | '.join(where)} | {' | '.join(['—'] * 15)} | {s['reason']} |")
-    return "\n".join(lines)
+    return _table(BENCH_HEADER, payload, _bench_line, where=("context", "batch"))
+
+
+def _bench_line(r: dict) -> str:
+    if r["token_match"] is None:
+        match = divergence = "—"
+    else:
+        match = f"{100 * r['token_match']:.1f}%"
+        divergence = "none" if r["first_divergence"] is None else str(r["first_divergence"])
+    return (
+        f"| {r['cache']} | {r['context']} | {r['batch']} | {r['prefill_seconds']:.3f} | "
+        f"{_ratio(r['prefill_vs_dynamic'])} | {r['decode_tokens_per_s']:.1f} | {_ratio(r['speed_vs_dynamic'])} | "
+        f"{_steps(r)} | {_fused_op(r)} | {_mib(r['kv_bytes'])} | {_ratio(r['memory_vs_dynamic'])} | "
+        f"{_mib(r['peak_decode_bytes'])} | {match} | {divergence} | {_kv_note(r)} |"
+    )
+
+
+def _kv_note(r: dict) -> str:
+    return "" if r["kv_check"] == "ok" else f"KV check: {r['kv_check']}"
 
 
 def _fused_op(r: dict) -> str:
@@ -83,21 +96,22 @@ def phases_table(payload: dict) -> str:
     """Where a fused attention call's time goes (``kivi-xpu bench --phases``): per row with phase timings, the thread
     ms of one call (summed over the threads that ran it) and each phase's share of it."""
     names = " | ".join(name for name, _ in PHASE_COLUMNS)
-    lines = [
-        f"| cache | context | batch | attn op ms | thread ms per call | {names} |",
-        "|---" * (5 + len(PHASE_COLUMNS)) + "|",
-    ]
-    for r in payload["rows"]:
-        phases = r.get("fused_op_phase_ms")
-        if not phases:
-            continue
-        spent = [column(phases) for _, column in PHASE_COLUMNS]
-        total = sum(spent)
-        shares = " | ".join(f"{100 * ms / total:.1f}%" if total > 0 else "—" for ms in spent)
-        lines.append(
-            f"| {r['cache']} | {r['context']} | {r['batch']} | {r['fused_op_ms']:.3f} | {total:.3f} | {shares} |"
-        )
-    return "\n".join(lines)
+    header = (
+        f"| cache | context | batch | attn op ms | thread ms per call | {names} |\n"
+        + "|---" * (5 + len(PHASE_COLUMNS))
+        + "|"
+    )
+    return _table(header, payload, _phases_line, where=None)
+
+
+def _phases_line(r: dict) -> str | None:
+    phases = r.get("fused_op_phase_ms")
+    if not phases:
+        return None
+    spent = [column(phases) for _, column in PHASE_COLUMNS]
+    total = sum(spent)
+    shares = " | ".join(f"{100 * ms / total:.1f}%" if total > 0 else "—" for ms in spent)
+    return f"| {r['cache']} | {r['context']} | {r['batch']} | {r['fused_op_ms']:.3f} | {total:.3f} | {shares} |"
 
 
 CURVE_HEADER = (
@@ -115,16 +129,14 @@ def _parts(r: dict) -> str:
 
 
 def curve_table(payload: dict) -> str:
-    lines = [CURVE_HEADER]
-    for r in payload["rows"]:
-        notes = "" if r["kv_check"] == "ok" else f"KV check: {r['kv_check']}"
-        lines.append(
-            f"| {r['cache']} | {r['context']} | {r['batch']} | {_steps(r)} | {r['decode_tokens_per_s']:.1f} | "
-            f"{_mib(r['kv_bytes'])} | {_parts(r)} | {r['fill_seconds']:.2f} | {notes} |"
-        )
-    for s in payload["skipped"]:
-        lines.append(f"| {s['cache']} | — | — | — | — | — | — | — | — | — | {s['reason']} |")
-    return "\n".join(lines)
+    return _table(CURVE_HEADER, payload, _curve_line)
+
+
+def _curve_line(r: dict) -> str:
+    return (
+        f"| {r['cache']} | {r['context']} | {r['batch']} | {_steps(r)} | {r['decode_tokens_per_s']:.1f} | "
+        f"{_mib(r['kv_bytes'])} | {_parts(r)} | {r['fill_seconds']:.2f} | {_kv_note(r)} |"
+    )
 
 
 BUDGET_HEADER = (
@@ -135,20 +147,18 @@ BUDGET_HEADER = (
 
 
 def budget_table(payload: dict) -> str:
-    lines = [BUDGET_HEADER]
-    for r in payload["rows"]:
-        notes = ["batch capped by --max-batch"] if r["batch_capped"] else []
-        notes += [] if r["kv_check"] == "ok" else [f"KV check: {r['kv_check']}"]
-        notes += [] if r["rows_match_one_sequence"] else ["a row decoded other tokens than the batch-1 run"]
-        lines.append(
-            f"| {r['cache']} | {r['context']} | {_mib(r['budget_bytes'])} | {_mib(r['sequence_kv_bytes'])} | "
-            f"{r['batch']} | {_mib(r['kv_bytes'])} | {r['ms_per_step']:.1f} | {r['decode_tokens_per_s']:.1f} | "
-            f"{_ratio(r['tokens_per_s_vs_dynamic'])} | {_ratio(r['batch_vs_dynamic'])} | {'; '.join(notes)} |"
-        )
-    for s in payload["skipped"]:
-        context = "—" if s["context"] is None else str(s["context"])
-        lines.append(f"| {s['cache']} | {context} | {' | '.join(['—'] * 8)} | {s['reason']} |")
-    return "\n".join(lines)
+    return _table(BUDGET_HEADER, payload, _budget_line, where=("context",))
+
+
+def _budget_line(r: dict) -> str:
+    notes = ["batch capped by --max-batch"] if r["batch_capped"] else []
+    notes += [] if r["kv_check"] == "ok" else [f"KV check: {r['kv_check']}"]
+    notes += [] if r["rows_match_one_sequence"] else ["a row decoded other tokens than the batch-1 run"]
+    return (
+        f"| {r['cache']} | {r['context']} | {_mib(r['budget_bytes'])} | {_mib(r['sequence_kv_bytes'])} | "
+        f"{r['batch']} | {_mib(r['kv_bytes'])} | {r['ms_per_step']:.1f} | {r['decode_tokens_per_s']:.1f} | "
+        f"{_ratio(r['tokens_per_s_vs_dynamic'])} | {_ratio(r['batch_vs_dynamic'])} | {'; '.join(notes)} |"
+    )
 
 
 def machine_line(payload: dict) -> str:
@@ -177,17 +187,16 @@ PPL_HEADER = (
 
 
 def ppl_table(payload: dict) -> str:
-    lines = [PPL_HEADER]
-    for r in payload["rows"]:
-        delta_spread = (
-            "—" if r["window_delta_mean"] is None else f"{r['window_delta_mean']:+.3f} ± {r['window_delta_std']:.3f}"
-        )
-        lines.append(
-            f"| {r['cache']} | {r['mode']} | {r['perplexity']:.3f} | {_signed(r['delta_vs_dynamic'])} | "
-            f"{_signed(r['relative_delta_vs_dynamic'], 2, percent=True)} | {len(r['window_perplexities'])} | "
-            f"{r['window_mean']:.3f} ± {r['window_std']:.3f} | {r['window_min']:.3f} / {r['window_max']:.3f} | "
-            f"{delta_spread} | {r['scored_tokens']} | {r['kv_bytes'] / MIB:.2f} |"
-        )
-    for s in payload["skipped"]:
-        lines.append(f"| {s['cache']} | — | — | — | — | — | — | — | — | — | {s['reason']} |")
-    return "\n".join(lines)
+    return _table(PPL_HEADER, payload, _ppl_line)
+
+
+def _ppl_line(r: dict) -> str:
+    delta_spread = (
+        "—" if r["window_delta_mean"] is None else f"{r['window_delta_mean']:+.3f} ± {r['window_delta_std']:.3f}"
+    )
+    return (
+        f"| {r['cache']} | {r['mode']} | {r['perplexity']:.3f} | {_signed(r['delta_vs_dynamic'])} | "
+        f"{_signed(r['relative_delta_vs_dynamic'], 2, percent=True)} | {len(r['window_perplexities'])} | "
+        f"{r['window_mean']:.3f} ± {r['window_std']:.3f} | {r['window_min']:.3f} / {r['window_max']:.3f} | "
+        f"{delta_spread} | {r['scored_tokens']} | {r['kv_bytes'] / MIB:.2f} |"
+    )

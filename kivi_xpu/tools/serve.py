@@ -45,7 +45,7 @@ from ..attention import ATTENTION_NAME
 from ..cache import KiviCache
 from ..integration import CACHE_IMPLEMENTATION, build_cache, cache_kwargs
 from ..overrides import settings_json
-from .cli import add_kivi_arguments, positive_int
+from .cli import KIVI_FLAGS, add_kivi_arguments, positive_int
 from .options import ToolError
 
 EXTRA_INSTALL = 'pip install "kivi-xpu[serve]"  (or: pip install "transformers[serving]")'
@@ -58,13 +58,7 @@ COMPILE_ERROR = (
 )
 
 # KiviCache arguments that have their own flag here: what --kivi-option says instead.
-SERVE_OWN_FLAGS = {
-    "bits": "use --bits",
-    "group_size": "use --group-size",
-    "residual_length": "use --residual-length",
-    "meta_dtype": "use --meta-dtype",
-    "backend": "use --backend",
-    "device": "use --sycl-device",
+SERVE_OWN_FLAGS = KIVI_FLAGS | {
     "attention": "use --attn-implementation (kivi: fused, the default; sdpa or eager: dense)",
     "config": "the server passes each model's config",
 }

@@ -14,68 +14,27 @@ from transformers.initialization import no_init_weights
 
 POOL = 1 << 20 | 7  # random numbers drawn once; odd, so that rows of a matrix do not repeat in step
 
+
+def _llama_3(**fields) -> tuple:
+    """A Llama 3 shape: the fields the family shares (8 kv heads, its vocabulary and RoPE base) and ``fields``."""
+    return LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, **fields)
+
+
 # Dimensions from each model's public config.json (the fields that shape a decode step).
+# fmt: off
 SHAPES = {
-    "llama-3.2-1b": (
-        LlamaConfig,
-        LlamaForCausalLM,
-        dict(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=64,
-            vocab_size=128256,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-        ),
-    ),  # fmt: skip
-    "llama-3.2-3b": (
-        LlamaConfig,
-        LlamaForCausalLM,
-        dict(
-            hidden_size=3072,
-            intermediate_size=8192,
-            num_hidden_layers=28,
-            num_attention_heads=24,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=128256,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-        ),
-    ),  # fmt: skip
-    "llama-3.1-8b": (
-        LlamaConfig,
-        LlamaForCausalLM,
-        dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=128256,
-            rope_theta=500000.0,
-            tie_word_embeddings=False,
-        ),
-    ),  # fmt: skip
-    "qwen2.5-7b": (
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            vocab_size=152064,
-            rope_theta=1000000.0,
-            tie_word_embeddings=False,
-        ),
-    ),  # fmt: skip
+    "llama-3.2-1b": _llama_3(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                             head_dim=64, tie_word_embeddings=True),
+    "llama-3.2-3b": _llama_3(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                             head_dim=128, tie_word_embeddings=True),
+    "llama-3.1-8b": _llama_3(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                             head_dim=128, tie_word_embeddings=False),
+    "qwen2.5-7b": (Qwen2Config, Qwen2ForCausalLM, dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, rope_theta=1000000.0, tie_word_embeddings=False,
+    )),
 }
+# fmt: on
 
 
 def shape_config(name: str, max_positions: int):

@@ -31,6 +31,10 @@ class CacheSpec:
         label = self.name if self.bits is None else f"{self.name} {self.bits}-bit"
         return f"{label} ({self.options})" if self.options else label
 
+    def row_fields(self) -> dict:
+        """The fields that name this configuration in a result row: ``cache`` (the label), ``name``, ``bits``."""
+        return {"cache": self.label, "name": self.name, "bits": self.bits}
+
     @property
     def attn_implementation(self) -> str:
         return "kivi" if self.name == "kivi-fused" else "sdpa"
