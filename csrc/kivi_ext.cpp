@@ -1,5 +1,5 @@
 // kivi_xpu._C: host side of the SYCL KIVI kernels (built by g++ as a torch CppExtension; the device code in
-// csrc/kivi_kernels.cpp is compiled at run time by the sycl_ext_oneapi_kernel_compiler extension). Each op checks
+// csrc/device/ is compiled at run time by the sycl_ext_oneapi_kernel_compiler extension). Each op checks
 // its arguments into one OpParams (kivi_params.h) and hands it to its launcher (kivi_launch.h); see csrc/README.md.
 //
 // API (all tensors contiguous; outputs preallocated by the caller; every launch waits for completion):
@@ -59,72 +59,24 @@
 namespace kivi {
 namespace {
 
-template <Layout L>
-void quantize(const std::string& device, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-              const at::Tensor& zeros, int64_t group_size, int64_t bits) {
-  DeviceRuntime& rt = runtime(device);
-  const OpParams p = check_quantize(rt, L, x, codes, scales, zeros, group_size, bits);
-  L == Layout::kKeys ? launch_quantize_keys(rt, p) : launch_quantize_values(rt, p);
-}
+// An op of the Python API: `device` (a filter passed to init()), then the arguments of its check in kivi_params.h,
+// whose signature is the op's (so it is written once, plus the argument names of its m.def below); it runs the check,
+// then the launcher on that device.
+template <auto Check, auto Launch>
+struct Op;
+template <typename Params, typename... Args, Params (*Check)(const DeviceRuntime&, Args...),
+          void (*Launch)(DeviceRuntime&, const Params&)>
+struct Op<Check, Launch> {
+  static void run(const std::string& device, Args... args) {
+    DeviceRuntime& rt = runtime(device);
+    Launch(rt, Check(rt, args...));
+  }
+};
 
-template <Layout L>
-void dequantize(const std::string& device, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                const at::Tensor& out, int64_t num_tokens, int64_t group_size, int64_t bits) {
-  DeviceRuntime& rt = runtime(device);
-  const OpParams p = check_dequantize(rt, L, codes, scales, zeros, out, num_tokens, group_size, bits);
-  L == Layout::kKeys ? launch_dequantize_keys(rt, p) : launch_dequantize_values(rt, p);
-}
-
-void packed_key_scores(const std::string& device, const at::Tensor& query, const at::Tensor& codes,
-                       const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& out, int64_t num_tokens,
-                       int64_t group_size, int64_t bits) {
-  DeviceRuntime& rt = runtime(device);
-  const OpParams p =
-      check_attention(rt, Layout::kKeys, "query", query, codes, scales, zeros, out, num_tokens, group_size, bits);
-  launch_packed_key_scores(rt, p);
-}
-
-void packed_value_combine(const std::string& device, const at::Tensor& probs, const at::Tensor& codes,
-                          const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& partial,
-                          int64_t num_tokens, int64_t group_size, int64_t bits, int64_t chunk_tokens) {
-  DeviceRuntime& rt = runtime(device);
-  const OpParams p = check_attention(rt, Layout::kValues, "probs", probs, codes, scales, zeros, partial, num_tokens,
-                                     group_size, bits, chunk_tokens);
-  launch_packed_value_combine(rt, p);
-}
-
-void packed_attention(const std::string& device, const at::Tensor& query, const at::Tensor& key_codes,
-                      const at::Tensor& key_scales, const at::Tensor& key_zeros, const at::Tensor& value_codes,
-                      const at::Tensor& value_scales, const at::Tensor& value_zeros,
-                      const c10::optional<at::Tensor>& bias, bool bias_fills, const at::Tensor& chunk_max,
-                      const at::Tensor& chunk_sum,
-                      const at::Tensor& chunk_acc, int64_t num_tokens, int64_t key_group, int64_t key_bits,
-                      int64_t value_group, int64_t value_bits, int64_t chunk_tokens, double softcap) {
-  DeviceRuntime& rt = runtime(device);
-  FusedParams p = check_packed_attention(rt, query, key_codes, key_scales, key_zeros, value_codes, value_scales,
-                                         value_zeros, bias, bias_fills, chunk_max, chunk_sum, chunk_acc, num_tokens,
-                                         key_group, key_bits, value_group, value_bits, chunk_tokens, softcap);
-  const at::Tensor scratch = at::empty({scratch_floats(p)}, query.options());  // on the query's device
-  p.scratch = scratch.data_ptr<float>();
-  launch_packed_attention(rt, p);
-}
-
-void paged_attention(const std::string& device, const at::Tensor& query, const at::Tensor& plain_query,
-                     const at::Tensor& key_windows,
-                     const at::Tensor& value_windows, const at::Tensor& key_codes, const at::Tensor& key_scales,
-                     const at::Tensor& key_zeros, const at::Tensor& value_codes, const at::Tensor& value_scales,
-                     const at::Tensor& value_zeros, const at::Tensor& block_table, const at::Tensor& requests,
-                     const at::Tensor& chunk_max, const at::Tensor& chunk_sum, const at::Tensor& chunk_acc,
-                     const at::Tensor& chunk_exact_acc, int64_t key_bits, int64_t value_group, int64_t value_bits,
-                     int64_t chunk_tokens) {
-  DeviceRuntime& rt = runtime(device);
-  PagedParams p = check_paged_attention(rt, query, plain_query, key_windows, value_windows, key_codes, key_scales,
-                                        key_zeros, value_codes, value_scales, value_zeros, block_table, requests,
-                                        chunk_max, chunk_sum, chunk_acc, chunk_exact_acc, key_bits, value_group,
-                                        value_bits, chunk_tokens);
-  const at::Tensor scratch = at::empty({paged_scratch_floats(p)}, query.options());  // on the query's device
-  p.scratch = scratch.data_ptr<float>();
-  launch_paged_attention(rt, p);
+// Defines op `name` of the module with the names of its check's arguments (pybind11 checks that they are as many).
+template <auto Check, auto Launch, typename... Names>
+void def_op(py::module_& m, const char* name, Names... names) {
+  m.def(name, &Op<Check, Launch>::run, py::arg("device"), py::arg(names)...);
 }
 
 }  // namespace
@@ -134,36 +86,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace kivi;
   m.doc() = "SYCL KIVI quantize/dequantize kernels (device code compiled at run time); see csrc/kivi_ext.cpp";
   m.def("init", &init, py::arg("filter"),
-        "Select the SYCL device `filter` (backend:device_type:index), return device facts (kernels compile on first use)");
+        "Select the SYCL device `filter` (backend:device_type:index), return device facts (kernels compile on first "
+        "use)");
   m.def("variant_names", &variant_names, "Template-ids of every kernel variant of csrc/kivi_variants.h");
   m.def("compile", &compile, py::arg("filter"), py::arg("name"), "Compile one variant now unless it is; seconds");
   m.def("compiled", &compiled, py::arg("filter"), "{template-id: build seconds} of the variants compiled so far");
   m.def("set_compile_hook", &set_compile_hook, py::arg("hook"), "hook(filter, names, seconds) after every build");
-  m.def("quantize_keys", &quantize<Layout::kKeys>, py::arg("device"), py::arg("x"), py::arg("codes"),
-        py::arg("scales"), py::arg("zeros"), py::arg("group_size"), py::arg("bits"));
-  m.def("quantize_values", &quantize<Layout::kValues>, py::arg("device"), py::arg("x"), py::arg("codes"),
-        py::arg("scales"), py::arg("zeros"), py::arg("group_size"), py::arg("bits"));
-  m.def("dequantize_keys", &dequantize<Layout::kKeys>, py::arg("device"), py::arg("codes"), py::arg("scales"),
-        py::arg("zeros"), py::arg("out"), py::arg("num_tokens"), py::arg("group_size"), py::arg("bits"));
-  m.def("dequantize_values", &dequantize<Layout::kValues>, py::arg("device"), py::arg("codes"), py::arg("scales"),
-        py::arg("zeros"), py::arg("out"), py::arg("num_tokens"), py::arg("group_size"), py::arg("bits"));
-  m.def("packed_key_scores", &packed_key_scores, py::arg("device"), py::arg("query"), py::arg("codes"),
-        py::arg("scales"), py::arg("zeros"), py::arg("out"), py::arg("num_tokens"), py::arg("group_size"),
-        py::arg("bits"));
-  m.def("packed_value_combine", &packed_value_combine, py::arg("device"), py::arg("probs"), py::arg("codes"),
-        py::arg("scales"), py::arg("zeros"), py::arg("partial"), py::arg("num_tokens"), py::arg("group_size"),
-        py::arg("bits"), py::arg("chunk_tokens"));
-  m.def("packed_attention", &packed_attention, py::arg("device"), py::arg("query"), py::arg("key_codes"),
-        py::arg("key_scales"), py::arg("key_zeros"), py::arg("value_codes"), py::arg("value_scales"),
-        py::arg("value_zeros"), py::arg("bias"), py::arg("bias_fills"), py::arg("chunk_max"), py::arg("chunk_sum"),
-        py::arg("chunk_acc"), py::arg("num_tokens"), py::arg("key_group"), py::arg("key_bits"), py::arg("value_group"),
-        py::arg("value_bits"), py::arg("chunk_tokens"), py::arg("softcap"));
-  m.def("paged_attention", &paged_attention, py::arg("device"), py::arg("query"), py::arg("plain_query"),
-        py::arg("key_windows"),
-        py::arg("value_windows"), py::arg("key_codes"), py::arg("key_scales"), py::arg("key_zeros"),
-        py::arg("value_codes"), py::arg("value_scales"), py::arg("value_zeros"), py::arg("block_table"),
-        py::arg("requests"), py::arg("chunk_max"), py::arg("chunk_sum"), py::arg("chunk_acc"),
-        py::arg("chunk_exact_acc"), py::arg("key_bits"),
-        py::arg("value_group"), py::arg("value_bits"), py::arg("chunk_tokens"));
+  def_op<&check_quantize<Layout::kKeys>, &launch_quantize_keys>(m, "quantize_keys", "x", "codes", "scales", "zeros",
+                                                                 "group_size", "bits");
+  def_op<&check_quantize<Layout::kValues>, &launch_quantize_values>(m, "quantize_values", "x", "codes", "scales",
+                                                                     "zeros", "group_size", "bits");
+  def_op<&check_dequantize<Layout::kKeys>, &launch_dequantize_keys>(m, "dequantize_keys", "codes", "scales", "zeros",
+                                                                     "out", "num_tokens", "group_size", "bits");
+  def_op<&check_dequantize<Layout::kValues>, &launch_dequantize_values>(m, "dequantize_values", "codes", "scales",
+                                                                         "zeros", "out", "num_tokens", "group_size",
+                                                                         "bits");
+  def_op<&check_key_scores, &launch_packed_key_scores>(m, "packed_key_scores", "query", "codes", "scales", "zeros",
+                                                       "out", "num_tokens", "group_size", "bits");
+  def_op<&check_value_combine, &launch_packed_value_combine>(m, "packed_value_combine", "probs", "codes", "scales",
+                                                             "zeros", "partial", "num_tokens", "group_size", "bits",
+                                                             "chunk_tokens");
+  def_op<&check_packed_attention, &launch_packed_attention>(
+      m, "packed_attention", "query", "key_codes", "key_scales", "key_zeros", "value_codes", "value_scales",
+      "value_zeros", "bias", "bias_fills", "chunk_max", "chunk_sum", "chunk_acc", "num_tokens", "key_group", "key_bits",
+      "value_group", "value_bits", "chunk_tokens", "softcap");
+  def_op<&check_paged_attention, &launch_paged_attention>(
+      m, "paged_attention", "query", "plain_query", "key_windows", "value_windows", "key_codes", "key_scales",
+      "key_zeros", "value_codes", "value_scales", "value_zeros", "block_table", "requests", "chunk_max", "chunk_sum",
+      "chunk_acc", "chunk_exact_acc", "key_bits", "value_group", "value_bits", "chunk_tokens");
   m.attr("build_options") = kBuildOptions;
 }

@@ -1,5 +1,5 @@
 // Launchers of kivi_xpu._C: each takes the checked OpParams of its op, picks the kernel variant, sizes the nd_range
-// and passes the kernel's arguments (in the order of its signature in csrc/kivi_kernels.cpp). Every launch waits.
+// and passes the kernel's arguments (in the order of its signature in csrc/device/). Every launch waits.
 #pragma once
 
 #include <torch/extension.h>
@@ -149,12 +149,13 @@ inline void launch_packed_attention(DeviceRuntime& rt, const FusedParams& p) {
   const int rpi = rows_per_item(rows);
   if (k.batch * k.heads == 0 || rows == 0 || p.chunks == 0) return;
   const Kernel& kernel = rt.kernel(kPackedAttention, {k.meta, bits_position(k.bits), bits_position(v.bits), rpi - 1});
+  const at::Tensor scratch = at::empty({scratch_floats(p)}, p.scratch_on);
   const size_t local = kernel.max_local;
   launch(rt, kPackedAttention, kernel,
          sycl::nd_range<3>({size_t(k.batch * k.heads), size_t(blocks * p.chunks), local}, {1, 1, local}),
          p.query.data, k.codes, k.scales, k.zeros, v.codes, v.scales, v.zeros, p.bias, p.chunk_max, p.chunk_sum,
-         p.chunk_acc, p.scratch, size_t(rows), size_t(p.query.rows), size_t(p.query.heads / k.heads), size_t(k.heads),
-         size_t(k.num_tokens), size_t(k.head_dim), size_t(v.head_dim), size_t(k.code_capacity),
+         p.chunk_acc, scratch.data_ptr<float>(), size_t(rows), size_t(p.query.rows), size_t(p.query.heads / k.heads),
+         size_t(k.heads), size_t(k.num_tokens), size_t(k.head_dim), size_t(v.head_dim), size_t(k.code_capacity),
          size_t(k.meta_capacity), size_t(v.code_capacity), size_t(v.meta_capacity), size_t(k.group_size),
          size_t(v.group_size), size_t(p.chunk_tokens), size_t(p.chunks), size_t(p.bias_b), size_t(p.bias_h),
          size_t(p.bias_l), int(p.bias_fills), p.softcap);
@@ -175,17 +176,17 @@ inline void launch_paged_attention(DeviceRuntime& rt, const PagedParams& p) {
   if (p.requests_n * p.kv_heads == 0 || p.chunks == 0) return;
   const Kernel& kernel =
       rt.kernel(kPagedAttention, {p.meta, p.window, bits_position(p.key_bits), bits_position(p.value_bits), rpi - 1});
+  const at::Tensor scratch = at::empty({paged_scratch_floats(p)}, p.scratch_on);
   const size_t local = kernel.max_local;
   launch(rt, kPagedAttention, kernel,
          sycl::nd_range<3>({size_t(p.requests_n * p.kv_heads), size_t(blocks * p.chunks), local}, {1, 1, local}),
          p.query, p.plain_query, p.key_codes, p.key_scales, p.key_zeros, p.value_codes, p.value_scales,
          p.value_zeros, p.key_windows, p.value_windows, p.block_table, p.requests, p.chunk_max, p.chunk_sum,
-         p.chunk_acc, p.chunk_exact_acc, p.scratch,
-         size_t(rows), size_t(p.kv_heads), size_t(p.head_dim), size_t(p.value_dim), size_t(p.tokens),
-         size_t(p.value_group), size_t(p.key_code_block), size_t(p.key_meta_block), size_t(p.value_code_block),
-         size_t(p.value_meta_block), size_t(p.key_window_slot), size_t(p.key_window_head),
-         size_t(p.value_window_slot), size_t(p.value_window_head), size_t(p.table_cols), size_t(p.chunk_tokens),
-         size_t(p.chunks));
+         p.chunk_acc, p.chunk_exact_acc, scratch.data_ptr<float>(), size_t(rows), size_t(p.kv_heads),
+         size_t(p.head_dim), size_t(p.value_dim), size_t(p.tokens), size_t(p.value_group), size_t(p.key_code_block),
+         size_t(p.key_meta_block), size_t(p.value_code_block), size_t(p.value_meta_block), size_t(p.key_window_slot),
+         size_t(p.key_window_head), size_t(p.value_window_slot), size_t(p.value_window_head), size_t(p.table_cols),
+         size_t(p.chunk_tokens), size_t(p.chunks));
 }
 
 }  // namespace kivi

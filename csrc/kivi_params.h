@@ -59,7 +59,7 @@ struct FusedParams {
   float* chunk_max = nullptr;    // [B, Hq, L, chunks]
   float* chunk_sum = nullptr;    // [B, Hq, L, chunks]
   float* chunk_acc = nullptr;    // [B, Hq, L, chunks, Dv]
-  float* scratch = nullptr;      // scratch_floats(): each work-group's scores / weights (allocated by the op)
+  at::TensorOptions scratch_on;  // the query's: where the launcher allocates each work-group's scores / weights
   int64_t chunk_tokens = 0, chunks = 0;
   float softcap = 0.0f;
 };
@@ -80,7 +80,7 @@ struct PagedParams {
   int64_t key_window_slot = 0, key_window_head = 0, value_window_slot = 0, value_window_head = 0;
   int64_t table_cols = 0, chunk_tokens = 0, chunks = 0;
   float *chunk_max = nullptr, *chunk_sum = nullptr, *chunk_acc = nullptr, *chunk_exact_acc = nullptr;
-  float* scratch = nullptr;
+  at::TensorOptions scratch_on;  // the query's: where the launcher allocates each work-group's scores / weights
 };
 
 using NamedTensors = std::initializer_list<std::pair<const at::Tensor*, const char*>>;
@@ -192,7 +192,8 @@ inline PackedParams check_packed(Layout layout, const at::Tensor& codes, const a
 }
 
 // quantize_keys / quantize_values: x [B,H,T,D] and the packed operand it fills, of exactly T tokens.
-inline OpParams check_quantize(const DeviceRuntime& rt, Layout layout, const at::Tensor& x, const at::Tensor& codes,
+template <Layout layout>
+inline OpParams check_quantize(const DeviceRuntime& rt, const at::Tensor& x, const at::Tensor& codes,
                                const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size, int64_t bits) {
   OpParams p;
   p.dense = check_dense(x, "x", false);
@@ -218,9 +219,10 @@ inline OpParams check_quantize(const DeviceRuntime& rt, Layout layout, const at:
 }
 
 // dequantize_keys / dequantize_values: the packed operand and out [B,H,N,D] in any float dtype.
-inline OpParams check_dequantize(const DeviceRuntime& rt, Layout layout, const at::Tensor& codes,
-                                 const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& out,
-                                 int64_t num_tokens, int64_t group_size, int64_t bits) {
+template <Layout layout>
+inline OpParams check_dequantize(const DeviceRuntime& rt, const at::Tensor& codes, const at::Tensor& scales,
+                                 const at::Tensor& zeros, const at::Tensor& out, int64_t num_tokens,
+                                 int64_t group_size, int64_t bits) {
   OpParams p;
   p.packed = check_packed(layout, codes, scales, zeros, num_tokens, group_size, bits);
   p.dense = check_dense(out, "out", false);
@@ -262,6 +264,21 @@ inline OpParams check_attention(const DeviceRuntime& rt, Layout layout, const ch
   p.result = static_cast<float*>(out.data_ptr());
   check_devices(rt, {{&codes, "codes"}, {&scales, "scales"}, {&zeros, "zeros"}, {&dense, dense_name}, {&out, "out"}});
   return p;
+}
+
+// packed_key_scores: query [B,Hq,L,D] against the packed keys -> out [B,Hq,L,N].
+inline OpParams check_key_scores(const DeviceRuntime& rt, const at::Tensor& query, const at::Tensor& codes,
+                                 const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& out,
+                                 int64_t num_tokens, int64_t group_size, int64_t bits) {
+  return check_attention(rt, Layout::kKeys, "query", query, codes, scales, zeros, out, num_tokens, group_size, bits);
+}
+
+// packed_value_combine: probs [B,Hq,L,N] over the packed values -> partial [B,Hq,L,chunks,D].
+inline OpParams check_value_combine(const DeviceRuntime& rt, const at::Tensor& probs, const at::Tensor& codes,
+                                    const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& partial,
+                                    int64_t num_tokens, int64_t group_size, int64_t bits, int64_t chunk_tokens) {
+  return check_attention(rt, Layout::kValues, "probs", probs, codes, scales, zeros, partial, num_tokens, group_size,
+                         bits, chunk_tokens);
 }
 
 // kivi_packed_attention: every operand checked once (shapes, dtypes, devices, the chunking).
@@ -316,6 +333,7 @@ inline FusedParams check_packed_attention(const DeviceRuntime& rt, const at::Ten
   p.chunk_max = chunk_max.data_ptr<float>();
   p.chunk_sum = chunk_sum.data_ptr<float>();
   p.chunk_acc = chunk_acc.data_ptr<float>();
+  p.scratch_on = query.options();
   check_devices(rt, {{&query, "query"},
                      {&key_codes, "key_codes"},
                      {&key_scales, "key_scales"},
@@ -422,10 +440,11 @@ inline PagedParams check_paged_attention(const DeviceRuntime& rt, const at::Tens
     check_shape(*t, name, {N, Hq, 1, p.chunks, Dv});
   }
   check_devices(rt, {{&query, "query"}, {&plain_query, "plain_query"}, {&key_windows, "key_windows"},
-                     {&value_windows, "value_windows"}, {&key_codes, "key_codes"}, {&key_scales, "key_scales"}, {&key_zeros, "key_zeros"},
-                     {&value_codes, "value_codes"}, {&value_scales, "value_scales"}, {&value_zeros, "value_zeros"},
-                     {&block_table, "block_table"}, {&requests, "requests"}, {&chunk_max, "chunk_max"},
-                     {&chunk_sum, "chunk_sum"}, {&chunk_acc, "chunk_acc"}, {&chunk_exact_acc, "chunk_exact_acc"}});
+                     {&value_windows, "value_windows"}, {&key_codes, "key_codes"}, {&key_scales, "key_scales"},
+                     {&key_zeros, "key_zeros"}, {&value_codes, "value_codes"}, {&value_scales, "value_scales"},
+                     {&value_zeros, "value_zeros"}, {&block_table, "block_table"}, {&requests, "requests"},
+                     {&chunk_max, "chunk_max"}, {&chunk_sum, "chunk_sum"}, {&chunk_acc, "chunk_acc"},
+                     {&chunk_exact_acc, "chunk_exact_acc"}});
   p.query = query.data_ptr<float>(), p.plain_query = plain_query.data_ptr<float>();
   p.key_codes = bytes(key_codes), p.value_codes = bytes(value_codes);
   p.key_scales = bytes(key_scales), p.key_zeros = bytes(key_zeros);
@@ -444,6 +463,7 @@ inline PagedParams check_paged_attention(const DeviceRuntime& rt, const at::Tens
   p.table_cols = block_table.size(1), p.chunk_tokens = chunk_tokens;
   p.chunk_max = chunk_max.data_ptr<float>(), p.chunk_sum = chunk_sum.data_ptr<float>();
   p.chunk_acc = chunk_acc.data_ptr<float>(), p.chunk_exact_acc = chunk_exact_acc.data_ptr<float>();
+  p.scratch_on = query.options();
   return p;
 }
 

@@ -1,5 +1,5 @@
-// The one table of kernel variants. csrc/kivi_kernels.cpp defines each kernel ONCE, as a template; the runtime
-// instantiates a variant listed here, when a launch first needs it, by its template-id (e.g.
+// The one table of kernel variants. The device source (csrc/device/) defines each kernel ONCE, as a template; the
+// runtime instantiates a variant listed here, when a launch first needs it, by its template-id (e.g.
 // "kivi_packed_key_scores<F16, 2, 3>", passed to the kernel compiler as registered_names) and looks the compiled
 // kernels up by the same positions, so this table alone decides which variants exist, what they are called and where
 // each one is stored.
@@ -13,7 +13,7 @@
 namespace kivi __attribute__((visibility("hidden"))) {  // hidden, as pybind11's own types are
 
 // Element dtypes of data and metadata, in dtype-tag order: torch dtype and the device-side element type
-// (struct F32/F16/BF16 in kivi_kernels.cpp).
+// (struct F32/F16/BF16 in device/10_prelude.cpp).
 struct Dtype {
   at::ScalarType torch;
   const char* device_type;
@@ -56,9 +56,9 @@ enum KernelId {
   kNumKernels
 };
 
-// One kernel template of kivi_kernels.cpp: its name, the axes of its template arguments, its largest local size and
+// One kernel template of the device source: its name, the axes of its template arguments, its largest local size and
 // its build group. Variants compile when a launch first needs them, and the variant at the same positions of every
-// template of the group is built along (one build: the compiler's fixed start-up cost, ~2 s on a CPU core, is paid
+// template of the group is built along (one build: the compiler's fixed start-up cost, most of a small build, is paid
 // once for kernels that run together); templates of one group have the same axes.
 struct KernelTemplate {
   const char* name;
