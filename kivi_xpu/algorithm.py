@@ -21,13 +21,16 @@ byte over the paper and a fraction of its perplexity loss (``docs/measurements.m
 authors' algorithm exactly (no sinks, no rotation). Both quantize 2-bit codes in groups of 32 with a window of 128.
 
 Prefill, single-token decode and multi-token appends (multi-turn chat, chunked prefill, assisted decoding)
-all follow from these two counts, which is how :class:`kivi_xpu.stream.KindStream` applies them.
+all follow from these two counts. :meth:`KiviSettings.split` gives them, with the sinks and windows they leave, as
+one :class:`TokenSplit`: what :class:`kivi_xpu.stream.KindStream` and the paged cache (:mod:`kivi_xpu.paged`) read
+instead of working the positions out again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import KW_ONLY, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -57,6 +60,48 @@ _FOLLOWING_FIELDS = (*PER_KIND_FIELDS, *PRESET_FIELDS)  # fields that may follow
 # only a mistaken value (2**40) is refused, at construction rather than by the allocator at the first update.
 MAX_RESIDUAL_LENGTH = 2**24
 UNBOUNDED = 2**62  # KiviSettings.steady_appends of a count that grows alike forever
+
+
+class TokenSplit(NamedTuple):
+    """How a layer's ``length`` tokens split by the streaming rule (``S`` = ``sink_tokens``), positions in sequence
+    order, for each kind (``"keys"``, ``"values"``):
+
+    * the sinks ``[0, sinks)``, exact (``sinks = min(length, S)``);
+    * the packed tokens ``[S, S + packed(kind))``, as codes;
+    * the window ``[window_start(kind), length)``, exact (empty while ``length <= S``).
+
+    Built by :meth:`KiviSettings.split` (a named tuple: the paged cache builds a few per request and forward)."""
+
+    length: int
+    sink_tokens: int  # S, the sinks' capacity
+    packed_keys: int
+    packed_values: int
+
+    @property
+    def sinks(self) -> int:
+        """Sink tokens held."""
+        return min(self.length, self.sink_tokens)
+
+    @property
+    def sinks_full(self) -> bool:
+        return self.length >= self.sink_tokens
+
+    def packed(self, kind: str) -> int:
+        """Tokens of ``kind`` held as codes."""
+        return self.packed_keys if kind == "keys" else self.packed_values
+
+    def window_start(self, kind: str) -> int:
+        """Position of the first exact token of ``kind`` after the packed ones (``length`` when there is none)."""
+        return self.sinks + self.packed(kind)
+
+    def window(self, kind: str) -> int:
+        """Exact tokens of ``kind`` after the packed ones."""
+        return self.length - self.window_start(kind)
+
+    def ranges(self, kind: str) -> tuple[range, range, range]:
+        """(sinks, packed, window) positions of ``kind``."""
+        s, packed, start = self.sink_tokens, self.packed(kind), self.window_start(kind)
+        return range(self.sinks), range(s, s + packed), range(start, self.length)
 
 
 def _group_advice(head_dim: int, bits: int, which: str) -> str:
@@ -218,6 +263,11 @@ class KiviSettings:
         (positions ``[S, S + count)``)."""
         return max(0, total_tokens - self.sink_tokens - self.residual_length)
 
+    def split(self, length: int) -> TokenSplit:
+        """The sinks, packed tokens and windows of each kind when the layer holds ``length`` tokens."""
+        packed_keys, packed_values = self.quantized_key_count(length), self.quantized_value_count(length)
+        return TokenSplit(length, self.sink_tokens, packed_keys, packed_values)
+
     def steady_appends(self, kind: str, total_tokens: int) -> int:
         """One-token appends from ``total_tokens`` held on, the first included, during which the count of ``kind``
         ("keys" or "values") held as codes grows by the same amount at each (what the one-call decode step relies on
@@ -260,4 +310,4 @@ class KiviSettings:
         return (self.key_bits_per_element() + self.value_bits_per_element()) / 2
 
 
-__all__ = ["KiviSettings", "META_DTYPES", "PER_KIND_FIELDS", "PRESETS", "ROTATIONS"]
+__all__ = ["KiviSettings", "META_DTYPES", "PER_KIND_FIELDS", "PRESETS", "ROTATIONS", "TokenSplit"]

@@ -84,8 +84,8 @@ DEFAULT_SDPA = "".join(("sd", "pa"))
 
 def attention_name(config) -> str | None:
     """``config._attn_implementation``, read where transformers 5 stores it, past the config class's
-    ``__getattribute__`` hooks (~2 us through them, and every layer reads it at every step); a config without that
-    attribute is read the documented way."""
+    ``__getattribute__`` hooks, which would add their Python calls to every layer at every step; a config without
+    that attribute is read the documented way."""
     try:
         return object.__getattribute__(config, "_attn_implementation_internal")
     except AttributeError:
@@ -232,50 +232,30 @@ def attention_with_weights(query, key, value, attention_mask, scaling: float, so
     return out.transpose(1, 2).contiguous(), weights.to(query.dtype)
 
 
-def kivi_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+def kivi_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
     """Transformers attention interface: ``query [B, Hq, L, D]`` -> ``([B, L, Hq, D], None)``, or with
     ``output_attentions=True`` ``([B, L, Hq, D], weights [B, Hq, L, n])``: then exact attention over the dense
-    states (the packed history dequantized), as eager attention computes it, instead of the fused kernel."""
-    inputs = take_over(module, key, value)
-    return _attend(module, query, key, value, inputs, attention_mask, dropout, scaling, is_causal, kwargs)
+    states (the packed history dequantized), as eager attention computes it, instead of the fused kernel. ``kwargs``:
+    as transformers passes them (``dropout``, ``scaling``, ``is_causal``, ``softcap``, ``sliding_window``, ...)."""
+    return _attend(module, query, key, value, take_over(module, key, value), attention_mask, **kwargs)
 
 
-def default_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+def default_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
     """transformers' ``"sdpa"`` attention while kivi_xpu is imported: a step a KIVI layer handed over for fusing
     (only under the default attention, see :func:`attention_path`) is attended as :func:`kivi_attention_forward`
-    does; every other call goes to the ``"sdpa"`` function registered before, untouched."""
+    does; every other call goes to the ``"sdpa"`` function registered before, untouched (``kwargs`` as given)."""
     inputs = take_over(module, key, value)
     if inputs is None:
-        sdpa = default_attention_forward.__kivi_xpu_original__
-        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
-                    **kwargs)  # fmt: skip
-    return _attend(module, query, key, value, inputs, attention_mask, dropout, scaling, is_causal, kwargs)
+        return default_attention_forward.__kivi_xpu_original__(module, query, key, value, attention_mask, **kwargs)
+    return _attend(module, query, key, value, inputs, attention_mask, **kwargs)
 
 
 default_attention_forward.__kivi_xpu_original__ = sdpa_attention_forward
 
 
-def _attend(module, query, key, value, inputs, attention_mask, dropout, scaling, is_causal, kwargs):
+def _attend(module, query, key, value, inputs, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """The kivi attention of one call, given what :func:`take_over` returned (``inputs``)."""
     softcap = kwargs.get("softcap")
     if kwargs.get("output_attentions"):

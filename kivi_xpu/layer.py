@@ -10,7 +10,6 @@ from .algorithm import KiviSettings
 from .attention import DecodeInputs, dense_kind, dense_states, fuses, hand_over, log_attention_path
 from .backend import Selection, select
 from .memory import KiviMemoryReport
-from .ops import direct_kernel
 from .ops.checks import check_float_tensor
 from .stream import KindStream, SteadyRun
 from .validation import integer, name_choice
@@ -182,10 +181,10 @@ class KiviLayer(CacheLayerMixin):
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """``update`` outside a steady run: returns the key and value tails (the states themselves for a prefill)
         and the :class:`DecodeInputs` without them (``None`` for a prefill, which attends to the exact states)."""
-        self._steady_run = None  # (it must not keep a buffer alive that this append replaces)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.cumulative_length == 0:
+            self._steady_run = None
             self.keys_stream.append(key_states, self.record_past)
             self.values_stream.append(value_states, self.record_past)
             return key_states, value_states, None
@@ -194,6 +193,7 @@ class KiviLayer(CacheLayerMixin):
         step = self._decode_step(key_states, value_states) if one_call else None
         if step is not None:
             return step
+        self._steady_run = None  # (it must not keep a buffer alive that this append replaces)
         inputs = DecodeInputs(
             self.keys_stream.append_and_read(key_states, self.record_past),
             self.values_stream.append_and_read(value_states, self.record_past),
@@ -203,19 +203,13 @@ class KiviLayer(CacheLayerMixin):
 
     def _decode_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple | None:
         """A decode step's cache work (one new token, not recording) in one ``append_decode_step`` call, as the first
-        step of a :class:`~kivi_xpu.stream.SteadyRun` (kept for the next steps): the tokens into both windows, the
-        value token leaving the window quantized in place. Returns the key and value tails and the
-        :class:`DecodeInputs` without them, or ``None`` (nothing done) when the step needs the general path (sinks
-        not full yet, a key block leaving)."""
-        keys, values = self.keys_stream, self.values_stream
-        if keys.step_leaving() != 0:
-            return None
-        leaving = values.step_leaving()
-        if leaving is None:
-            return None
-        kernel = direct_kernel("append_decode_step", self.backend.name, keys.window.data)
-        self._steady_run = SteadyRun(keys, values, leaving, kernel, self.backend.name)
-        return self._steady_run.step(key_states, value_states)
+        step of a :class:`~kivi_xpu.stream.SteadyRun` (kept for the next steps; the run that just ran out, if any,
+        hands over the budget it has left). Returns the key and value tails and the :class:`DecodeInputs` without
+        them, or ``None`` (nothing done) when the step needs the general path (sinks not full yet, a key block
+        leaving)."""
+        run = SteadyRun.start(self.keys_stream, self.values_stream, self.backend.name, self._steady_run)
+        self._steady_run = run
+        return None if run is None else run.step(key_states, value_states)
 
     def _check_new_states(self, key_states, value_states) -> None:
         check_float_tensor(key_states, "key_states")

@@ -28,10 +28,8 @@ MIN_GROWTH_TOKENS = 1024
 # one cache line more per row. The fused decode attention reads the same position of a head's D channel rows together;
 # at a multiple of 512 bytes those D lines fall into at most 8 of the 64 sets of a 32 KiB 8-way L1 data cache and evict
 # each other. It happens after a prompt whose packed keys fill a multiple of 2048 tokens (2-bit), until the buffer first
-# grows: with the default 4 sinks, prompts of 2048 m + 4 to 2048 m + 131 tokens. Warm (Zen 4, batch 4 / 8064 tokens) the
-# op took 0.374 ms with key rows 2016 bytes apart, 0.445 ms at 2048 and 0.594 ms at 4096; in the model (SmolLM2-135M,
-# steps interleaved) padding made a decode step 1.02x as fast at batch 4 after an 8196-token prompt and 1.05x at batch 1
-# after 16388 tokens.
+# grows: with the default 4 sinks, prompts of 2048 m + 4 to 2048 m + 131 tokens. The padding makes such decode steps
+# faster in the model (docs/measurements.md).
 ROW_ALIGNMENT_TO_AVOID = 512
 CACHE_LINE_BYTES = 64
 

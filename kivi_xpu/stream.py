@@ -1,8 +1,11 @@
 """:class:`KindStream`: one kind (keys or values) of one KIVI cache layer, with the streaming rule applied.
 
 A layer is two streams that receive the same tokens; the streams differ only in how many of them are packed
-(:meth:`KindStream.packed_count`, the one place where the rule of :mod:`kivi_xpu.algorithm` is applied) and in
+(:meth:`KiviSettings.split <kivi_xpu.algorithm.KiviSettings.split>`, read here and never worked out again) and in
 the layout of the codes (:class:`~kivi_xpu.storage.PackedHistory`).
+
+A token goes down one way: the layer asks a stream (:meth:`KindStream.append_and_read`) or, for a steady decode
+step, a :class:`SteadyRun` of both streams; those write the storage (:mod:`kivi_xpu.storage`), which calls the ops.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 from .algorithm import KiviSettings
 from .attention import DecodeInputs
 from .memory import KiviMemoryReport
+from .ops import direct_kernel
 from .ops.checks import KindOperands
 from .storage import DepartedTokens, PackedHistory, TokenBuffer
 
@@ -45,8 +49,6 @@ class KindStream:
         self.packed = PackedHistory(kind, settings, batch, heads, head_dim, storage_device, backend)
         self.departed = DepartedTokens()
         self.length = 0
-        self._kept_operands, self._kept_sinks = None, None  # see kept_operands
-        self._steady_steps, self._steady_leaving, self._steady_inference = 0, 0, False  # see step_leaving
 
     @property
     def batch(self) -> int:
@@ -61,33 +63,8 @@ class KindStream:
         return self.window.width
 
     def packed_count(self, length: int) -> int:
-        """The streaming rule: tokens held as codes when the stream holds ``length`` tokens."""
-        if self.kind == "keys":
-            return self.settings.quantized_key_count(length)
-        return self.settings.quantized_value_count(length)
-
-    def kept_operands(self) -> KindOperands:
-        """:meth:`operands` with the current sinks, no count, no tail and no rotation, for the one-call decode steps
-        (:class:`SteadyRun`): what does not change from step to step (the sinks' view, the buffers) is kept and
-        rebuilt only when a buffer or the sinks changed (a view costs ~2 us of dispatch, as much as the step's own
-        work). The general path drops what is kept (:meth:`_forget_kept`), so it never holds a replaced buffer
-        alive; the rotation, shared and not the cache's, is never kept."""
-        sinks, packed, o = self.sinks, self.packed, self._kept_operands
-        if (
-            o is None
-            or self._kept_sinks[0] is not sinks.data
-            or self._kept_sinks[1:] != (sinks.start, sinks.end)
-            or o.codes is not packed.codes.data
-            or o.scales is not packed.scales.data
-            or o.zeros is not packed.zeros.data
-        ):
-            o = self._kept_operands = self.operands(sinks.view(), 0, None)._replace(rotation=None)
-            self._kept_sinks = (sinks.data, sinks.start, sinks.end)
-        return o
-
-    def _forget_kept(self) -> None:
-        self._kept_operands = self._kept_sinks = None
-        self._steady_steps = 0
+        """Tokens held as codes when the stream holds ``length`` tokens (the rule's :class:`TokenSplit`)."""
+        return self.settings.split(length).packed(self.kind)
 
     def operands(self, sinks: torch.Tensor, count: int, tail: torch.Tensor) -> KindOperands:
         """What attention reads: ``sinks``, the first ``count`` packed tokens (the whole buffers: the op reads only
@@ -105,9 +82,8 @@ class KindStream:
         A decode step (sinks full, ``m <= R``) appends into the window first and hands out a view of it: no copy
         of the window. The view stays valid until the next append (the rows it shows are only moved or
         overwritten then)."""
-        self._forget_kept()
         count, sinks = self.packed.num_tokens, self.sinks.view()  # as before this append
-        if len(self.sinks) < self.settings.sink_tokens or new.shape[2] > self.settings.residual_length:
+        if not self.settings.split(self.length).sinks_full or new.shape[2] > self.settings.residual_length:
             # Tokens of `new` bound for the sinks are in the tail, which is in order: the window is empty until
             # the sinks are full.
             tail = torch.cat([self.window.view(), new], dim=2)
@@ -122,18 +98,14 @@ class KindStream:
             self.window.drop_front(leaving)
         return self.operands(sinks, count, tail)
 
-    def step_leaving(self) -> int | None:
-        """Prepares the one-call decode step (:class:`SteadyRun`, driven by the layer) of one new token: makes
-        room for it in the window and, for values, for the token leaving it in the packed storage; returns how many
-        tokens leave the window (0 or 1). ``None`` when this append needs :meth:`append_and_read`: sinks not full
-        yet, or a key block leaving (packed once every R steps).
-
-        The answer holds for the next steps as long as the rule moves as many tokens and the buffers have room: it
-        is given again without looking for that many steps (:meth:`_steady_budget`; 3.3-3.9 us less Python per layer
-        step on Zen 4). Any other change of the stream ends that (:meth:`_forget_kept`)."""
-        if self._steady_steps and (not self._steady_inference or torch.is_inference_mode_enabled()):
-            return self._steady_leaving
-        if len(self.sinks) < self.settings.sink_tokens:
+    def steady(self) -> tuple[int, int, bool] | None:
+        """Prepares the one-call decode steps (:class:`SteadyRun`) of one new token each: makes room for the next in
+        the window and, for values, for the token leaving it in the packed storage. Returns ``(leaving, steps,
+        inference)``: the tokens leaving the window at each step (0 or 1), for how many steps, this one first, that
+        holds (:meth:`_steady_budget`), and whether the buffers written are inference tensors. ``None`` when this
+        append needs :meth:`append_and_read`: sinks not full yet, or a key block leaving (packed once every R
+        steps)."""
+        if not self.settings.split(self.length).sinks_full:
             return None
         leaving = self.packed_count(self.length + 1) - self.packed.num_tokens
         if leaving and self.kind == "keys":
@@ -141,21 +113,20 @@ class KindStream:
         self.window.reserve(1)
         if leaving:
             self.packed.reserve(leaving)
-        self._steady_steps, self._steady_leaving = self._steady_budget(leaving), leaving
-        return leaving
+        return leaving, *self._steady_budget(leaving)
 
-    def _steady_budget(self, leaving: int) -> int:
-        """Decode steps, this one first, that move ``leaving`` tokens each (the rule) into rows reserved already:
-        the buffers they write hold that many more rows without moving or growing. Buffers made under
-        ``torch.inference_mode`` refuse in-place writes outside it (``TokenBuffer.reserve`` copies them then): their
-        steps are steady only while it lasts."""
+    def _steady_budget(self, leaving: int) -> tuple[int, bool]:
+        """(steps, inference): decode steps, this one first, that move ``leaving`` tokens each (the rule) into rows
+        reserved already, so that the buffers they write hold that many more rows without moving or growing; and
+        whether those buffers were made under ``torch.inference_mode``, which refuse in-place writes outside it
+        (``TokenBuffer.reserve`` copies them then): their steps are steady only while it lasts."""
         window, packed = self.window, self.packed
         written = (window, *packed.buffers()) if leaving else (window,)
-        self._steady_inference = any(b.data.is_inference() for b in written)
+        inference = any(b.data.is_inference() for b in written)
         steps = min(self.settings.steady_appends(self.kind, self.length), window.capacity - window.end)
         if leaving:  # (value rows: one per token)
             steps = min(steps, *((b.capacity - b.end) // leaving for b in packed.buffers()))
-        return steps
+        return steps, inference
 
     def held(self) -> KindOperands:
         """All ``length`` tokens as attention reads them: the sinks, the whole packed history and the window as the
@@ -172,13 +143,13 @@ class KindStream:
         the rule says must leave the window are quantized (oldest first); with ``record``, exact copies of them
         are kept. Tokens that leave at once go straight to the packed store, so a long prefill never passes
         through (and never inflates) the window."""
-        self._forget_kept()
-        to_sinks = min(new.shape[2], self.settings.sink_tokens - len(self.sinks))
+        after = self.settings.split(self.length + new.shape[2])
+        to_sinks = after.sinks - len(self.sinks)
         if to_sinks > 0:
             self.sinks.append(new[:, :, :to_sinks])
             new = new[:, :, to_sinks:]
-        self.length += to_sinks + new.shape[2]
-        leaving = max(self.packed_count(self.length) - self.packed.num_tokens, 0)
+        self.length = after.length
+        leaving = max(after.packed(self.kind) - self.packed.num_tokens, 0)
         from_window = min(leaving, len(self.window))
         from_new = leaving - from_window
         if leaving:
@@ -196,10 +167,10 @@ class KindStream:
         """Keeps the first ``length`` tokens, split as the rule splits ``length`` tokens. Tokens that return to
         the window are restored exactly when recorded in ``departed``, otherwise dequantized from their codes
         (from the rule's count on, which is group-aligned for keys: keys are read in whole groups)."""
-        self._forget_kept()
-        self.sinks.truncate(min(length, len(self.sinks)))
-        after_sinks = max(0, length - self.settings.sink_tokens)
-        target, quantized = self.packed_count(length), self.packed.num_tokens
+        split = self.settings.split(length)
+        self.sinks.truncate(split.sinks)
+        after_sinks = length - split.sinks
+        target, quantized = split.packed(self.kind), self.packed.num_tokens
         self.length = length
         if target >= quantized:
             self.window.truncate(after_sinks - quantized)
@@ -226,7 +197,6 @@ class KindStream:
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keeps the batch rows ``index`` of every stored tensor (codes and recorded copies included)."""
-        self._forget_kept()
         for holder in (self.sinks, self.packed, self.window, self.departed):
             holder.select_batch(index)
 
@@ -248,41 +218,86 @@ class KindStream:
 
 
 class SteadyRun:
-    """The one-call decode steps of a layer's ``keys`` and ``values`` streams while both are in a steady run
-    (:meth:`KindStream.step_leaving` gave ``0`` and ``leaving`` and holds those answers): each step appends one token
-    to both windows and packs ``leaving`` value tokens into rows the buffers already hold, in one call of ``kernel``
-    (the ``append_decode_step`` op), and counts that in the streams. The layer keeps the run between steps and builds
-    a new one whenever :meth:`step` gives ``None`` (a stream's run ended: its budget is spent, or
-    :meth:`KindStream._forget_kept` ended it).
+    """The one-call decode steps of a layer's ``keys`` and ``values`` streams while both are steady
+    (:meth:`KindStream.steady`: no key leaves the window, ``leaving`` value tokens leave it at every step, into rows
+    the buffers already hold): each step appends one token to both windows and packs ``leaving`` value tokens in one
+    call of ``kernel`` (the ``append_decode_step`` op), and counts that in the streams. The run owns its budget
+    (``key_steps``, ``value_steps``: the steps each stream's answer holds); the layer keeps the run between steps,
+    asks :meth:`start` for the next one when :meth:`step` gives ``None``, and drops it whenever anything else
+    changes its streams.
 
     The run holds the kernel, its arguments and the operands it hands to attention, so that a step costs a few
     attribute reads instead of a dozen Python calls: in the model, where the weights of the other layers pass
-    through the caches between two steps of a layer, each such call costs ~1-2 us (SmolLM2-135M on Zen 4: a layer's
-    update took 14-23 us less than as a chain of calls, 3-5 us more than StaticCache's). It holds the layer's
-    buffers: the layer drops it whenever anything else changes its streams."""
+    through the caches between two steps of a layer, each such call costs as much as the step's own work. It holds
+    the layer's buffers: hence the layer drops it on any other change."""
 
-    __slots__ = ("keys", "values", "leaving", "kernel", "backend", "args", "keep", "inference")
+    __slots__ = ("keys", "values", "leaving", "kernel", "backend", "args", "keep", "key_steps", "value_steps",
+                 "key_inference", "value_inference", "inference")  # fmt: skip
 
-    def __init__(self, keys: KindStream, values: KindStream, leaving: int, kernel, backend: str):
+    @classmethod
+    def start(cls, keys: KindStream, values: KindStream, backend: str, ended: SteadyRun | None) -> SteadyRun | None:
+        """The run of the next decode steps, or ``None`` when the next step needs the general path. ``ended``: the run
+        that just ran out (nothing else changed the streams since), whose budget left for one kind still holds: that
+        kind's rule is not looked at again."""
+        key_plan = cls._left(ended, "key") or keys.steady()
+        if key_plan is None or key_plan[0] != 0:
+            return None
+        value_plan = cls._left(ended, "value") or values.steady()
+        if value_plan is None:
+            return None
+        kernel = direct_kernel("append_decode_step", backend, keys.window.data)
+        return cls(keys, values, key_plan, value_plan, kernel, backend, ended)
+
+    @staticmethod
+    def _left(run: SteadyRun | None, kind: str) -> tuple[int, int, bool] | None:
+        """``kind``'s (leaving, steps, inference) left in ``run``, or ``None``."""
+        if run is None or not getattr(run, f"{kind}_steps"):
+            return None
+        inference = getattr(run, f"{kind}_inference")
+        if inference and not torch.is_inference_mode_enabled():
+            return None
+        return (0 if kind == "key" else run.leaving), getattr(run, f"{kind}_steps"), inference
+
+    def __init__(self, keys: KindStream, values: KindStream, key_plan: tuple, value_plan: tuple, kernel, backend: str,
+                 ended: SteadyRun | None = None):  # fmt: skip
         window, packed = keys.window, values.packed
+        leaving, self.value_steps, self.value_inference = value_plan
+        _, self.key_steps, self.key_inference = key_plan
         self.keys, self.values, self.leaving, self.kernel, self.backend = keys, values, leaving, kernel, backend
         # append_decode_step's arguments; step() fills the states and the row counts
         self.args = [None, None, window.data, 0, 0, values.window.data, 0, 0, *(b.data for b in packed.buffers()), 0,
                      leaving, packed.group_size, packed.bits, packed.rotation(packed.device)]  # fmt: skip
-        self.keep = (keys.kept_operands(), keys.packed.rotation(keys.device),
-                     values.kept_operands(), packed.rotation(values.device))  # fmt: skip
-        self.inference = keys._steady_inference or values._steady_inference
+        # The operands without count and tail; rebuilt only when a buffer changed since the ended run (a view costs
+        # as much dispatch as a step's own work).
+        kept = (None, None) if ended is None else (ended.keep[0], ended.keep[2])
+        self.keep = (self._kept(keys, kept[0]), keys.packed.rotation(keys.device),
+                     self._kept(values, kept[1]), packed.rotation(values.device))  # fmt: skip
+        self.inference = self.key_inference or self.value_inference
+
+    @staticmethod
+    def _kept(stream: KindStream, kept: KindOperands | None) -> KindOperands:
+        """``stream``'s operands with its sinks, no count, no tail and no rotation (the rotation, shared and not the
+        cache's, is never kept): ``kept`` when it still shows the stream's buffers."""
+        packed = stream.packed
+        if (
+            kept is None
+            or kept.codes is not packed.codes.data
+            or kept.scales is not packed.scales.data
+            or kept.zeros is not packed.zeros.data
+        ):
+            kept = stream.operands(stream.sinks.view(), 0, None)._replace(rotation=None)
+        return kept
 
     def step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple | None:
         """Appends one token ``[B, H, 1, D]`` of each kind; returns the key and value tails (views of the windows)
         and the :class:`~kivi_xpu.attention.DecodeInputs` (of ``backend``) without them, or ``None`` (nothing done)
         once the run has ended."""
-        keys, values = self.keys, self.values
-        if not (keys._steady_steps and values._steady_steps):
+        if not (self.key_steps and self.value_steps):
             return None
         if self.inference and not torch.is_inference_mode_enabled():  # (see KindStream._steady_budget)
             return None
-        key_window, value_window, packed, args = keys.window, values.window, values.packed, self.args
+        keys, values, args = self.keys, self.values, self.args
+        key_window, value_window, packed = keys.window, values.window, values.packed
         key_count, value_count = keys.packed.num_tokens, packed.num_tokens  # as before this append
         args[0], args[1], args[3], args[4] = key_states, value_states, key_window.start, key_window.end
         args[6], args[7], args[11] = value_window.start, value_window.end, value_count
@@ -297,8 +312,8 @@ class SteadyRun:
             packed.commit(self.leaving)
         keys.length += 1
         values.length += 1
-        keys._steady_steps -= 1
-        values._steady_steps -= 1
+        self.key_steps -= 1
+        self.value_steps -= 1
         k, key_rotation, v, value_rotation = self.keep
         inputs = DecodeInputs(
             k.with_count(key_count, key_rotation), v.with_count(value_count, value_rotation), self.backend

@@ -155,7 +155,7 @@ def test_a_layer_copied_or_reset_during_a_steady_run_steps_on_its_own_buffers(ba
         layer.update(keys[:, :, n : n + m], values[:, :, n : n + m])
         twin.update(keys[:, :, n : n + m], values[:, :, n : n + m])
         n += m
-    assert layer._steady_run is not None and layer.keys_stream._steady_steps > 0
+    assert layer._steady_run is not None and layer._steady_run.key_steps > 0
     if how == "reset":
         layer.reset()
         twin = KiviLayer(settings, select(backend_name))

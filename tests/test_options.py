@@ -162,6 +162,26 @@ def test_sink_rule_counts():
 
 
 @pytest.mark.parametrize("sinks, residual", [(0, 32), (4, 32), (3, 16), (1, 4), (7, 8)])
+def test_token_split_covers_every_token_once(sinks, residual):
+    """KiviSettings.split(n): per kind, sinks, packed tokens and window are consecutive, cover [0, n) and hold the
+    rule's counts."""
+    s = KiviSettings(group_size=residual if residual < 32 else 32, residual_length=residual, sink_tokens=sinks)
+    for n in range(0, sinks + 4 * residual):
+        split = s.split(n)
+        assert (split.length, split.packed_keys, split.packed_values) == (
+            n,
+            s.quantized_key_count(n),
+            s.quantized_value_count(n),
+        )
+        assert split.sinks == min(n, sinks) and split.sinks_full == (n >= sinks)
+        for kind in ("keys", "values"):
+            held, packed, window = split.ranges(kind)
+            assert [*held, *packed, *window] == list(range(n)), (kind, n)
+            assert len(packed) == split.packed(kind) and len(window) == split.window(kind)
+            assert window.start == split.window_start(kind) or not window
+
+
+@pytest.mark.parametrize("sinks, residual", [(0, 32), (4, 32), (3, 16), (1, 4), (7, 8)])
 def test_steady_appends_follow_the_counts(sinks, residual):
     """steady_appends(kind, n): the one-token appends from n on during which the kind's count grows alike, found
     by stepping the counts themselves."""
