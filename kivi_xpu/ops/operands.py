@@ -56,10 +56,10 @@ def split_decode_args(args: tuple) -> tuple:
 
 
 class RequestColumns(NamedTuple):
-    """The columns of ``paged_decode_attention``'s ``requests`` table (int64, one row per request; their order is
-    the native kernel's too, csrc/cpu/paged_attention.cpp): the request's window ``slot``; its ``sinks`` exact rows
-    at the start of the slot; its ``key_count`` / ``value_count`` packed tokens (in its pages); the slot rows where
-    its exact key / value tail starts (``key_tail_row`` / ``value_tail_row``); its ``length`` in tokens.
+    """The columns of ``paged_decode_attention``'s ``requests`` table (int64, one row per request; the C++ side names
+    them in the same order in csrc/cpu/paged_requests.h): the request's window ``slot``; its ``sinks`` exact rows at
+    the start of the slot; its ``key_count`` / ``value_count`` packed tokens (in its pages); the slot rows where its
+    exact key / value tail starts (``key_tail_row`` / ``value_tail_row``); its ``length`` in tokens.
     ``RequestColumns(*requests.unbind(1))`` names the columns of the whole table, ``RequestColumns(*row)`` one row's
     values."""
 
