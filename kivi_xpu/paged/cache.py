@@ -22,6 +22,7 @@ from transformers.generation.continuous_batching.utils import find_head_dim, fin
 from ..algorithm import KiviSettings
 from ..rotation import rotation_matrix
 from .budget import PAGES, UNITS, PageBudget
+from .holdings import Holdings
 from .pages import KiviPageAllocator
 from .store import DecodePlan, DecodeRows, PageWriter, Request, RequestStep
 from .windows import ExactUnits
@@ -38,15 +39,6 @@ class LayerStep(NamedTuple):
     decode: DecodeRows | None
     requests: list[RequestStep]
     rotations: tuple  # (key rotation, value rotation): None or Q [D, D] float32
-
-
-class Held(NamedTuple):
-    """What one admitted request holds besides its pages (transformers' block table): its window unit, its prompt's
-    length, and while its prompt is split the units of its exact prompt (int64, in order)."""
-
-    slot: int
-    prompt_end: int
-    staging: torch.Tensor | None
 
 
 class KiviPagedCache(PagedAttentionCache):
@@ -94,8 +86,7 @@ class KiviPagedCache(PagedAttentionCache):
         self.max_decode_fast_path_length = 0
         self.max_tokens_read = allocator.tokens_per_page * allocator.num_blocks
         self.first_layer, self.last_layer = layers[0], layers[-1]
-        self._held: dict[str, Held] = {}
-        self._request_of_first_block: dict[int, str] = {}  # a request's first page names it in the batch
+        self.holdings = Holdings(budget, allocator, self.units, self.pool, self.device)
         self._requests: list[Request] = []
         self._decode_plan: DecodePlan | None = None
         self._others: list[Request] = []
@@ -121,7 +112,7 @@ class KiviPagedCache(PagedAttentionCache):
 
     @property
     def requests_in_flight(self) -> int:
-        return len(self._held)
+        return len(self.holdings)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -131,14 +122,14 @@ class KiviPagedCache(PagedAttentionCache):
         later steps then always fit, so transformers never preempts it."""
         allocator = self.cache_allocators[FULL_ATTENTION]
         request_id = state.request_id
-        if request_id in self._held:
+        if request_id in self.holdings:
             if allocator.needs_new_blocks(request_id, state.current_len(), request_len):
                 raise RuntimeError(
                     f"KiviPagedCache: request {request_id} outgrew the {len(allocator.block_table[request_id])} "
                     f"pages reserved at its admission"
                 )
             return True
-        if self.budget.max_requests is not None and len(self._held) >= self.budget.max_requests:
+        if self.budget.max_requests is not None and len(self.holdings) >= self.budget.max_requests:
             return False
         if request_id.startswith("__warmup_"):
             return False  # transformers' warm-up of padded shapes: nothing to warm on KIVI pages
@@ -150,37 +141,14 @@ class KiviPagedCache(PagedAttentionCache):
         prompt = max(len(state.remaining_prefill_tokens), request_len)  # (a dry run may ask for any length)
         split = request_len < prompt
         needs = self.budget.needs(prompt, state.max_new_tokens - len(state.generated_tokens), split)
-        sectors = self.budget.sectors(needs, self.pool.count_free_blocks(PAGES), self.pool.count_free_blocks(UNITS))
-        fits = sectors <= self.pool.num_free_sectors
-        if dry_run or not fits:
-            return fits
-        for _ in range(self.budget.sectors(needs._replace(units=0), self.pool.count_free_blocks(PAGES))):
-            self.pool.allocate_sector(PAGES)
-        allocator.allocate_cache_to_request(request_id, 0, needs.pages * allocator.tokens_per_page)
-        units = self.units.take(needs.units)
-        staging = torch.tensor(units[1:], dtype=torch.int64, device=self.device) if split else None
-        self._held[request_id] = Held(units[0], prompt, staging)
-        self._request_of_first_block[allocator.block_table[request_id][0]] = request_id
-        return True
+        fits = self.holdings.fits(needs)
+        if fits and not dry_run:
+            self.holdings.take(request_id, needs, prompt, split)
+        return fits
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         """Returns everything the request holds: its pages, its window, its staged prompt."""
-        allocator = self.cache_allocators[FULL_ATTENTION]
-        held = self._held.pop(request_id, None)
-        if held is not None:
-            self._request_of_first_block.pop(allocator.block_table[request_id][0], None)
-            self.units.give_back([held.slot, *self._staged_units(held)])
-        super().free_blocks(request_id, no_cache=True)
-
-    @staticmethod
-    def _staged_units(held: Held) -> list[int]:
-        return [] if held.staging is None else held.staging.tolist()
-
-    def _end_staging(self, request_id: str) -> None:
-        """The prompt is stored: its staging units go back to the pool."""
-        held = self._held[request_id]
-        self.units.give_back(self._staged_units(held))
-        self._held[request_id] = held._replace(staging=None)
+        self.holdings.free(request_id)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         for request_id in list(self.cache_allocators[FULL_ATTENTION].block_table):
@@ -212,23 +180,17 @@ class KiviPagedCache(PagedAttentionCache):
                 blocks = read[cu_k[r] : cu_k[r + 1] : t] // stride
             else:  # nothing read in this batch: every request starts here, its write indices cover it
                 blocks = write[q_start : q_start + q_len : t] // stride
-            request_id = self._request_of_first_block.get(int(blocks[0]))
-            if request_id is None:
-                raise RuntimeError(
-                    "KiviPagedCache: a request reached the model without a slot (it was admitted by another cache?)"
-                )
-            held = self._held[request_id]
+            request_id, held = self.holdings.of_first_block(int(blocks[0]))
             requests.append(Request(request_id, held.slot, past, q_start, q_len, blocks.to(torch.int64),
-                                    held.prompt_end, held.staging))  # fmt: skip
+                                    held.prompt_end, held.staging, self.settings.split(past)))  # fmt: skip
         return requests
 
     def _plan_decode(self) -> None:
         """Splits the forward's requests into decode rows (one token after full sinks and a stored prompt: one
         batched store and one attention call per layer) and the others."""
-        s = self.settings.sink_tokens
         decode, self._others = [], []
         for r in self._requests:
-            (decode if r.q_len == 1 and r.past >= s and not r.in_prompt else self._others).append(r)
+            (decode if r.q_len == 1 and r.held.sinks_full and not r.in_prompt else self._others).append(r)
         self._decode_plan = DecodePlan.of(decode, self.settings, self.units, self.device) if decode else None
 
     @torch.compiler.disable
@@ -257,4 +219,4 @@ class KiviPagedCache(PagedAttentionCache):
         """After the last layer: requests whose last prompt chunk ran return their staging units."""
         for r in self._others:
             if r.staging is not None and r.past + r.q_len == r.prompt_end:
-                self._end_staging(r.request_id)
+                self.holdings.end_staging(r.request_id)

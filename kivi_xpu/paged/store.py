@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..algorithm import KiviSettings
+from ..algorithm import KiviSettings, TokenSplit
 from ..ops import kernel
 from ..ops.checks import KindOperands
 from ..rotation import rotate
@@ -38,6 +38,7 @@ class Request(NamedTuple):
     blocks: torch.Tensor  # int64 block ids of its pages 0, 1, ...
     prompt_end: int  # its prompt's length: tokens before it are prompt tokens
     staging: torch.Tensor | None  # int64 units of its exact prompt while the prompt is split
+    held: TokenSplit  # how its ``past`` tokens split (the rule)
 
     @property
     def in_prompt(self) -> bool:
@@ -85,14 +86,15 @@ class DecodePlan(NamedTuple):
         rows, bases, window_rows, leaving, key_blocks = [], [], [], [], []
         for i, r in enumerate(decode):
             table[i, : r.blocks.numel()] = r.blocks
-            qk0, qv0 = settings.quantized_key_count(r.past), settings.quantized_value_count(r.past)
-            base = units.value_base_for(r.past)  # where move_values puts the slot's value rows
+            qk0, qv0 = r.held.packed_keys, r.held.packed_values
+            after = settings.split(r.past + 1)
+            base = units.value_base_for(r.held)  # where move_values puts the slot's value rows
             bases.append(base)
             window_rows.append((r.past - qk0, r.past - base))  # the new token's key and value rows
-            rows.append((r.slot, s, qk0, s, qv0, s + qv0 - base, r.past + 1))
-            if settings.quantized_value_count(r.past + 1) > qv0:  # the oldest exact value token leaves
+            rows.append((r.slot, s, qk0, s, qv0, s + qv0 - base, after.length))
+            if after.packed_values > qv0:  # the oldest exact value token leaves
                 leaving.append((r.slot, s + qv0 - base, int(r.blocks[qv0 // t]), qv0 % t))
-            qk1 = settings.quantized_key_count(r.past + 1)
+            qk1 = after.packed_keys
             if qk1 > qk0:  # the key window is full: its block leaves it
                 key_blocks.append((r, qk0, qk1 - qk0))
         return cls(
@@ -126,7 +128,7 @@ class PageWriter:
         held = units.value_base[layer]
         for r, base in zip(plan.requests, plan.bases, strict=True):
             if held[r.slot] != base:  # once in G steps per request: the value rows move down
-                units.move_values(layer, r.slot, r.past)
+                units.move_values(layer, r.slot, r.held)
         key_windows[plan.slots, :, plan.window_rows[0]] = key_states[0, :, plan.q_index].transpose(0, 1)
         value_windows[plan.slots, :, plan.window_rows[1]] = value_states[0, :, plan.q_index].transpose(0, 1)
         if plan.leaving is not None:
@@ -184,7 +186,7 @@ class PageWriter:
         if past + m < request.prompt_end:
             self.units.stage(request.staging, layer, past, new_k, new_v)
         else:
-            self._append(layer, pages, request.slot, request.blocks, 0, keys, values)
+            self._append(layer, pages, request.slot, request.blocks, self.settings.split(0), keys, values)
         return RequestStep(q_start, m, keys, values, True)
 
     # ---------------------------------------------------------- other appends
@@ -195,7 +197,7 @@ class PageWriter:
         q_start, m = request.q_start, request.q_len
         new_k = key_states[:, :, q_start : q_start + m]
         new_v = value_states[:, :, q_start : q_start + m]
-        key_tail, value_tail, sinks, counts = self._append(layer, pages, request.slot, request.blocks, request.past,
+        key_tail, value_tail, sinks, counts = self._append(layer, pages, request.slot, request.blocks, request.held,
                                                            new_k, new_v)  # fmt: skip
         return RequestStep(
             q_start,
@@ -205,25 +207,25 @@ class PageWriter:
             False,
         )
 
-    def _append(self, layer: int, pages: LayerPages, slot: int, blocks, past: int, new_k, new_v):
-        """Appends ``new_k`` / ``new_v [1, H, m, D]`` after ``past`` tokens: sinks, packed tokens and window as
-        :mod:`.windows` lays them out. Returns the exact tails (window rows, then the new tokens), the sinks held
-        before and the packed counts before (what attention reads: the tokens leaving now are still in the tails)."""
-        s, settings, units = self.settings.sink_tokens, self.settings, self.units
-        m = new_k.shape[2]
-        length = past + m
+    def _append(self, layer: int, pages: LayerPages, slot: int, blocks, before: TokenSplit, new_k, new_v):
+        """Appends ``new_k`` / ``new_v [1, H, m, D]`` after the tokens split as ``before``: sinks, packed tokens and
+        window as :mod:`.windows` lays them out. Returns the exact tails (window rows, then the new tokens), the sinks
+        held before and the packed counts before (what attention reads: the tokens leaving now are still in the
+        tails)."""
+        s, units, past = self.settings.sink_tokens, self.units, before.length
+        after = self.settings.split(past + new_k.shape[2])
         key_rows, value_rows = units.keys[layer][slot], units.values[layer][slot]
-        qk0, qk1 = settings.quantized_key_count(past), settings.quantized_key_count(length)
-        qv0, qv1 = settings.quantized_value_count(past), settings.quantized_value_count(length)
-        units.move_values(layer, slot, past)
+        qk0, qk1, qv0, qv1 = before.packed_keys, after.packed_keys, before.packed_values, after.packed_values
+        units.move_values(layer, slot, before)
         base = units.value_base[layer][slot]
-        held_sinks = min(past, s)
+        held_sinks = before.sinks
         # Exact tokens after the packed ones: window rows then the new tokens (sinks-bound ones first).
-        key_tail = torch.cat([key_rows[:, s : s + max(0, past - s - qk0)].unsqueeze(0), new_k], dim=2)
-        value_tail = torch.cat([value_rows[:, s + qv0 - base : s + max(0, past - s) - base].unsqueeze(0), new_v],
-                               dim=2)  # fmt: skip
+        key_tail = torch.cat([key_rows[:, s : s + before.window("keys")].unsqueeze(0), new_k], dim=2)
+        value_window = s + qv0 - base
+        value_tail = torch.cat([value_rows[:, value_window : value_window + before.window("values")].unsqueeze(0),
+                                new_v], dim=2)  # fmt: skip
         sinks = (key_rows[:, :held_sinks].unsqueeze(0), value_rows[:, :held_sinks].unsqueeze(0))
-        to_sinks = min(m, s - held_sinks)
+        to_sinks = after.sinks - held_sinks
         if to_sinks > 0:
             key_rows[:, held_sinks : held_sinks + to_sinks] = new_k[0, :, :to_sinks]
             value_rows[:, held_sinks : held_sinks + to_sinks] = new_v[0, :, :to_sinks]
@@ -233,10 +235,10 @@ class PageWriter:
         if qv1 > qv0:
             self._pack_values(pages, blocks, qv0, value_tail[:, :, start : start + qv1 - qv0])
         # The slot's exact rows after the append.
-        exact = max(0, length - s)
-        key_rows[:, s : s + exact - qk1] = key_tail[0, :, start + qk1 - qk0 :]
-        base = units.value_base_for(length)
-        value_rows[:, s + qv1 - base : s + exact - base] = value_tail[0, :, start + qv1 - qv0 :]
+        key_rows[:, s : s + after.window("keys")] = key_tail[0, :, start + qk1 - qk0 :]
+        base = units.value_base_for(after)
+        value_window = s + qv1 - base
+        value_rows[:, value_window : value_window + after.window("values")] = value_tail[0, :, start + qv1 - qv0 :]
         units.value_base[layer][slot] = base
         return key_tail, value_tail, sinks, (qk0, qv0)
 

@@ -5,8 +5,8 @@ after another in the cache's byte tensor, so a layer's keys of all units are one
 (what ``paged_decode_attention`` reads as its windows, a unit id as the slot).
 
 **The window.** A running request holds one unit, its slot. By position ``p`` (``S`` sinks, ``R`` window, ``n``
-tokens held; the counts are :class:`~kivi_xpu.KiviSettings`' ``quantized_key_count`` / ``quantized_value_count``,
-so a request stores exactly what its own :class:`~kivi_xpu.KiviCache` would):
+tokens held; ``qk(n)`` / ``qv(n)`` the packed counts of the rule's :class:`~kivi_xpu.algorithm.TokenSplit`, so a
+request stores exactly what its own :class:`~kivi_xpu.KiviCache` would):
 
 * ``p < S``: the sinks, exact, rows ``[0, S)`` of its slot;
 * packed: keys ``[S, S + qk(n))``, values ``[S, S + qv(n))``, in its pages (:mod:`.pages`);
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..algorithm import KiviSettings
+from ..algorithm import KiviSettings, TokenSplit
 from .budget import UNITS
 
 
@@ -63,19 +63,18 @@ class ExactUnits:
 
     # ------------------------------------------------------------------ window
 
-    def value_base_for(self, length: int) -> int:
-        """Where the value rows of a request of ``length`` tokens start once moved: ``qv`` rounded down to ``G``."""
-        qv = self.settings.quantized_value_count(length)
+    def value_base_for(self, split: TokenSplit) -> int:
+        """Where the value rows of a request holding ``split`` start once moved: ``qv`` rounded down to ``G``."""
+        qv = split.packed_values
         return qv - qv % self.settings.key_group_size
 
-    def move_values(self, layer: int, slot: int, length: int) -> None:
-        """Moves a slot's exact value rows down so that they start at :meth:`value_base_for` ``(length)``."""
-        bases, base = self.value_base[layer], self.value_base_for(length)
+    def move_values(self, layer: int, slot: int, split: TokenSplit) -> None:
+        """Moves a slot's exact value rows down so that they start at :meth:`value_base_for` ``(split)``."""
+        bases, base = self.value_base[layer], self.value_base_for(split)
         old = bases[slot]
         if base == old:
             return
-        s, qv = self.settings.sink_tokens, self.settings.quantized_value_count(length)
-        exact = length - s - qv  # exact value tokens after the sinks
+        s, qv, exact = split.sink_tokens, split.packed_values, split.window("values")
         rows = self.values[layer][slot]
         if exact > 0:
             src = rows[:, s + qv - old : s + qv - old + exact].clone()
