@@ -218,14 +218,14 @@ pybind11::dict phase_seconds(bool reset) {
 }  // namespace
 
 void register_decode_attention(pybind11::module& m) {
+  using namespace pybind11::literals;
   m.def(
       "set_phase_timing", [](bool on) { decode::phase_timing = on; },
-      "Turns the phase timers of the fused decode attention on or off (off by default)", pybind11::arg("on"));
+      "Turns the phase timers of the fused decode attention on or off (off by default)", "on"_a);
   m.def("phase_seconds", &phase_seconds,
         "Thread seconds per phase of the fused decode attention (summed over threads) since the last reset, by "
         "name; `reset` zeroes them (see csrc/cpu/decode_attention.h: Phase)",
-        pybind11::arg("reset") = true);
-  using namespace pybind11::literals;
+        "reset"_a = true);
   m.def("decode_attention", &decode_attention,
         "Fused KIVI decode attention over [sinks | packed history | exact tail] -> [B, Hq, L, Dv] (see "
         "kivi_xpu/ops/reference.py (decode_attention) for the exact semantics)",
