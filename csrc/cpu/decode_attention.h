@@ -1,6 +1,6 @@
 // Plain-data description of one fused decode attention call, shared by the dispatcher (decode_attention.cpp) and
-// the per-ISA chunk kernels (decode_attention_{avx512_vnni,avx512,avx2,baseline}.cpp). No templates and no torch
-// types here, so the ISA translation units can include it inside their `#pragma GCC target` region.
+// the chunk kernel of each ISA (decode_attention_impl.h, compiled in isa_<name>.cpp; kernel_table.h holds them). No
+// templates and no torch types here: the ISA translation units include it before their `#pragma GCC target` region.
 #pragma once
 #include <cstdint>
 
@@ -82,11 +82,7 @@ static inline TaskSpan task_span(const Problem& p, int64_t task) {
 }
 
 // One task = one (batch, kv head, chunk): fills that chunk's scores and partial. task = (b * Hkv + h) * chunks + c.
-// A paged problem has batch 1 (one request; its Packed::pages set).
-void chunk_avx512_vnni(const Problem& p, int64_t task);
-void chunk_avx512(const Problem& p, int64_t task);
-void chunk_avx2(const Problem& p, int64_t task);
-void chunk_baseline(const Problem& p, int64_t task);
+// A paged problem has batch 1 (one request; its Packed::pages set). Compiled per ISA: KernelTable::chunk.
 
 // ---- phase timing (kivi-xpu bench --phases) ------------------------------------------------------------------------
 
@@ -136,24 +132,9 @@ void run_problems(const Problem* problems, const int64_t* first_task, int64_t co
 // the packed sum into packed_out, which the caller zero-fills and rotates back). A fully masked row gives zeros.
 void merge_chunks(const Problem& p, float* out, float* packed_out);
 
-// rows_times for the CPU's ISA.
-void rows_times(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
-
-// ---- per-ISA kernels ------------------------------------------------------------------------------------------------
-
 // out[r] = x[r] @ m (or out[r] += x[r] @ m with `accumulate`) for `rows` rows of `dim` floats, m [dim, dim]
-// row-major: the rotations of the query and of the packed values' sum (see kivi_xpu/rotation.py).
-void rows_times_avx512_vnni(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
-void rows_times_avx512(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
-void rows_times_avx2(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
-void rows_times_baseline(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
-
-// out[r] = x[r] @ m in fp32 for `rows` contiguous rows of `dim` (<= kMaxDim) elements of `dtype`: the rotation of the
-// value tokens that quantize_values_into stores (quantize.cpp). rotate_rows picks the CPU's ISA.
-void rotate_rows_avx512_vnni(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
-void rotate_rows_avx512(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
-void rotate_rows_avx2(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
-void rotate_rows_baseline(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
-void rotate_rows(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out);
+// row-major, with the kernels of the ISA in use (KernelTable::rows_times): the rotations of the query and of the
+// packed values' sum (see kivi_xpu/rotation.py).
+void rows_times(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate);
 
 }  // namespace kivi::cpu::decode

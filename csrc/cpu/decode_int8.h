@@ -52,9 +52,9 @@ inline __m256i tile4x8(const uint8_t* p, int64_t row) {
 // (VNNI) a code stays where it is in its byte as far as its operand allows (LIMIT bits: 8 as the unsigned operand, 7 as
 // the signed one), and the caller multiplies the plane's scale by 2^-e: the sum is 2^e times the codes' sum, exact in
 // fp32 (below 2^24 for every shape integer_keys / integer_values admit), so the results are the same unless a scale is
-// below ~2^-120. The shifts saved: warm keys of 3 query rows took 196 instead of 209 TSC ticks per group (Zen 4);
-// values (which keep one shift for 2-bit codes) no difference. Without VNNI, vpmaddubsw's int16 pair sums would
-// overflow: every plane is shifted down (e = 0).
+// below ~2^-120. The saved shifts made the key groups measurably faster (values, which keep one shift for 2-bit codes,
+// did not change; docs/measurements.md). Without VNNI, vpmaddubsw's int16 pair sums would overflow: every plane is
+// shifted down (e = 0).
 template <int BITS, int LIMIT>
 constexpr int plane_exponent(int k) {
 #if defined(KIVI_SIMD_VNNI)
@@ -80,9 +80,8 @@ inline float plane_weight(int k) {
 struct DotSum {
 #if defined(KIVI_SIMD_VNNI)
   // In asm, the accumulator tied to its register: with _mm256_dpbusd_epi32, GCC 12 copied every accumulator of the
-  // tile loops to another register and back around each vpdpbusd (24 extra moves per 12 products in the 3-row loops).
-  // Without the moves the op took 0.376 instead of 0.396 ms (benchmarks/bench_native_attention.py, batch 4 / 8064,
-  // warm, Zen 4); in the model the difference was inside the noise (1.01x at batch 4, 1.04x at batch 1 / 8064).
+  // tile loops to another register and back around each vpdpbusd (24 extra moves per 12 products in the 3-row loops),
+  // which made the warm op measurably slower (in the model: within the noise; docs/measurements.md).
   static __m256i add(__m256i acc, __m256i u8, __m256i s8) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));  // AT&T order: s8, u8, acc
     return acc;
@@ -347,8 +346,8 @@ inline void block_meta_in_place(const void* base, int64_t offset, int64_t groups
 
 // Metadata of a block's tokens by group: out[g][0, TB) = meta of tokens [t, t + n) in group g (fp32, zeros past n).
 // A whole block of one or two groups is read in place, converted as it is loaded; the others go through `buffer`,
-// zero-padded. (The copy cost ~7 % of a warm value block on Zen 4: load_row stores 16 floats at a time with AVX-512,
-// which the 8-float loads then read back.)
+// zero-padded. (Reading in place avoids a store-to-load round trip: load_row stores 16 floats at a time with AVX-512,
+// which the 8-float loads then read back, a measurable share of a warm value block.)
 template <int64_t TB>
 inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n, int64_t groups, float* buffer,
                        float (*out)[TB]) {

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "decode_attention.h"
-#include "isa.h"
+#include "kernel_table.h"
 
 namespace kivi::cpu::decode {
 
@@ -107,15 +107,6 @@ void flush_phase_ticks() {
   }
 }
 
-void (*chunk_kernel(Isa isa))(const Problem&, int64_t) {
-  switch (isa) {
-    case Isa::kAvx512Vnni: return decode::chunk_avx512_vnni;
-    case Isa::kAvx512: return decode::chunk_avx512;
-    case Isa::kAvx2: return decode::chunk_avx2;
-    default: return decode::chunk_baseline;
-  }
-}
-
 // Rows [begin, end) of merge_chunks (below).
 void merge_rows(const Problem& p, float* out, float* packed_out, int64_t begin, int64_t end) {
   PhaseTimer timer(kPhaseMerge);
@@ -182,7 +173,7 @@ int64_t handed_out(const Problem& p, int64_t claimed) {
 void run_problems(const Problem* problems, const int64_t* first_task, int64_t count) {
   const int64_t tasks = first_task[count];
   if (tasks == 0) return;
-  const auto kernel = chunk_kernel(current_isa());
+  const auto kernel = kernels().chunk;
   // Tasks are handed out one at a time from a shared counter instead of split evenly up front: when another process
   // takes the core of one of torch's threads mid-step, the other threads run its share instead of waiting for it.
   // Every task writes only its own partial, so the result does not depend on which thread ran it. A thread first
@@ -224,24 +215,9 @@ void merge_chunks(const Problem& p, float* out, float* packed_out) {
 }
 
 
-// out (+)= x @ m, rows of `dim` floats, with the CPU's ISA (see decode_attention.h).
+// out (+)= x @ m, rows of `dim` floats, with the kernels of the ISA in use (see kernel_table.h).
 void rows_times(const float* x, const float* m, int64_t rows, int64_t dim, float* out, bool accumulate) {
-  switch (current_isa()) {
-    case Isa::kAvx512Vnni: return rows_times_avx512_vnni(x, m, rows, dim, out, accumulate);
-    case Isa::kAvx512: return rows_times_avx512(x, m, rows, dim, out, accumulate);
-    case Isa::kAvx2: return rows_times_avx2(x, m, rows, dim, out, accumulate);
-    default: return rows_times_baseline(x, m, rows, dim, out, accumulate);
-  }
-}
-
-
-void rotate_rows(const void* x, Dtype dtype, int64_t rows, int64_t dim, const float* m, float* out) {
-  switch (current_isa()) {
-    case Isa::kAvx512Vnni: return rotate_rows_avx512_vnni(x, dtype, rows, dim, m, out);
-    case Isa::kAvx512: return rotate_rows_avx512(x, dtype, rows, dim, m, out);
-    case Isa::kAvx2: return rotate_rows_avx2(x, dtype, rows, dim, m, out);
-    default: return rotate_rows_baseline(x, dtype, rows, dim, m, out);
-  }
+  kernels().rows_times(x, m, rows, dim, out, accumulate);
 }
 
 }  // namespace kivi::cpu::decode

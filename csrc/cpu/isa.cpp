@@ -1,4 +1,4 @@
-// Run-time ISA detection and override (see isa.h), and its Python bindings.
+// Run-time ISA detection and override (see isa.h), the kernel table of the ISA in use, and their Python bindings.
 #include "isa.h"
 
 #include <torch/extension.h>
@@ -6,21 +6,31 @@
 #include <atomic>
 #include <cstdlib>
 
+#include "isa_list.h"
+#include "kernel_table.h"
 #include "kernels.h"
 
 namespace kivi::cpu {
 namespace {
 
 constexpr int kUnset = -1;
-constexpr Isa kBestFirst[] = {Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2, Isa::kBaseline};
 std::atomic<int> g_isa{kUnset};
 std::atomic<int> g_dot{kUnset};
+
+#define KIVI_ISA_ENUMERATOR(enumerator, name) Isa::enumerator,
+constexpr Isa kBestFirst[] = {KIVI_CPU_ISAS(KIVI_ISA_ENUMERATOR)};
+#undef KIVI_ISA_ENUMERATOR
+
+// Indexed by Isa: the one place the ISA picks its kernels.
+#define KIVI_ISA_TABLE(enumerator, name) &KIVI_KERNELS_OF(name),
+const KernelTable* const kTables[] = {KIVI_CPU_ISAS(KIVI_ISA_TABLE)};
+#undef KIVI_ISA_TABLE
 
 Isa best_isa() {
   for (Isa isa : kBestFirst) {
     if (isa_supported(isa)) return isa;
   }
-  return Isa::kBaseline;
+  return kBestFirst[sizeof(kBestFirst) / sizeof(kBestFirst[0]) - 1];
 }
 
 Isa isa_from_environment() {
@@ -36,42 +46,32 @@ Isa isa_from_environment() {
 
 bool isa_supported(Isa isa) {
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  switch (isa) {
-    case Isa::kAvx512Vnni:
-      return avx512 && __builtin_cpu_supports("avx512vnni");
-    case Isa::kAvx512:
-      return avx512;
-    case Isa::kAvx2:
-      return avx2;
-    case Isa::kBaseline:
-      return true;
-  }
+#define KIVI_CPU_HAS(feature) &&__builtin_cpu_supports(#feature)
+#define KIVI_ISA_SUPPORTED(enumerator, name) \
+  case Isa::enumerator:                      \
+    return true KIVI_FEATURES_##name(KIVI_CPU_HAS);
+  switch (isa) { KIVI_CPU_ISAS(KIVI_ISA_SUPPORTED) }
+#undef KIVI_ISA_SUPPORTED
+#undef KIVI_CPU_HAS
   return false;
 }
 
 const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512Vnni:
-      return "avx512_vnni";
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kBaseline:
-      return "baseline";
-  }
+#define KIVI_ISA_NAME(enumerator, name) \
+  case Isa::enumerator:                 \
+    return #name;
+  switch (isa) { KIVI_CPU_ISAS(KIVI_ISA_NAME) }
+#undef KIVI_ISA_NAME
   return "unknown";
 }
 
 Isa parse_isa(const std::string& name) {
+  std::vector<std::string> names;
   for (Isa isa : kBestFirst) {
     if (name == isa_name(isa)) return isa;
+    names.emplace_back(isa_name(isa));
   }
-  TORCH_CHECK_VALUE(false, "unknown CPU ISA '", name, "': expected one of avx512_vnni, avx512, avx2, baseline");
+  TORCH_CHECK_VALUE(false, "unknown CPU ISA '", name, "': expected one of ", c10::Join(", ", names));
 }
 
 std::vector<std::string> available_isas() {
@@ -96,6 +96,8 @@ void set_isa(Isa isa) {
                     c10::Join(", ", available_isas()));
   g_isa.store(static_cast<int>(isa), std::memory_order_relaxed);
 }
+
+const KernelTable& kernels() { return *kTables[static_cast<int>(current_isa())]; }
 
 const char* dot_name(Dot dot) { return dot == Dot::kInt8 ? "int8" : "fp32"; }
 
@@ -124,7 +126,7 @@ void set_dot(Dot dot) { g_dot.store(static_cast<int>(dot), std::memory_order_rel
 void register_isa(pybind11::module& m) {
   m.def(
       "isa", [] { return std::string(isa_name(current_isa())); },
-      "The SIMD instruction set the native kernels use: 'avx512_vnni', 'avx512', 'avx2' or 'baseline'.");
+      "The SIMD instruction set the native kernels use: one of available_isas(), e.g. 'avx2'.");
   m.def("available_isas", &available_isas, "The instruction sets this CPU supports, best first.");
   m.def(
       "set_isa", [](const std::string& name) { set_isa(parse_isa(name)); },

@@ -1,20 +1,21 @@
-// Run-time choice of the SIMD instruction set the native CPU kernels use.
+// Run-time choice of the SIMD instruction set (ISA) the native CPU kernels use, among those of isa_list.h.
 //
-// The best ISA this CPU supports, unless the environment variable KIVI_XPU_CPU_ISA (avx512_vnni | avx512 | avx2 |
-// baseline)
-// asks for another one (an ISA the CPU lacks is refused with an error). Tests may force one with set_isa().
+// The best ISA this CPU supports, unless the environment variable KIVI_XPU_CPU_ISA (a name of isa_list.h:
+// avx512_vnni | avx512 | avx2 | baseline) asks for another one (an ISA the CPU lacks is refused with an error). Tests
+// may force one with set_isa(). kernels() (kernel_table.h) gives the kernels of the ISA in use.
 #pragma once
 #include <string>
 #include <vector>
 
+#include "isa_list.h"
+
 namespace kivi::cpu {
 
-enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+#define KIVI_ISA_ENUMERATOR(enumerator, name) enumerator,
+enum class Isa : int { KIVI_CPU_ISAS(KIVI_ISA_ENUMERATOR) };  // best first
+#undef KIVI_ISA_ENUMERATOR
 
-// What the per-ISA translation units are compiled for:
-//   avx512_vnni: avx512 + AVX-512 VNNI (only the decode attention's integer dot products differ; quantization runs
-//   the avx512 kernels);  avx512: AVX-512 F/BW/VL/DQ + AVX2, FMA, F16C, BMI2;  avx2: AVX2, FMA, F16C, BMI2;
-//   baseline: x86-64 (SSE2).
+// What each ISA needs of the CPU, and is compiled for, is in isa_list.h.
 bool isa_supported(Isa isa);
 const char* isa_name(Isa isa);
 Isa parse_isa(const std::string& name);  // throws (c10::Error -> ValueError) naming the allowed values

@@ -1,13 +1,13 @@
-// Native CPU quantize / dequantize: argument checks, output allocation, ISA dispatch and threading (torch's
-// intra-op pool via at::parallel_for). The kernels are in quantize_impl.h, compiled per ISA in quantize_<isa>.cpp.
+// Native CPU quantize / dequantize: argument checks, output allocation and threading (torch's intra-op pool via
+// at::parallel_for). The kernels are in quantize_impl.h, compiled per ISA in isa_<name>_quantize.cpp; kernels()
+// (kernel_table.h) gives those of the ISA in use.
 // Semantics and layouts: kivi_xpu/ops/reference.py (bit-identical).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 
-#include "decode_attention.h"  // rotate_rows
-#include "isa.h"
+#include "kernel_table.h"
 #include "kernels.h"
 #include "quantize.h"
 #include "quantize_job.h"
@@ -21,29 +21,6 @@ using quant::QuantizeJob;
 
 // Elements a parallel chunk should hold at least, so a one-token decode call runs on the calling thread.
 constexpr int64_t kMinElementsPerChunk = 1 << 15;
-
-struct Kernels {
-  void (*quantize_keys)(const QuantizeJob&, int64_t, int64_t);
-  void (*quantize_values)(const QuantizeJob&, int64_t, int64_t);
-  void (*dequantize_keys)(const DequantizeJob&, int64_t, int64_t);
-  void (*dequantize_values)(const DequantizeJob&, int64_t, int64_t);
-};
-
-Kernels kernels() {
-  switch (current_isa()) {
-    case Isa::kAvx512Vnni:  // VNNI serves only the decode attention's integer dot products
-    case Isa::kAvx512:
-      return {quant::quantize_keys_avx512, quant::quantize_values_avx512, quant::dequantize_keys_avx512,
-              quant::dequantize_values_avx512};
-    case Isa::kAvx2:
-      return {quant::quantize_keys_avx2, quant::quantize_values_avx2, quant::dequantize_keys_avx2,
-              quant::dequantize_values_avx2};
-    case Isa::kBaseline:
-      break;
-  }
-  return {quant::quantize_keys_baseline, quant::quantize_values_baseline, quant::dequantize_keys_baseline,
-          quant::dequantize_values_baseline};
-}
 
 Dtype float_dtype(at::ScalarType type, const char* name) {
   Dtype dtype;
@@ -96,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& input,
   job.scales = scales.data_ptr();
   job.zeros = zeros.data_ptr();
   job.heads = b * h, job.tokens = t, job.head_dim = d, job.group = group_size, job.bits = bits;
-  const Kernels k = kernels();
+  const QuantizeKernels& k = *kernels().quantize;
   if (keys) {
     run(b * h * (t / group_size), group_size * d, [&](int64_t s, int64_t e) { k.quantize_keys(job, s, e); });
   } else {
@@ -150,7 +127,7 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const a
   job.zeros = zeros.data_ptr();
   job.out = out.data_ptr();
   job.heads = b * h, job.num_tokens = num_tokens, job.head_dim = d, job.group = group_size, job.bits = bits;
-  const Kernels k = kernels();
+  const QuantizeKernels& k = *kernels().quantize;
   if (keys) {
     run(b * h * (num_tokens / group_size), group_size * d, [&](int64_t s, int64_t e) { k.dequantize_keys(job, s, e); });
   } else {
@@ -217,7 +194,8 @@ void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, cons
   auto* zero_bytes = static_cast<char*>(zeros.data_ptr());
   const int64_t x_row = d * (int64_t)x.element_size(), meta_row = groups * (int64_t)scales.element_size();
   job.heads = 1, job.tokens = n, job.head_dim = d, job.group = group_size, job.bits = bits;
-  const Kernels k = kernels();
+  const QuantizeKernels& k = *kernels().quantize;
+  const auto rotate_rows = kernels().rotate_rows;
   run(b * h, n * d, [&](int64_t begin, int64_t end) {
     for (int64_t head = begin; head < end; ++head) {
       QuantizeJob rows = job;
@@ -235,8 +213,8 @@ void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, cons
       for (int64_t r0 = 0; r0 < n; r0 += block) {
         QuantizeJob part = rows;
         part.tokens = std::min(block, n - r0);
-        decode::rotate_rows(static_cast<const char*>(rows.x) + r0 * x_row, job.x_dtype, part.tokens, d,
-                            q.data_ptr<float>(), rotated);
+        rotate_rows(static_cast<const char*>(rows.x) + r0 * x_row, job.x_dtype, part.tokens, d, q.data_ptr<float>(),
+                    rotated);
         part.x = rotated, part.x_dtype = kF32;
         part.codes += r0 * row_bytes;
         part.scales = static_cast<char*>(rows.scales) + r0 * meta_row;

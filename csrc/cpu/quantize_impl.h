@@ -1,5 +1,6 @@
-// KIVI quantize / dequantize kernels, written once against simd.h and compiled per ISA (quantize_<isa>.cpp includes
-// this file after simd.h inside an anonymous namespace). Semantics are kivi_xpu/ops/reference.py's, bit for bit:
+// KIVI quantize / dequantize kernels, written once against simd.h and compiled per ISA (isa_quantize.h, the body of
+// every isa_<name>_quantize.cpp, includes this file after simd.h inside an anonymous namespace). Semantics are
+// kivi_xpu/ops/reference.py's, bit for bit:
 //   scale = meta((mx - mn) / qmax), zero = meta(mn)        (meta = round to the metadata dtype and back)
 //   q     = clamp(rint((x - zero) / scale), 0, qmax)        (a real division; q = 0 where scale == 0)
 //   a group with a non-finite element, scale or zero: codes 0, scale = zero = NaN

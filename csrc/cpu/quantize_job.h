@@ -1,13 +1,12 @@
-// Plain-data description of one quantize / dequantize call, shared by the dispatcher (quantize.cpp) and the
-// per-ISA kernels (quantize_{avx512,avx2,baseline}.cpp). No templates and no torch types, so the ISA translation
-// units can include it inside their `#pragma GCC target` region.
+// Plain-data description of one quantize / dequantize call, shared by quantize.cpp and the kernels of each ISA
+// (quantize_impl.h, compiled in isa_<name>.cpp). No templates and no torch types: the ISA translation units include
+// it before their `#pragma GCC target` region.
 #pragma once
 #include <cstdint>
 
 #include "dtype.h"
 
 namespace kivi::cpu::quant {
-
 
 // x [heads, tokens, head_dim] (heads = B*H, contiguous) -> codes, scales, zeros (contiguous):
 //   keys:   codes [heads, head_dim, tokens*bits/8], meta [heads, head_dim, tokens/group];
@@ -33,16 +32,8 @@ struct DequantizeJob {
   int64_t heads, num_tokens, head_dim, group, bits, code_len, meta_len;
 };
 
-// Each kernel handles tasks [begin, end): keys task = head * (tokens / group) + group index (all channels);
-// values task = head * tokens + token (one row, all its groups).
-#define KIVI_QUANT_DECLARE(isa)                                                            \
-  void quantize_keys_##isa(const QuantizeJob& job, int64_t begin, int64_t end);           \
-  void quantize_values_##isa(const QuantizeJob& job, int64_t begin, int64_t end);         \
-  void dequantize_keys_##isa(const DequantizeJob& job, int64_t begin, int64_t end);       \
-  void dequantize_values_##isa(const DequantizeJob& job, int64_t begin, int64_t end);
-KIVI_QUANT_DECLARE(avx512)
-KIVI_QUANT_DECLARE(avx2)
-KIVI_QUANT_DECLARE(baseline)
-#undef KIVI_QUANT_DECLARE
+// The kernels (KernelTable's quantize_keys ... dequantize_values, kernel_table.h) each handle tasks [begin, end) of a
+// job: keys task = head * (tokens / group) + group index (all channels); values task = head * tokens + token (one
+// row, all its groups).
 
 }  // namespace kivi::cpu::quant

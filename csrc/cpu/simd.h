@@ -1,9 +1,10 @@
 // Tiny vector API the native CPU kernels are written against, once, and compiled per ISA.
 //
-// Usage (one translation unit per ISA, see quantize_avx512.cpp): include <immintrin.h>, <cstdint>, <cstring> and
-// dtype.h FIRST, then `#pragma GCC target(...)`, define KIVI_SIMD_AVX512 or KIVI_SIMD_AVX2 (neither: baseline), and
-// include this file INSIDE `namespace kivi::cpu::<...> { namespace {`. Everything here then has internal linkage, so
-// the linker can never hand an AVX-512 instance of an inline function to code running on an AVX2-only CPU.
+// Usage (the translation units of each ISA, see isa_kernels.h and isa_quantize.h): include <immintrin.h>, <cstdint>,
+// <cstring> and dtype.h FIRST, then open the ISA's target region (isa_list.h: KIVI_TARGET_FEATURES), define
+// KIVI_SIMD_AVX512 or KIVI_SIMD_AVX2 (neither: baseline), and include this file INSIDE
+// `namespace kivi::cpu::<...> { namespace {`. Everything here then has internal linkage, so the linker can never hand
+// an AVX-512 instance of an inline function to code running on an AVX2-only CPU.
 // No headers are included and no std templates are used here for the same reason.
 //
 // Policies: `Scalar` (1 lane, exact software conversions) always exists, for tails and the baseline; `Vec` is the
