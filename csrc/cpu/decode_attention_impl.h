@@ -1,8 +1,8 @@
 // Chunk kernel of the fused decode attention, written once over a small vector layer and compiled once per ISA:
-// each decode_attention_<isa>.cpp defines KIVI_SIMD_AVX512 / KIVI_SIMD_AVX2 (neither: baseline) as simd.h wants
-// and KIVI_DA_ENTRY, opens its `#pragma GCC target` region and includes this file. Everything here has internal
-// linkage (anonymous namespace) and uses no std templates, so no instruction of one ISA can leak into another TU
-// through a shared symbol.
+// each isa_<name>.cpp defines KIVI_SIMD_AVX512 / KIVI_SIMD_AVX2 (neither: baseline) as simd.h wants, and
+// isa_kernels.h defines KIVI_DA_ENTRY, opens the ISA's `#pragma GCC target` region and includes this file.
+// Everything here has internal linkage (anonymous namespace) and uses no std templates, so no instruction of one ISA
+// can leak into another TU through a shared symbol.
 //
 // One chunk = the positions [p0, p1) of one (batch, kv head); all query rows of that kv head are handled together
 // so each packed byte comes from memory once. Keys use KIVI's factored dequantization per group g and channel d:
