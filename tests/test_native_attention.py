@@ -58,6 +58,14 @@ def test_matches_twin(isa, dot, case):
         assert torch.equal(out[0, :, -1], torch.zeros_like(out[0, :, -1]))
 
 
+def test_an_empty_batch_gives_an_empty_output(isa, dot):
+    case = Case(batch=0)
+    args = build(case)
+    out = native.decode_attention(**args)
+    assert out.shape == (0, case.kv_heads * case.ratio, case.length, case.value_dim)
+    assert torch.equal(out, decode_attention_reference(**args))
+
+
 @pytest.mark.parametrize("where", ["tail", "sink", "packed"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_key_makes_the_row_nan(isa, dot, where, bad):

@@ -21,6 +21,7 @@ constexpr int64_t round16(int64_t floats) { return (floats + 15) / 16 * 16; }
 // its own tokens.
 constexpr int64_t kMinChunk = 256, kMaxChunk = 4096, kMinTasks = 12;
 int64_t chunk_tokens(int64_t tokens, int64_t group, int64_t heads) {
+  if (heads <= 0) return group;  // an empty batch: no task runs, the chunk only has to be a whole group
   const int64_t per_head = std::max<int64_t>(1, (kMinTasks + heads - 1) / heads);
   const int64_t chunk = std::clamp<int64_t>((tokens + per_head - 1) / per_head, kMinChunk, kMaxChunk);
   return group * std::max<int64_t>(1, (chunk + group - 1) / group);

@@ -60,6 +60,8 @@ MIN_CHUNK, MAX_CHUNK, MIN_TASKS = 256, 4096, 12
 def chunk_tokens(tokens: int, key_group: int, heads: int) -> int:
     """Tokens per chunk of the native kernel for ``tokens`` positions past the sinks of ``heads`` (batch x kv heads)
     histories: at least MIN_TASKS chunks in all, each 256-4096 positions, rounded up to whole key groups."""
+    if heads <= 0:  # an empty batch: no chunk is read
+        return key_group
     per_head = max(1, -(-MIN_TASKS // heads))
     chunk = min(max(-(-tokens // per_head), MIN_CHUNK), MAX_CHUNK)
     return key_group * max(1, -(-chunk // key_group))
