@@ -276,12 +276,12 @@ def dense_attention(query, keys, values, attention_mask, scaling: float, softcap
     b, hq, length, _ = query.shape
     kv_heads = keys.shape[1]
     grouped = group_queries(query.float() * scaling, kv_heads)
-    scores = (grouped @ keys.float().transpose(2, 3)).reshape(b, hq, length, -1)
+    scores = (grouped @ keys.float().transpose(2, 3)).reshape(b, hq, length, keys.shape[2])
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     probs = softmax_rows(masked_scores(scores, attention_mask))
     out = group_queries(probs, kv_heads) @ values.float()
-    return out.reshape(b, hq, length, -1).to(query.dtype)
+    return out.reshape(b, hq, length, values.shape[3]).to(query.dtype)  # sizes given: an empty batch has no -1
 
 
 @register_kernel("decode_attention", "reference")
