@@ -38,7 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .ops import kernel
-from .ops.checks import KindOperands, decode_args
+from .ops.operands import KindOperands, decode_args
 from .ops.reference import dense_attention, masked_scores, softmax_rows
 from .storage import dequantized
 

@@ -16,7 +16,7 @@ from .algorithm import KiviSettings
 from .attention import DecodeInputs
 from .memory import KiviMemoryReport
 from .ops import direct_kernel
-from .ops.checks import KindOperands
+from .ops.operands import KindOperands
 from .storage import DepartedTokens, PackedHistory, TokenBuffer
 
 KINDS = ("keys", "values")

@@ -14,7 +14,6 @@ from ..validation import integer
 from .library import OPS
 
 # The operands' named parts, imported from here by the cache modules (stream, attention, paged, tools.timing).
-from .operands import KindOperands, decode_args  # noqa: F401
 
 SUPPORTED_BITS = (2, 4, 8)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..attention import DecodeInputs, dense_states
 from ..ops import kernel
-from ..ops.checks import decode_args
+from ..ops.operands import decode_args
 from .cache import STEP_KEY
 
 ATTENTION_NAME = "kivi_paged"

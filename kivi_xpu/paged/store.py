@@ -21,7 +21,7 @@ import torch
 
 from ..algorithm import KiviSettings, TokenSplit
 from ..ops import kernel
-from ..ops.checks import KindOperands
+from ..ops.operands import KindOperands
 from ..rotation import rotate
 from .pages import LayerPages
 from .windows import ExactUnits

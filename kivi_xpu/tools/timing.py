@@ -18,7 +18,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .. import attention
 from ..integration import cache_argument
-from ..ops.checks import KindOperands
+from ..ops.operands import KindOperands
 from ..runtime import load_native_extension
 from .options import ToolError
 
