@@ -58,6 +58,9 @@ CASES = [
     Case(batch=3, kv_heads=2, ratio=3, length=1, key_count=1024, value_count=1000, key_tail=40, mask="bool"),
     # 48-token key groups over several chunks: the chunks (multiples of 48) cut the 32-token blocks of the value factors
     Case(batch=1, kv_heads=1, key_group=48, key_count=960, value_count=1000, key_tail=40, sinks=4),
+    # Llama-3.2-3B's heads (head_dim 128, GQA 3): 4 value groups a token, whole and ragged value blocks, 2 and 4 bits
+    Case(head_dim=128, value_dim=128, key_count=320, value_count=333, key_tail=45),
+    Case(head_dim=128, value_dim=128, value_bits=4, key_count=128, value_count=150, key_tail=30, meta=torch.bfloat16),
     # rotated history (the default cache): the packed sums apart from the exact ones, un-rotated after the merge
     Case(rotated="kv", sinks=4, mask="bool", length=3),
     Case(rotated="k", key_count=288, value_count=300, key_tail=40, ratio=8, kv_heads=1),

@@ -322,11 +322,27 @@ inline bool value_block_factors(const float* const* p, const float (*scale)[TB],
   return _mm256_testz_si256(bad, bad);
 }
 
-// out[g][0, TB) for one or two groups, from row8(i) = elements [i, i + 8) of a block's [token][group] metadata.
+// out[g][0, TB) for 1, 2 or 4 groups, from row8(i) = elements [i, i + 8) of a block's [token][group] metadata.
+// Groups 1, 2 and 4 (head_dim 32 to 128 at G = 32) are transposed in registers; the caller gathers the others.
+inline bool meta_in_registers(int64_t groups) { return groups == 1 || groups == 2 || groups == 4; }
 template <int64_t TB, typename Row8>
 inline void meta_by_group(int64_t groups, Row8 row8, float (*out)[TB]) {
   if (groups == 1) {
     for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[0] + t, row8(t));
+    return;
+  }
+  if (groups == 4) {  // 8 tokens x 4 groups: pair token i with i + 4 in the halves, then a 4 x 4 transpose per half
+    for (int64_t t = 0; t < TB; t += 8) {
+      const __m256 r0 = row8(4 * t), r1 = row8(4 * t + 8), r2 = row8(4 * t + 16), r3 = row8(4 * t + 24);
+      const __m256 y0 = _mm256_permute2f128_ps(r0, r2, 0x20), y1 = _mm256_permute2f128_ps(r0, r2, 0x31);
+      const __m256 y2 = _mm256_permute2f128_ps(r1, r3, 0x20), y3 = _mm256_permute2f128_ps(r1, r3, 0x31);
+      const __m256 t0 = _mm256_unpacklo_ps(y0, y1), t1 = _mm256_unpackhi_ps(y0, y1);
+      const __m256 t2 = _mm256_unpacklo_ps(y2, y3), t3 = _mm256_unpackhi_ps(y2, y3);
+      _mm256_storeu_ps(out[0] + t, _mm256_shuffle_ps(t0, t2, 0x44));
+      _mm256_storeu_ps(out[1] + t, _mm256_shuffle_ps(t0, t2, 0xEE));
+      _mm256_storeu_ps(out[2] + t, _mm256_shuffle_ps(t1, t3, 0x44));
+      _mm256_storeu_ps(out[3] + t, _mm256_shuffle_ps(t1, t3, 0xEE));
+    }
     return;
   }
   for (int64_t t = 0; t < TB; t += 8) {  // head_dim 64 at G = 32: deinterleave 8 tokens' pairs (a gather is ~4x dearer)
@@ -345,13 +361,13 @@ inline void block_meta_in_place(const void* base, int64_t offset, int64_t groups
 }
 
 // Metadata of a block's tokens by group: out[g][0, TB) = meta of tokens [t, t + n) in group g (fp32, zeros past n).
-// A whole block of one or two groups is read in place, converted as it is loaded; the others go through `buffer`,
+// A whole block of 1, 2 or 4 groups is read in place, converted as it is loaded; the others go through `buffer`,
 // zero-padded. (Reading in place avoids a store-to-load round trip: load_row stores 16 floats at a time with AVX-512,
 // which the 8-float loads then read back, a measurable share of a warm value block.)
 template <int64_t TB>
 inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n, int64_t groups, float* buffer,
                        float (*out)[TB]) {
-  if (n == TB && groups <= 2) {
+  if (n == TB && meta_in_registers(groups)) {
     switch (dtype) {  // the dtype a constant in the loop
       case kF32: return block_meta_in_place<TB, kF32>(base, offset, groups, out);
       case kF16: return block_meta_in_place<TB, kF16>(base, offset, groups, out);
@@ -360,7 +376,8 @@ inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n,
   }
   load_row(base, dtype, offset, n * groups, buffer);  // [token][group]
   for (int64_t i = n * groups; i < TB * groups; ++i) buffer[i] = 0.0f;
-  if (groups <= 2) return meta_by_group<TB>(groups, [&](int64_t i) { return _mm256_loadu_ps(buffer + i); }, out);
+  if (meta_in_registers(groups))
+    return meta_by_group<TB>(groups, [&](int64_t i) { return _mm256_loadu_ps(buffer + i); }, out);
   const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)groups));
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[g] + t, _mm256_i32gather_ps(buffer + t * groups + g, index, 4));
