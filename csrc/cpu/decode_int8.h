@@ -280,12 +280,19 @@ inline bool value_block_factors(const float* const* p, const float (*scale)[TB],
   const __m256i nan_code = _mm256_set1_epi16(-32768);
   __m256i bad = _mm256_setzero_si256();
   const int64_t pairs = NR * groups;
+  // (row, group) of each pair of the set, counted: not two integer divisions per pair in both loops below
+  int64_t r0 = 0, g0 = 0;
   for (int64_t i0 = 0; i0 < pairs; i0 += 8) {
     const int n = (int)min64(8, pairs - i0);
     __m256 w[8][V], m[8];
+    int row_of[8], group_of[8];
     for (int j = 0; j < 8; ++j) m[j] = _mm256_setzero_ps();
     for (int j = 0; j < n; ++j) {
-      const int64_t r = (i0 + j) / groups, g = (i0 + j) % groups;
+      row_of[j] = (int)r0, group_of[j] = (int)g0;
+      if (++g0 == groups) g0 = 0, ++r0;
+    }
+    for (int j = 0; j < n; ++j) {
+      const int r = row_of[j], g = group_of[j];
       for (int v = 0; v < V; ++v) {
         const __m256 pv = _mm256_loadu_ps(p[r] + 8 * v);
         w[j][v] = _mm256_mul_ps(pv, _mm256_loadu_ps(scale[g] + 8 * v));
@@ -300,7 +307,7 @@ inline bool value_block_factors(const float* const* p, const float (*scale)[TB],
     _mm256_store_ps(inv, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(255.0f), mx), positive));
     _mm256_store_ps(step, _mm256_div_ps(mx, _mm256_set1_ps(255.0f)));
     for (int j = 0; j < n; ++j) {
-      const int64_t r = (i0 + j) / groups, g = (i0 + j) % groups;
+      const int r = row_of[j], g = group_of[j];
       b[r][g] = step[j];
       const __m256 scale_j = _mm256_set1_ps(inv[j]);
       __m256i q[4];
