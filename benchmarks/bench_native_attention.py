@@ -1,7 +1,7 @@
 """Benchmark of the native CPU fused decode attention (``kivi_xpu._cpu.decode_attention``) against dense SDPA.
 
-SmolLM2-135M shapes (Hq 9, Hkv 3, head_dim 64, one query row per head), KIVI 2-bit, group 32, residual 128, fp16
-metadata, fp32 model: for each batch and context ``n`` the op attends over ``n`` tokens (``n - 128`` packed
+SmolLM2-135M's heads (Hq 9, Hkv 3, head_dim 64; ``--shape llama-3.2-3b``: Hq 24, Hkv 8, head_dim 128), one query
+row per head, KIVI 2-bit, group 32, residual 128, fp16 metadata, fp32 model: for each batch and context ``n`` the op attends over ``n`` tokens (``n - 128`` packed
 values, the packed keys in whole groups, the rest exact), and ``torch.nn.functional.scaled_dot_product_attention``
 attends over the same ``n`` tokens of dense fp32 K/V preallocated at the maximum length (what a StaticCache costs).
 Columns: best ms of each over ``--repeats`` calls in each of 3 interleaved rounds (the least disturbed call: on a
@@ -20,7 +20,7 @@ one says little): the median over 3 interleaved rounds, each ``--repeats / 5`` t
 default), one layer's history is read again and again from the caches: the arithmetic alone.
 
     python benchmarks/bench_native_attention.py [--batch 1 4] [--context 1024 4096 8192] [--isa avx2]
-        [--dot int8 fp32] [--cold] [--paged]
+        [--dot int8 fp32] [--cold] [--paged] [--shape llama-3.2-3b]
 
 Prints the CPU model, its SIMD flags and the ISA used. Not a test: numbers depend on the machine and its load.
 """
@@ -41,7 +41,10 @@ from kivi_xpu.paged.pages import LayerPages, PageLayout
 from kivi_xpu.storage import padded_channel_row
 from kivi_xpu.tools.machine import lscpu_lines
 
-Q_HEADS, KV_HEADS, HEAD_DIM, BITS, GROUP, RESIDUAL = 9, 3, 64, 2, 32, 128
+BITS, GROUP, RESIDUAL = 2, 32, 128
+# Attention shapes (query heads, KV heads, head_dim) of --shape: SmolLM2-135M's and a realistic layer's.
+LAYER_SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.2-3b": (24, 8, 128)}
+Q_HEADS, KV_HEADS, HEAD_DIM = LAYER_SHAPES["smollm2-135m"]
 META = torch.float16
 LAYERS, WEIGHT_BYTES = 30, 20 * 2**20  # --cold: histories read in turn, bytes summed between calls
 
@@ -136,7 +139,10 @@ def main() -> None:
     parser.add_argument("--dot", choices=["int8", "fp32"], nargs="+", default=["int8", "fp32"], help="arithmetics")
     parser.add_argument("--cold", action="store_true", help="read 30 layers' histories in turn, from DRAM (see above)")
     parser.add_argument("--paged", action="store_true", help="also time paged_decode_attention (see above)")
+    parser.add_argument("--shape", choices=list(LAYER_SHAPES), default="smollm2-135m", help="the layer's heads")
     args = parser.parse_args()
+    global Q_HEADS, KV_HEADS, HEAD_DIM
+    Q_HEADS, KV_HEADS, HEAD_DIM = LAYER_SHAPES[args.shape]
     if min(args.context) <= RESIDUAL:  # the history must hold a packed token beyond the exact window
         parser.error(f"--context: every context must exceed the residual window ({RESIDUAL}), got {min(args.context)}")
     random.seed(0)
