@@ -1,13 +1,14 @@
 """Benchmark of the native CPU fused decode attention (``kivi_xpu._cpu.decode_attention``) against dense SDPA.
 
-SmolLM2-135M's heads (Hq 9, Hkv 3, head_dim 64; ``--shape llama-3.2-3b``: Hq 24, Hkv 8, head_dim 128), one query
-row per head, KIVI 2-bit, group 32, residual 128, fp16 metadata, fp32 model: for each batch and context ``n`` the op attends over ``n`` tokens (``n - 128`` packed
-values, the packed keys in whole groups, the rest exact), and ``torch.nn.functional.scaled_dot_product_attention``
-attends over the same ``n`` tokens of dense fp32 K/V preallocated at the maximum length (what a StaticCache costs).
-Columns: best ms of each over ``--repeats`` calls in each of 3 interleaved rounds (the least disturbed call: on a
-shared machine a descheduled pool thread adds whole time slices to the others), for each arithmetic of ``--dot``
-(``int8``: integer dot products, the default; ``fp32``: codes converted to floats), ``dense/native`` (above 1: the
-fused op is faster), and GB/s of packed bytes read (codes + scales + zeros of the packed tokens) by the native op.
+SmolLM2-135M's heads (Hq 9, Hkv 3, head_dim 64; ``--shape llama-3.2-3b``: Hq 24, Hkv 8, head_dim 128), one query row
+per head, KIVI 2-bit, group 32, residual 128, fp16 metadata, fp32 model: for each batch and context ``n`` the op
+attends over ``n`` tokens (``n - 128`` packed values, the packed keys in whole groups, the rest exact), and
+``torch.nn.functional.scaled_dot_product_attention`` attends over the same ``n`` tokens of dense fp32 K/V
+preallocated at the maximum length (what a StaticCache costs). Columns: best ms of each over ``--repeats`` calls in
+each of 3 interleaved rounds (the least disturbed call: on a shared machine a descheduled pool thread adds whole
+time slices to the others), for each arithmetic of ``--dot`` (``int8``: integer dot products, the default; ``fp32``:
+codes converted to floats), ``dense/native`` (above 1: the fused op is faster), and GB/s of packed bytes read (codes
++ scales + zeros of the packed tokens) by the native op.
 
 With ``--paged`` the native op also runs as ``paged_decode_attention`` (continuous batching) over the same tokens: each
 of the ``batch`` requests' packed history in pages of one key group (group-major, keys and values of a group in one
