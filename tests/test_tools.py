@@ -682,6 +682,21 @@ def test_each_public_shape_has_the_dimensions_of_its_config(name):
         shapes.shape_config("llama-9", 1)
 
 
+def test_a_shape_config_keeps_only_the_layers_asked_for():
+    assert shapes.shape_config("llama-3.2-3b", 4096, layers=2).num_hidden_layers == 2
+    assert shapes.shape_config("llama-3.2-3b", 4096).num_hidden_layers == 28
+    with pytest.raises(ValueError, match="`layers` must be a positive number"):
+        shapes.shape_config("llama-3.2-3b", 4096, layers=0)
+
+
+@pytest.mark.parametrize("mode", [[], ["--curve"]], ids=["side-by-side", "curve"])
+def test_bench_layers_without_a_named_shape_is_refused(mode, assets, capsys):
+    model = [] if mode else ["--model", assets[0]]
+    code, _, err = run(["bench", *mode, *model, "--layers", 2, "--no-progress"], capsys)
+    assert code == 2 and err.startswith("error: --layers builds part of a named shape: --model must be one of")
+    assert "llama-3.2-3b" in err
+
+
 def test_a_shape_model_is_random_finite_and_the_same_at_every_build(monkeypatch):
     monkeypatch.setitem(shapes.SHAPES, "tiny-shape", TINY_SHAPE)
     first, second = (shapes.shape_model("tiny-shape", torch.bfloat16) for _ in range(2))
@@ -696,13 +711,18 @@ def test_a_shape_model_is_random_finite_and_the_same_at_every_build(monkeypatch)
 def test_bench_on_a_named_shape_runs_the_curve_and_says_where_the_step_goes(shape, monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(shapes.SHAPES, "tiny-shape", shape)
     args = ["bench", "--model", "tiny-shape", "--dtype", "bfloat16", "--contexts", 64, "--new-tokens", 3]
-    args += ["--warmup", 1, "--repeats", 1, "--caches", "dynamic", "static", "kivi-fused", *KIVI]
+    args += ["--warmup", 1, "--repeats", 1, "--caches", "dynamic", "static", "kivi-fused", "--layers", 1, *KIVI]
     payload = run_json([*args, "--no-progress"], tmp_path, capsys)
     assert "tiny-shape shape with random weights" in payload["model"]
     assert payload["curve_model"]["hidden_size"] == 128 and payload["curve_model"]["dtype"] == "bfloat16"
+    assert payload["curve_model"]["num_hidden_layers"] == 1  # --layers 1 of the shape's 2
     for row in payload["rows"]:
         assert 0 < row["weights_ms"] and 0 < row["attention_ms"] and row["rest_ms"] is not None
         assert row["weights_ms"] + row["attention_ms"] < row["ms_per_step"] * 3  # shares of one step, not totals
+        if row["name"] == "kivi-fused":  # the op's calls in the timed steps: one per layer and step
+            assert row["fused_op_calls_per_step"] == 1 and row["fused_op_ms"] > 0 and row["fused_op_gb_per_s"] > 0
+        else:
+            assert row["fused_op_ms"] is None and row["fused_op_gb_per_s"] is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -868,9 +888,38 @@ def test_bench_phases_say_when_no_native_call_was_timed(assets, capsys):
     assert "--phases: no call of the native fused attention was timed" in out and "thread ms per call" not in out
 
 
-def test_bench_phases_are_refused_with_other_modes(capsys):
-    code, _, err = run(["bench", "--curve", "--phases", "--no-progress"], capsys)
-    assert code == 2 and "--phases times the fused attention of the caches side by side" in err
+def test_bench_phases_are_refused_with_kv_budget(assets, capsys):
+    code, _, err = run(["bench", "--model", assets[0], "--kv-budget", 10, "--phases", "--no-progress"], capsys)
+    assert code == 2 and "not with --kv-budget" in err
+
+
+def test_bench_curve_phases_report_the_fused_op_its_bandwidth_and_its_phases(tmp_path, capsys):
+    pytest.importorskip("kivi_xpu._cpu", reason="--phases times the native kernels")
+    path = tmp_path / "curve.json"
+    args = ["bench", "--curve", "--contexts", 64, "--batch-sizes", 1, "--new-tokens", 3, "--warmup", 1]
+    args += ["--repeats", 1, "--caches", "static", "kivi-fused", "--backend", "native", "--phases", *KIVI]
+    code, out, err = run([*args, "--json", path, "--no-progress"], capsys)
+    assert code == 0, err
+    payload = json.loads(path.read_text())
+    bandwidth = payload["environment"]["read_bandwidth"]["gb_per_s"]
+    rows = {r["name"]: r for r in payload["rows"]}
+    assert all(v is None for k, v in rows["static"].items() if k.startswith("fused_op_"))
+    fused = rows["kivi-fused"]
+    assert fused["fused_op_calls_per_step"] == curve.CURVE_LLAMA["num_hidden_layers"]
+    assert fused["fused_op_ms"] > 0 and fused["fused_op_packed_bytes"] > 0 and fused["fused_op_gb_per_s"] > 0
+    assert fused["fused_op_bandwidth_fraction"] == pytest.approx(fused["fused_op_gb_per_s"] / bandwidth)
+    phases = fused["fused_op_phase_ms"]
+    assert phases["packed_scores"] > 0 and phases["packed_values"] > 0 and phases["softmax"] > 0
+    # the curve table: the op's ms, GB/s and share of the read bandwidth in the kivi-fused row
+    assert "| attn op ms | attn op GB/s | % of read BW |" in out.splitlines()[0]
+    share = f"{100 * fused['fused_op_bandwidth_fraction']:.0f}%"
+    cells = f"| {fused['fused_op_ms']:.3f} | {fused['fused_op_gb_per_s']:.2f} | {share} |"
+    assert any(line.startswith("| kivi-fused") and cells in line for line in out.splitlines())
+    # the phases table after it
+    assert any("| thread ms per call |" in line and "| key products |" in line for line in out.splitlines())
+    row = next(line for line in out.splitlines() if line.startswith("| kivi-fused") and line.count("%") == 10)
+    spent = [column(phases) for _, column in report.PHASE_COLUMNS]
+    assert [cell.strip() for cell in row.split("|")[-11:-1]] == [f"{100 * ms / sum(spent):.1f}%" for ms in spent]
 
 
 def test_bench_reports_the_fused_op_time_and_its_share_of_the_read_bandwidth(assets, tmp_path, capsys):

@@ -29,13 +29,18 @@ its GB/s of packed bytes and that rate's share of the machine's read bandwidth, 
 threads (:func:`kivi_xpu.tools.machine.read_bandwidth`). With ``--phases`` the native kernel's own timers also
 split each call into its phases (the task-start read of the packed keys, their metadata, factors and integer
 products, the softmax, the values' metadata, factors and products, the exact sinks and tail, the merge): a second
-table gives each phase's share of the call's thread time (:func:`kivi_xpu.tools.timing.fused_op_phases`).
+table gives each phase's share of the call's thread time (:func:`kivi_xpu.tools.timing.fused_op_phases`). The
+op's time and GB/s, and with ``--phases`` its phases, come with the caches side by side, with ``--curve`` and with
+the named shapes below (not with ``--kv-budget``), e.g. on Llama-3.2-3B's layer shape (head_dim 128)::
+
+    kivi-xpu bench --model llama-3.2-3b --layers 4 --contexts 8192 --batch-sizes 4 --caches static kivi-fused --phases
 
 Model shapes people run, without their weights: ``--model`` with a name of :data:`kivi_xpu.tools.shapes.SHAPES`
 (``llama-3.2-1b``, ``llama-3.2-3b``, ``llama-3.1-8b``, ``qwen2.5-7b``) builds that architecture with random weights
 in seconds and runs the ``--curve`` measurement on it (caches filled with random K/V, no prefill): decode ms/step
 against ``DynamicCache`` and ``StaticCache``, and where a step goes (the weights' products, the attention function,
-the rest)::
+the rest); ``--layers N`` builds only the first N decoder layers of the shape (a long context in every layer of a
+large shape would not fit in memory)::
 
     kivi-xpu bench --model llama-3.1-8b --dtype bfloat16 --contexts 2048 8192 --batch-sizes 1 4 --new-tokens 8
 """
@@ -106,13 +111,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--phases",
         action="store_true",
         help="split each call of the native fused attention into its phases with the kernel's own timers (a second "
-        "table: where a call's time goes); the timers make the calls ~5-10%% slower",
+        "table: where a call's time goes), side by side, with --curve and with a named shape (not with --kv-budget); "
+        "the timers make the calls ~5-10%% slower",
     )
     p.add_argument(
         "--curve",
         action="store_true",
         help="long-context curve: decode ms/token and KV bytes against --contexts for dynamic, static and KIVI "
         "on a tiny random Llama whose caches are filled with random K/V (no --model, no --text)",
+    )
+    p.add_argument(
+        "--layers",
+        type=positive_int,
+        metavar="N",
+        help="with --model naming a shape: build only N decoder layers of it (the attention of one layer is the "
+        "same; a long context of every layer of a large shape would not fit in memory)",
     )
     p.add_argument(
         "--kv-budget",
@@ -138,9 +151,12 @@ def benchmark(options: BenchOptions) -> dict:
             f"--new-tokens ({options.new_tokens}) must exceed --warmup ({options.warmup}) + 1: the prefill yields the "
             "first token, the warm-up steps are not timed, and at least one decode step must be"
         )
-    if options.phases and (options.curve or options.model in SHAPES or options.kv_budget is not None):
+    if options.layers is not None and options.model not in SHAPES:
+        raise ToolError(f"--layers builds part of a named shape: --model must be one of {', '.join(SHAPES)}")
+    if options.phases and options.kv_budget is not None:
         raise ToolError(
-            "--phases times the fused attention of the caches side by side, not with --curve or --kv-budget"
+            "--phases times the fused attention of the caches side by side, of --curve and of the named shapes, "
+            "not with --kv-budget"
         )
     if options.phases:
         try:

@@ -9,6 +9,11 @@ attention shape of a mid-size model (4 KV heads of 128 channels) but tiny projec
 cache dominates a step; no grouped-query attention, so that SDPA never repeats the history per query head. fp32
 KV: 8 KiB per token (1 GiB at 131072 tokens) for the dense caches, which with the copy ``DynamicCache`` makes per
 step fits in a few GiB for every cache.
+
+For the caches read by the fused attention, each call of the op in the timed steps is timed as in the side-by-side
+mode (:func:`kivi_xpu.tools.timing.timed_fused_decode`: one call's ms and GB/s of packed bytes) and, with
+``--phases``, split into its phases by the native kernel's timers; ``bench.benchmark`` adds the rate's share of the
+machine's read bandwidth.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -25,11 +31,21 @@ from ..cache import config_head_dim
 from .cli import apply_process_options, progress
 from .loading import model_device
 from .machine import report_header
-from .memory import kv_bytes, release_freed_memory
+from .memory import KvBytes, kv_bytes, release_freed_memory
 from .options import DTYPES, ToolError, ToolOptions
 from .shapes import SHAPES, parameter_bytes, shape_model
 from .specs import CacheSpec, cache_specs, check_cache_options, make_cache
-from .timing import add_step_ratios, competitors, step_parts, synchronize, timed_decode
+from .timing import (
+    OpStats,
+    add_step_ratios,
+    competitors,
+    fused_op_fields,
+    phase_medians,
+    step_parts,
+    synchronize,
+    timed_decode,
+    timed_fused_decode,
+)
 from .workload import BenchOptions
 
 CURVE_LLAMA = dict(
@@ -92,13 +108,36 @@ class CurveRow:
     rest_ms: float | None = None  # everything else: norms, rope, the cache's own work, argmax
     step_speedup_vs_dynamic: float | None = None
     step_speedup_vs_static: float | None = None
+    # The fused attention op in the timed decode steps, as in kivi_xpu.tools.side_by_side.Row (None for the caches
+    # without it): one call's ms, calls per step, packed and exact bytes read per call, GB/s of packed bytes, that
+    # rate's share of the machine's read bandwidth (set by bench.benchmark) and, with --phases, thread ms per call
+    # in each phase of the native kernel; medians over the runs of each run's median over its calls.
+    fused_op_ms: float | None = None
+    fused_op_calls_per_step: float | None = None
+    fused_op_packed_bytes: int | None = None
+    fused_op_exact_bytes: int | None = None
+    fused_op_gb_per_s: float | None = None
+    fused_op_bandwidth_fraction: float | None = None
+    fused_op_phase_ms: dict[str, float] | None = None
     runs_ms_per_step: list[float] = field(default_factory=list)
 
 
+class CurveRun(NamedTuple):
+    """One fill + decode of one cache configuration."""
+
+    seconds: float  # per timed decode step
+    kv: KvBytes
+    fill_seconds: float
+    parts: dict[str, float] | None  # seconds per step in timing.step_parts' parts and "step" (None: not timed)
+    op: OpStats | None  # the fused attention op's calls during the timed steps (None: no fused attention)
+    phase_ms: dict[str, float] | None  # --phases: thread ms per call and phase (None: not timed)
+
+
 @torch.no_grad()
-def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batch: int, contend: int, bar) -> tuple:
-    """(decode seconds per timed step, KvBytes, fill seconds) of one fresh cache filled to ``context`` tokens, its
-    decode steps run next to ``contend`` competitor processes."""
+def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batch: int, contend: int, bar) -> CurveRun:
+    """One fresh cache filled to ``context`` tokens, its decode steps run next to ``contend`` competitor processes:
+    the fused op's calls in the timed steps timed (with ``--phases``, their phases too), then ``PART_STEPS`` steps
+    split into their parts."""
     original = model.config._attn_implementation_internal  # (restored as it was: the default stays the default)
     model.set_attn_implementation(spec.attn_implementation)
     release_freed_memory()
@@ -108,7 +147,10 @@ def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batc
     token = torch.randint(0, model.config.vocab_size, (batch, 1), generator=generator).to(model.device)
     steps = options.new_tokens - 1
     with competitors(contend):
-        decoded, seconds = timed_decode(model, cache, token, steps, options.warmup, bar)
+        timed_phases = options.phases and spec.attn_implementation == "kivi"
+        decoded, seconds, op, phase_ms = timed_fused_decode(
+            model, cache, token, steps, options.warmup, bar, timed_phases
+        )
         parts = None
         if model.device.type == "cpu":  # (the part timers read the clock around each call)
             with step_parts(model) as parts:
@@ -117,7 +159,7 @@ def curve_once(model, spec: CacheSpec, options: BenchOptions, context: int, batc
     kv = kv_bytes(cache)
     del cache
     model.config._attn_implementation_internal = original
-    return seconds / (steps - options.warmup), kv, fill_seconds, parts
+    return CurveRun(seconds / (steps - options.warmup), kv, fill_seconds, parts, op, phase_ms)
 
 
 def curve_specs(options: ToolOptions) -> tuple[list[CacheSpec], list[dict]]:
@@ -134,6 +176,8 @@ def curve_specs(options: ToolOptions) -> tuple[list[CacheSpec], list[dict]]:
 def curve(options: BenchOptions) -> dict:
     """Runs the long-context curve (options already checked by ``bench.benchmark``); returns the JSON payload."""
     shape = options.model if options.model in SHAPES else None
+    if options.layers is not None and shape is None:
+        raise ToolError(f"--layers builds part of a named shape: --model must be one of {', '.join(SHAPES)}")
     if options.text is not None or (shape is None and options.model != ToolOptions.model):
         raise ToolError(
             "--curve runs a tiny random Llama, or a named shape (--model with one of "
@@ -144,7 +188,7 @@ def curve(options: BenchOptions) -> dict:
     if shape is None:
         model = curve_model(positions, options.dtype, options.device)
     else:
-        model = shape_model(shape, DTYPES[options.dtype], model_device(options.device), positions)
+        model = shape_model(shape, DTYPES[options.dtype], model_device(options.device), positions, options.layers)
     specs, skipped = curve_specs(options)
     check_cache_options(specs, model.config, options)
     configurations = [(c, b) for c in options.contexts for b in options.batch_sizes]
@@ -170,7 +214,7 @@ def curve(options: BenchOptions) -> dict:
     if shape is not None:
         gib = parameter_bytes(model) / 2**30
         described = f"{shape} shape with random weights (kivi_xpu.tools.shapes), {gib:.2f} GiB"
-        fields = SHAPES[shape][2]
+        fields = SHAPES[shape][2] | {"num_hidden_layers": text.num_hidden_layers}
     return report_header("kivi-xpu bench --curve", options, model=described) | {
         "curve_model": fields | {"max_position_embeddings": text.max_position_embeddings, "dtype": options.dtype},
         "context_fill": FILL,
@@ -179,13 +223,13 @@ def curve(options: BenchOptions) -> dict:
     }
 
 
-def summarize(spec: CacheSpec, context: int, batch: int, runs: list[tuple]) -> CurveRow:
-    seconds = [s for s, _, _, _ in runs]
-    parts = [p for _, _, _, p in runs if p is not None]
+def summarize(spec: CacheSpec, context: int, batch: int, runs: list[CurveRun]) -> CurveRow:
+    seconds = [r.seconds for r in runs]
+    parts = [r.parts for r in runs if r.parts is not None]
     split = {}
     if parts:
         split = {k: 1000 * statistics.median(p[k] for p in parts) for k in ("weights", "attention", "step")}
-    kv = runs[0][1]
+    kv = runs[0].kv
     step = statistics.median(seconds)
     return CurveRow(
         **spec.row_fields(),
@@ -197,9 +241,11 @@ def summarize(spec: CacheSpec, context: int, batch: int, runs: list[tuple]) -> C
         kv_allocated_bytes=kv.allocated,
         kv_measured_bytes=kv.measured,
         kv_check=kv.check,
-        fill_seconds=statistics.median(f for _, _, f, _ in runs),
+        fill_seconds=statistics.median(r.fill_seconds for r in runs),
         weights_ms=split.get("weights"),
         attention_ms=split.get("attention"),
         rest_ms=split["step"] - split["weights"] - split["attention"] if split else None,
+        **fused_op_fields([r.op for r in runs]),
+        fused_op_phase_ms=phase_medians([r.phase_ms for r in runs]),
         runs_ms_per_step=[1000 * s for s in seconds],
     )

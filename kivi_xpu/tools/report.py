@@ -116,8 +116,8 @@ def _phases_line(r: dict) -> str | None:
 
 CURVE_HEADER = (
     "| cache | context | batch | ms/step | step speedup vs Dynamic | step speedup vs Static | decode tok/s | KV MiB | "
-    "weights / attention / rest ms | fill s | notes |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
+    "weights / attention / rest ms | attn op ms | attn op GB/s | % of read BW | fill s | notes |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -135,7 +135,7 @@ def curve_table(payload: dict) -> str:
 def _curve_line(r: dict) -> str:
     return (
         f"| {r['cache']} | {r['context']} | {r['batch']} | {_steps(r)} | {r['decode_tokens_per_s']:.1f} | "
-        f"{_mib(r['kv_bytes'])} | {_parts(r)} | {r['fill_seconds']:.2f} | {_kv_note(r)} |"
+        f"{_mib(r['kv_bytes'])} | {_parts(r)} | {_fused_op(r)} | {r['fill_seconds']:.2f} | {_kv_note(r)} |"
     )
 
 

@@ -37,19 +37,31 @@ SHAPES = {
 # fmt: on
 
 
-def shape_config(name: str, max_positions: int):
-    """The config of the named shape, with room for ``max_positions`` positions."""
+def shape_config(name: str, max_positions: int, layers: int | None = None):
+    """The config of the named shape, with room for ``max_positions`` positions (and only ``layers`` decoder
+    layers when given)."""
     if name not in SHAPES:
         raise ValueError(f"`name` must be one of {tuple(SHAPES)}, got {name!r}")
     config_class, _, fields = SHAPES[name]
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"`layers` must be a positive number of decoder layers, got {layers!r}")
+        fields = fields | {"num_hidden_layers": layers}
     return config_class(**fields, max_position_embeddings=max(max_positions, 8192))
 
 
 @torch.no_grad()
-def shape_model(name: str, dtype: torch.dtype, device: str | torch.device = "cpu", max_positions: int = 8192):
-    """A model of the named shape (a key of :data:`SHAPES`) with random weights, in ``dtype`` on ``device``, in
-    eval mode; weights drawn from a seeded generator, so two builds are equal."""
-    config = shape_config(name, max_positions)
+def shape_model(
+    name: str,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    max_positions: int = 8192,
+    layers: int | None = None,
+):
+    """A model of the named shape (a key of :data:`SHAPES`; its first ``layers`` decoder layers when given) with
+    random weights, in ``dtype`` on ``device``, in eval mode; weights drawn from a seeded generator, so two builds
+    are equal."""
+    config = shape_config(name, max_positions, layers)
     model_class = SHAPES[name][1]
     with no_init_weights(), torch.device(device):
         model = model_class._from_config(config, dtype=dtype)

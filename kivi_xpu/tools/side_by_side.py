@@ -20,11 +20,10 @@ from .timing import (
     OpStats,
     add_step_ratios,
     competitors,
-    fused_op_phases,
-    fused_op_timer,
-    op_stats,
+    fused_op_fields,
+    phase_medians,
     synchronize,
-    timed_decode,
+    timed_fused_decode,
 )
 from .workload import BenchOptions, prepare, prompts
 
@@ -109,13 +108,9 @@ def run_once(
     release_freed_memory()
     meter.reset()
     timed_phases = options.phases and spec.attn_implementation == "kivi"
-    with fused_op_timer() as calls, fused_op_phases(timed_phases) as phases:
-
-        def on_timed():
-            calls.clear()
-            phases.restart()
-
-        decoded, decode_seconds = timed_decode(model, cache, token, new_tokens - 1, warmup, bar, on_timed)
+    decoded, decode_seconds, op, phase_ms = timed_fused_decode(
+        model, cache, token, new_tokens - 1, warmup, bar, timed_phases
+    )
     tokens += decoded
     peak_decode = meter.peak()
     run = Run(
@@ -127,9 +122,8 @@ def run_once(
         None if baseline is None else peak_prefill - baseline,
         None if baseline is None else peak_decode - baseline,
         None if baseline is None else max(peak_prefill, peak_decode),
-        op_stats(calls, new_tokens - 1 - warmup),
-        # (all zero: the fused op ran on another backend, which has no phase timers)
-        {k: 1000 * s / len(calls) for k, s in phases.seconds.items()} if any(phases.seconds.values()) else None,
+        op,
+        phase_ms,
     )
     del cache
     model.set_attn_implementation("sdpa")
@@ -173,27 +167,6 @@ def summarize(spec: CacheSpec, context: int, runs: list[Run]) -> Row:
             for r in runs
         ],
     )
-
-
-def fused_op_fields(stats: list[OpStats | None]) -> dict:
-    """A row's ``fused_op_*`` fields (but the bandwidth fraction) from its runs' op statistics: the medians over
-    the runs; none when a run had no fused op call."""
-    if not stats or None in stats:
-        return {}
-    return {
-        "fused_op_ms": 1000 * statistics.median(s.seconds for s in stats),
-        "fused_op_calls_per_step": statistics.median(s.calls_per_step for s in stats),
-        "fused_op_packed_bytes": int(statistics.median(s.packed_bytes for s in stats)),
-        "fused_op_exact_bytes": int(statistics.median(s.exact_bytes for s in stats)),
-        "fused_op_gb_per_s": statistics.median(s.gb_per_s for s in stats),
-    }
-
-
-def phase_medians(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
-    """Each phase's median over the runs' thread ms per call; ``None`` unless every run was timed."""
-    if not runs or None in runs:
-        return None
-    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
 
 
 def measure(

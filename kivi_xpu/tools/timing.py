@@ -1,6 +1,6 @@
-"""Measuring decode speed: the timed greedy decode loop, the timer of the fused attention op's calls, CPU-bound
-competitor processes that load the machine during a measurement (``--contend N``), and the decode-step ratios
-against the full-precision baselines."""
+"""Measuring decode speed: the timed greedy decode loop, the timer of the fused attention op's calls and of their
+phases (and the row fields that sum them up over the runs), CPU-bound competitor processes that load the machine
+during a measurement (``--contend N``), and the decode-step ratios against the full-precision baselines."""
 
 from __future__ import annotations
 
@@ -259,6 +259,49 @@ def op_stats(calls: list[OpCall], steps: int) -> OpStats | None:
         statistics.median(c.packed_bytes / c.seconds for c in calls) / 1e9,
         len(calls) / steps,
     )
+
+
+@torch.no_grad()
+def timed_fused_decode(
+    model, cache, token: torch.Tensor, steps: int, warmup: int, bar, phases: bool = False
+) -> tuple[list[torch.Tensor], float, OpStats | None, dict[str, float] | None]:
+    """:func:`timed_decode` with every call of the fused attention op in the timed steps timed
+    (:func:`fused_op_timer`) and, with ``phases``, split into its phases by the native kernel's timers
+    (:func:`fused_op_phases`; pass it only for a cache read by the fused attention). Returns the tokens, the seconds
+    of the timed steps, their :class:`OpStats` (``None``: no fused op call) and the thread ms per call in each phase
+    (``None``: not timed, or the calls ran on a backend without phase timers)."""
+    with fused_op_timer() as calls, fused_op_phases(phases) as times:
+
+        def on_timed():
+            calls.clear()
+            times.restart()
+
+        tokens, seconds = timed_decode(model, cache, token, steps, warmup, bar, on_timed)
+    # (all zero: the fused op ran on another backend, which has no phase timers)
+    timed = calls and any(times.seconds.values())
+    phase_ms = {k: 1000 * s / len(calls) for k, s in times.seconds.items()} if timed else None
+    return tokens, seconds, op_stats(calls, steps - warmup), phase_ms
+
+
+def fused_op_fields(stats: list[OpStats | None]) -> dict:
+    """A row's ``fused_op_*`` fields (but the bandwidth fraction, which ``bench.benchmark`` adds) from its runs' op
+    statistics: the medians over the runs; none when a run had no fused op call."""
+    if not stats or None in stats:
+        return {}
+    return {
+        "fused_op_ms": 1000 * statistics.median(s.seconds for s in stats),
+        "fused_op_calls_per_step": statistics.median(s.calls_per_step for s in stats),
+        "fused_op_packed_bytes": int(statistics.median(s.packed_bytes for s in stats)),
+        "fused_op_exact_bytes": int(statistics.median(s.exact_bytes for s in stats)),
+        "fused_op_gb_per_s": statistics.median(s.gb_per_s for s in stats),
+    }
+
+
+def phase_medians(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Each phase's median over the runs' thread ms per call; ``None`` unless every run was timed."""
+    if not runs or None in runs:
+        return None
+    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
 
 
 BASELINES = ("dynamic", "static")

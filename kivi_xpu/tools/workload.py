@@ -32,6 +32,7 @@ class BenchOptions(ToolOptions):
     curve: bool = False  # the long-context curve on a tiny random Llama (kivi_xpu.tools.curve) instead
     kv_budget: float | None = None  # MiB: decode throughput at equal KV memory (kivi_xpu.tools.budget) instead
     max_batch: int = 256  # the largest batch --kv-budget tries
+    layers: int | None = None  # with a named shape: its first N decoder layers only (the model's own count if None)
 
 
 def prepare(options: BenchOptions) -> tuple:
