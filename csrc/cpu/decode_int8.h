@@ -280,19 +280,12 @@ inline bool value_block_factors(const float* const* p, const float (*scale)[TB],
   const __m256i nan_code = _mm256_set1_epi16(-32768);
   __m256i bad = _mm256_setzero_si256();
   const int64_t pairs = NR * groups;
-  // (row, group) of each pair of the set, counted: not two integer divisions per pair in both loops below
-  int64_t r0 = 0, g0 = 0;
   for (int64_t i0 = 0; i0 < pairs; i0 += 8) {
     const int n = (int)min64(8, pairs - i0);
     __m256 w[8][V], m[8];
-    int row_of[8], group_of[8];
     for (int j = 0; j < 8; ++j) m[j] = _mm256_setzero_ps();
     for (int j = 0; j < n; ++j) {
-      row_of[j] = (int)r0, group_of[j] = (int)g0;
-      if (++g0 == groups) g0 = 0, ++r0;
-    }
-    for (int j = 0; j < n; ++j) {
-      const int r = row_of[j], g = group_of[j];
+      const int64_t r = (i0 + j) / groups, g = (i0 + j) % groups;
       for (int v = 0; v < V; ++v) {
         const __m256 pv = _mm256_loadu_ps(p[r] + 8 * v);
         w[j][v] = _mm256_mul_ps(pv, _mm256_loadu_ps(scale[g] + 8 * v));
@@ -307,7 +300,7 @@ inline bool value_block_factors(const float* const* p, const float (*scale)[TB],
     _mm256_store_ps(inv, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(255.0f), mx), positive));
     _mm256_store_ps(step, _mm256_div_ps(mx, _mm256_set1_ps(255.0f)));
     for (int j = 0; j < n; ++j) {
-      const int r = row_of[j], g = group_of[j];
+      const int64_t r = (i0 + j) / groups, g = (i0 + j) % groups;
       b[r][g] = step[j];
       const __m256 scale_j = _mm256_set1_ps(inv[j]);
       __m256i q[4];
@@ -329,27 +322,29 @@ inline bool value_block_factors(const float* const* p, const float (*scale)[TB],
   return _mm256_testz_si256(bad, bad);
 }
 
-// out[g][0, TB) for 1, 2 or 4 groups, from row8(i) = elements [i, i + 8) of a block's [token][group] metadata.
-// Groups 1, 2 and 4 (head_dim 32 to 128 at G = 32) are transposed in registers; the caller gathers the others.
-inline bool meta_in_registers(int64_t groups) { return groups == 1 || groups == 2 || groups == 4; }
+// out[g][0, TB) for four groups (head_dim 128 at G = 32), from row8(i) = elements [i, i + 8) of a block's
+// [token][group] metadata: 8 tokens x 4 groups a step, token i paired with i + 4 in the 128-bit halves, then a 4 x 4
+// transpose per half.
+template <int64_t TB, typename Row8>
+inline void meta_by_four_groups(Row8 row8, float (*out)[TB]) {
+  for (int64_t t = 0; t < TB; t += 8) {
+    const __m256 r0 = row8(4 * t), r1 = row8(4 * t + 8), r2 = row8(4 * t + 16), r3 = row8(4 * t + 24);
+    const __m256 y0 = _mm256_permute2f128_ps(r0, r2, 0x20), y1 = _mm256_permute2f128_ps(r0, r2, 0x31);
+    const __m256 y2 = _mm256_permute2f128_ps(r1, r3, 0x20), y3 = _mm256_permute2f128_ps(r1, r3, 0x31);
+    const __m256 t0 = _mm256_unpacklo_ps(y0, y1), t1 = _mm256_unpackhi_ps(y0, y1);
+    const __m256 t2 = _mm256_unpacklo_ps(y2, y3), t3 = _mm256_unpackhi_ps(y2, y3);
+    _mm256_storeu_ps(out[0] + t, _mm256_shuffle_ps(t0, t2, 0x44));
+    _mm256_storeu_ps(out[1] + t, _mm256_shuffle_ps(t0, t2, 0xEE));
+    _mm256_storeu_ps(out[2] + t, _mm256_shuffle_ps(t1, t3, 0x44));
+    _mm256_storeu_ps(out[3] + t, _mm256_shuffle_ps(t1, t3, 0xEE));
+  }
+}
+
+// out[g][0, TB) for one or two groups, from row8(i) = elements [i, i + 8) of a block's [token][group] metadata.
 template <int64_t TB, typename Row8>
 inline void meta_by_group(int64_t groups, Row8 row8, float (*out)[TB]) {
   if (groups == 1) {
     for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[0] + t, row8(t));
-    return;
-  }
-  if (groups == 4) {  // 8 tokens x 4 groups: pair token i with i + 4 in the halves, then a 4 x 4 transpose per half
-    for (int64_t t = 0; t < TB; t += 8) {
-      const __m256 r0 = row8(4 * t), r1 = row8(4 * t + 8), r2 = row8(4 * t + 16), r3 = row8(4 * t + 24);
-      const __m256 y0 = _mm256_permute2f128_ps(r0, r2, 0x20), y1 = _mm256_permute2f128_ps(r0, r2, 0x31);
-      const __m256 y2 = _mm256_permute2f128_ps(r1, r3, 0x20), y3 = _mm256_permute2f128_ps(r1, r3, 0x31);
-      const __m256 t0 = _mm256_unpacklo_ps(y0, y1), t1 = _mm256_unpackhi_ps(y0, y1);
-      const __m256 t2 = _mm256_unpacklo_ps(y2, y3), t3 = _mm256_unpackhi_ps(y2, y3);
-      _mm256_storeu_ps(out[0] + t, _mm256_shuffle_ps(t0, t2, 0x44));
-      _mm256_storeu_ps(out[1] + t, _mm256_shuffle_ps(t0, t2, 0xEE));
-      _mm256_storeu_ps(out[2] + t, _mm256_shuffle_ps(t1, t3, 0x44));
-      _mm256_storeu_ps(out[3] + t, _mm256_shuffle_ps(t1, t3, 0xEE));
-    }
     return;
   }
   for (int64_t t = 0; t < TB; t += 8) {  // head_dim 64 at G = 32: deinterleave 8 tokens' pairs (a gather is ~4x dearer)
@@ -367,14 +362,37 @@ inline void block_meta_in_place(const void* base, int64_t offset, int64_t groups
   meta_by_group<TB>(groups, [&](int64_t i) { return load_dtype<Vec256>(base, DT, offset + i); }, out);
 }
 
+template <int64_t TB, Dtype DT>
+inline void four_groups_in_place(const void* base, int64_t offset, float (*out)[TB]) {
+  meta_by_four_groups<TB>([&](int64_t i) { return load_dtype<Vec256>(base, DT, offset + i); }, out);
+}
+// block_meta (below) of four groups. Not inlined: inlined, it made the one- and two-group blocks of the same loop
+// measurably slower (docs/measurements.md), and a call per block is small beside the block's products.
+template <int64_t TB>
+__attribute__((noinline)) void four_group_block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n,
+                                                     float* buffer, float (*out)[TB]) {
+  if (n == TB) {
+    switch (dtype) {
+      case kF32: return four_groups_in_place<TB, kF32>(base, offset, out);
+      case kF16: return four_groups_in_place<TB, kF16>(base, offset, out);
+      default: return four_groups_in_place<TB, kBF16>(base, offset, out);
+    }
+  }
+  load_row(base, dtype, offset, n * 4, buffer);  // [token][group]
+  for (int64_t i = n * 4; i < TB * 4; ++i) buffer[i] = 0.0f;
+  meta_by_four_groups<TB>([&](int64_t i) { return _mm256_loadu_ps(buffer + i); }, out);
+}
+
 // Metadata of a block's tokens by group: out[g][0, TB) = meta of tokens [t, t + n) in group g (fp32, zeros past n).
-// A whole block of 1, 2 or 4 groups is read in place, converted as it is loaded; the others go through `buffer`,
-// zero-padded. (Reading in place avoids a store-to-load round trip: load_row stores 16 floats at a time with AVX-512,
-// which the 8-float loads then read back, a measurable share of a warm value block.)
+// A whole block of one or two groups is read in place, converted as it is loaded; four groups are transposed in
+// registers (four_group_block_meta); the others go through `buffer`, zero-padded. (Reading in place avoids a
+// store-to-load round trip: load_row stores 16 floats at a time with AVX-512, which the 8-float loads then read back,
+// a measurable share of a warm value block.)
 template <int64_t TB>
 inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n, int64_t groups, float* buffer,
                        float (*out)[TB]) {
-  if (n == TB && meta_in_registers(groups)) {
+  if (groups == 4) return four_group_block_meta<TB>(base, dtype, offset, n, buffer, out);
+  if (n == TB && groups <= 2) {
     switch (dtype) {  // the dtype a constant in the loop
       case kF32: return block_meta_in_place<TB, kF32>(base, offset, groups, out);
       case kF16: return block_meta_in_place<TB, kF16>(base, offset, groups, out);
@@ -383,8 +401,7 @@ inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n,
   }
   load_row(base, dtype, offset, n * groups, buffer);  // [token][group]
   for (int64_t i = n * groups; i < TB * groups; ++i) buffer[i] = 0.0f;
-  if (meta_in_registers(groups))
-    return meta_by_group<TB>(groups, [&](int64_t i) { return _mm256_loadu_ps(buffer + i); }, out);
+  if (groups <= 2) return meta_by_group<TB>(groups, [&](int64_t i) { return _mm256_loadu_ps(buffer + i); }, out);
   const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)groups));
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[g] + t, _mm256_i32gather_ps(buffer + t * groups + g, index, 4));
