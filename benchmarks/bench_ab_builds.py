@@ -1,5 +1,6 @@
 """In-model A/B of two builds of the native CPU kernels: the fused decode attention of build A and of build B take
-turns step by step in one process (SmolLM2-135M fp32, default ``KiviCache`` over a random history of ``--context``
+turns step by step in one process (SmolLM2-135M fp32, or with ``--model`` the first ``--layers`` layers of a public
+model shape with random weights, e.g. ``llama-3.2-3b``; default ``KiviCache`` over a random history of ``--context``
 tokens), and each step's op time per layer call and step time are paired with the other build's. Prints the medians
 and the median of the per-pair ratios A/B (above 1: B faster). What it measures is a kernel change where it matters:
 the history read cold between the model's weights, which a loop over one layer (warm caches) does not show, and runs
@@ -13,6 +14,7 @@ update (``append_decode_step``) runs the installed extension in both arms; only 
 
     python benchmarks/bench_ab_builds.py --a HEAD --b - --batch 4 --context 8064
     python benchmarks/bench_ab_builds.py --a HEAD~3 --b HEAD --batch 1 --context 1024 --steps 80
+    python benchmarks/bench_ab_builds.py --a HEAD --b - --model llama-3.2-3b --layers 4 --batch 4 --context 8192
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from transformers import AutoModelForCausalLM
 
 from kivi_xpu import KiviCache, assets
 from kivi_xpu import attention as kivi_attention
+from kivi_xpu.cache import config_head_dim
 from kivi_xpu.integration import cache_argument
 from kivi_xpu.ops.operands import decode_args
 from kivi_xpu.tools.machine import lscpu_lines
+from kivi_xpu.tools.shapes import SHAPES, shape_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = ["-O3", "-g0", "-std=c++17", "-fopenmp"]  # setup.py: native_cpu_extension
@@ -80,6 +84,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=8064)
     p.add_argument("--steps", type=int, default=40, help="step pairs timed (after 2 untimed)")
+    p.add_argument("--model", choices=["smollm2", *SHAPES], default="smollm2", help="the model (default smollm2)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of a --model shape (default 4)")
     args = p.parse_args()
     print(*lscpu_lines(), sep="\n")
     builds = {"A": build(args.a, "a"), "B": build(args.b, "b")}
@@ -87,11 +93,14 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")  # fmt: skip
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(assets.smollm2_checkpoint(), dtype=torch.float32).eval()
+    if args.model == "smollm2":
+        model = AutoModelForCausalLM.from_pretrained(assets.smollm2_checkpoint(), dtype=torch.float32).eval()
+    else:
+        model = shape_model(args.model, torch.float32, "cpu", args.context + args.steps + 4, args.layers)
     model.set_attn_implementation("kivi")
     cfg, b, n = model.config, args.batch, args.context
     cache = KiviCache(config=cfg)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = config_head_dim(cfg)
     for layer in range(cfg.num_hidden_layers):
         k = torch.randn(b, cfg.num_key_value_heads, n, head_dim)
         cache.update(k, torch.randn_like(k), layer, {"cache_position": torch.arange(n)})
@@ -127,7 +136,7 @@ def main() -> None:
                 for name in builds:
                     times[name][what].append(pair[name][what])
                 ratios[what].append(pair["A"][what] / pair["B"][what])
-    print(f"batch {b}, context {n}, {args.steps} step pairs; A = {args.a}, B = {args.b}")
+    print(f"{args.model}, batch {b}, context {n}, {args.steps} step pairs; A = {args.a}, B = {args.b}")
     for what, label in (("op", "op ms per layer call"), ("step", "step ms")):
         a, bb = (statistics.median(times[name][what]) * 1e3 for name in builds)
         q = statistics.quantiles(ratios[what], n=4)
