@@ -711,16 +711,16 @@ def test_a_shape_model_is_random_finite_and_the_same_at_every_build(monkeypatch)
 def test_bench_on_a_named_shape_runs_the_curve_and_says_where_the_step_goes(shape, monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(shapes.SHAPES, "tiny-shape", shape)
     args = ["bench", "--model", "tiny-shape", "--dtype", "bfloat16", "--contexts", 64, "--new-tokens", 3]
-    args += ["--warmup", 1, "--repeats", 1, "--caches", "dynamic", "static", "kivi-fused", "--layers", 1, *KIVI]
+    args += ["--warmup", 1, "--repeats", 1, "--caches", "dynamic", "static", "kivi-fused", "--layers", 2, *KIVI]
     payload = run_json([*args, "--no-progress"], tmp_path, capsys)
     assert "tiny-shape shape with random weights" in payload["model"]
     assert payload["curve_model"]["hidden_size"] == 128 and payload["curve_model"]["dtype"] == "bfloat16"
-    assert payload["curve_model"]["num_hidden_layers"] == 1  # --layers 1 of the shape's 2
+    assert payload["curve_model"]["num_hidden_layers"] == 2  # --layers as given (shape_config's test: fewer layers)
     for row in payload["rows"]:
         assert 0 < row["weights_ms"] and 0 < row["attention_ms"] and row["rest_ms"] is not None
         assert row["weights_ms"] + row["attention_ms"] < row["ms_per_step"] * 3  # shares of one step, not totals
         if row["name"] == "kivi-fused":  # the op's calls in the timed steps: one per layer and step
-            assert row["fused_op_calls_per_step"] == 1 and row["fused_op_ms"] > 0 and row["fused_op_gb_per_s"] > 0
+            assert row["fused_op_calls_per_step"] == 2 and row["fused_op_ms"] > 0 and row["fused_op_gb_per_s"] > 0
         else:
             assert row["fused_op_ms"] is None and row["fused_op_gb_per_s"] is None
 
