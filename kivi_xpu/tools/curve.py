@@ -176,8 +176,6 @@ def curve_specs(options: ToolOptions) -> tuple[list[CacheSpec], list[dict]]:
 def curve(options: BenchOptions) -> dict:
     """Runs the long-context curve (options already checked by ``bench.benchmark``); returns the JSON payload."""
     shape = options.model if options.model in SHAPES else None
-    if options.layers is not None and shape is None:
-        raise ToolError(f"--layers builds part of a named shape: --model must be one of {', '.join(SHAPES)}")
     if options.text is not None or (shape is None and options.model != ToolOptions.model):
         raise ToolError(
             "--curve runs a tiny random Llama, or a named shape (--model with one of "
