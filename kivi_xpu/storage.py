@@ -6,7 +6,6 @@ whole history at every step, and a decode step only quantizes the tokens that le
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -16,10 +15,12 @@ from .ops import kernel
 from .ops.checks import codes_per_byte
 from .rotation import rotate, rotation_matrix, unrotate
 
-# Unbounded buffers (the packed history) grow by 1/16: amortised O(1) copies per token (each row is copied ~16 times
-# over the buffer's life, while every decode step reads all of them anyway), at most ~6% slack, which at equal memory
-# is batch (kivi-xpu bench --kv-budget).
-GROWTH_FACTOR = 1.0625
+# Unbounded buffers (the packed history) take a size class: the rows needed rounded up to a step of 1/32 to 1/64 of
+# them (CLASSES_PER_DOUBLING), at least `min_rows`. Growth stays geometric (amortised O(1) copies per token, while every
+# decode step reads all the rows anyway), the slack stays under ~3 % (at equal memory, batch: kivi-xpu bench
+# --kv-budget), and the capacity is a function of the rows held alone, not of the way there: a cache that holds fewer
+# packed tokens (the default's exact sinks) never reserves more than one that holds more (the paper preset).
+CLASSES_PER_DOUBLING = 32
 # Bounded buffers (the full-precision windows) double up to their bound: few reallocations for a short cache.
 WINDOW_GROWTH_FACTOR = 2
 # The packed history grows by at least this many tokens (or one residual block if smaller) when it is full.
@@ -32,6 +33,10 @@ MIN_GROWTH_TOKENS = 1024
 # faster in the model (docs/measurements.md).
 ROW_ALIGNMENT_TO_AVOID = 512
 CACHE_LINE_BYTES = 64
+# The layout of the packed history (the ops' codes and metadata, kivi_xpu/ops/declarations.py) that copies and pickles
+# of a layer carry (KiviLayer.__getstate__). A change of that layout raises it, and KiviLayer.__setstate__ converts
+# the older formats it knows or refuses them by name; a pickle without it is format 1.
+STORAGE_FORMAT = 1
 
 
 def padded_channel_row(elements: int, itemsize: int) -> int:
@@ -40,6 +45,13 @@ def padded_channel_row(elements: int, itemsize: int) -> int:
     if elements > 0 and elements * itemsize % ROW_ALIGNMENT_TO_AVOID == 0:
         return elements + CACHE_LINE_BYTES // itemsize
     return elements
+
+
+def size_class(needed: int, min_rows: int) -> int:
+    """The capacity of an unbounded buffer that must hold ``needed`` rows: ``needed`` rounded up to a multiple of
+    ``max(min_rows, 2**k)``, with ``2**k`` the largest power of two ≤ ``needed / CLASSES_PER_DOUBLING``."""
+    step = max(min_rows, 1 << max(0, needed.bit_length() - CLASSES_PER_DOUBLING.bit_length()))
+    return max(min_rows, -(-needed // step) * step)
 
 
 _overflow_warned = False
@@ -95,9 +107,9 @@ class TokenBuffer:
 
     Appends write into spare capacity; dropping rows from the front only moves ``start``, and the live rows are
     moved back to the front when the buffer runs out of room at its end. Capacity follows the rows held: when full
-    it grows geometrically (by ``GROWTH_FACTOR``, at least ``min_rows``), or, for a buffer with a ``bound`` (rows
-    it normally never exceeds, e.g. a full-precision window), doubles up to that bound, so that a short cache never
-    reserves a whole window.
+    it grows to the :func:`size_class` of the rows it must hold (geometric, at least ``min_rows``), or, for a buffer
+    with a ``bound`` (rows it normally never exceeds, e.g. a full-precision window), doubles up to that bound, so that
+    a short cache never reserves a whole window.
     """
 
     def __init__(
@@ -157,7 +169,7 @@ class TokenBuffer:
 
     def _grown_capacity(self, needed: int) -> int:
         if self.bound is None:
-            return max(needed, math.ceil(self.capacity * GROWTH_FACTOR), self.min_rows)
+            return size_class(needed, self.min_rows)
         doubled = max(self.capacity * WINDOW_GROWTH_FACTOR, self.min_rows)
         return max(needed, min(doubled, self.bound))
 

@@ -15,7 +15,7 @@ from transformers import DynamicCache, Gemma2Config, GPT2Config, LlamaConfig, Ll
 from kivi_xpu import KiviCache, KiviLayer, KiviSettings
 from kivi_xpu.backend import select
 from kivi_xpu.ops import reference as ref
-from kivi_xpu.storage import GROWTH_FACTOR
+from kivi_xpu.storage import CLASSES_PER_DOUBLING, size_class
 from kivi_xpu.stream import KindStream, SteadyRun
 
 B, H, D = 2, 3, 64
@@ -298,9 +298,39 @@ def test_storage_grows_by_amortised_chunks(backend_name):
         ptr = layer.values_stream.packed.codes.data.data_ptr()
         reallocations += ptr != last
         last = ptr
-    # Geometric growth: about log_g(1000 / 16) reallocations, not one per step.
-    assert reallocations <= math.ceil(math.log((steps + 16) / 16, GROWTH_FACTOR)) + 1
-    assert layer.values_stream.packed.codes.capacity <= GROWTH_FACTOR * (steps + 16) + 16
+    # Size classes: one reallocation per R rows up to 32 R, then 32 per doubling; not one per step.
+    assert reallocations <= 32 + CLASSES_PER_DOUBLING * math.log2(steps / (32 * 16)) + 2
+    codes = layer.values_stream.packed.codes
+    assert codes.capacity == size_class(len(codes), 16)
+
+
+def test_size_classes_are_geometric_and_depend_only_on_the_rows():
+    for min_rows in (1, 4, 32, 128):
+        last = 0
+        for needed in [*range(1, 600), 2016, 2017, 8063, 8064, 8065, 10**6 + 1]:
+            capacity = size_class(needed, min_rows)
+            assert needed <= capacity <= max(min_rows, needed + max(min_rows, needed // CLASSES_PER_DOUBLING))
+            assert capacity >= last  # monotone: holding fewer rows never reserves more
+            last = capacity
+
+
+@pytest.mark.parametrize("prompt", [4000, 8064])
+def test_the_default_reserves_no_more_packed_bytes_than_the_paper_preset(prompt):
+    # The default's exact sinks hold fewer tokens in codes, so its packed buffers, whose capacity is a function of the
+    # rows held, never reserve more than the paper preset's, whichever step of a residual cycle.
+    layers = {
+        preset: KiviLayer(KiviSettings(2, 32, 128, preset=preset), select("reference"))
+        for preset in ("default", "paper")
+    }
+    g = torch.Generator().manual_seed(0)
+    for step in range(130):
+        k = torch.randn(1, 2, prompt if step == 0 else 1, 64, generator=g)
+        reserved = {}
+        for preset, layer in layers.items():
+            layer.update(k, k)
+            streams = (layer.keys_stream, layer.values_stream)
+            reserved[preset] = sum(s.packed.allocated_bytes() for s in streams)
+        assert reserved["default"] <= reserved["paper"]
 
 
 @pytest.mark.parametrize("tokens", [4096, 8192, 8192 + 64, 16384])
