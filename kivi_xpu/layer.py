@@ -11,6 +11,7 @@ from .attention import DecodeInputs, dense_kind, dense_states, fuses, hand_over,
 from .backend import Selection, select
 from .memory import KiviMemoryReport
 from .ops.checks import check_float_tensor
+from .storage import STORAGE_FORMAT
 from .stream import KindStream, SteadyRun
 from .validation import integer, name_choice
 
@@ -234,8 +235,18 @@ class KiviLayer(CacheLayerMixin):
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave out the steady run (it holds a function of the native extension; the next decode
-        step builds it again)."""
-        return {**self.__dict__, "_steady_run": None}
+        step builds it again) and carry the layout of the packed history (``storage.STORAGE_FORMAT``)."""
+        return {**self.__dict__, "_steady_run": None, "storage_format": STORAGE_FORMAT}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        saved = state.pop("storage_format", 1)  # pickles made before the format was recorded: format 1
+        if saved != STORAGE_FORMAT:
+            raise ValueError(
+                f"KiviLayer: this cache was saved with packed storage format {saved!r}; this kivi-xpu reads format "
+                f"{STORAGE_FORMAT} only: load it with the kivi-xpu that saved it, or rebuild the cache from the prompt"
+            )
+        self.__dict__.update(state)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length

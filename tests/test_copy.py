@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from kivi_xpu import KiviCache, KiviLayer, attention
+from kivi_xpu import KiviCache, KiviLayer, KiviSettings, attention, storage
 from kivi_xpu.backend import select
 
 
@@ -130,3 +130,19 @@ def test_the_attention_hand_over_is_never_copied(how):
     assert attention.pending_step().inputs is None
     assert len(pickle.dumps(cache)) == size_with_slot
     assert_same_state(cache, copied)
+
+
+def test_a_pickle_records_its_storage_format_and_another_one_is_refused_by_name():
+    layer = KiviLayer(KiviSettings(2, 16, 32, preset="paper"), select("reference"))
+    layer.update(torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16))
+    saved = pickle.dumps(layer)
+    assert layer.__getstate__()["storage_format"] == storage.STORAGE_FORMAT
+    loaded = pickle.loads(saved)
+    assert torch.equal(loaded.keys_stream.packed.codes.view(), layer.keys_stream.packed.codes.view())
+    # a pickle from before the format was recorded reads as format 1
+    legacy = KiviLayer.__new__(KiviLayer)
+    legacy.__setstate__({k: v for k, v in layer.__getstate__().items() if k != "storage_format"})
+    assert torch.equal(legacy.values_stream.packed.codes.view(), layer.values_stream.packed.codes.view())
+    newer = KiviLayer.__new__(KiviLayer)
+    with pytest.raises(ValueError, match=r"storage format 2; this kivi-xpu reads format 1"):
+        newer.__setstate__({**layer.__getstate__(), "storage_format": 2})
