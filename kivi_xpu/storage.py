@@ -16,10 +16,12 @@ from .ops.checks import codes_per_byte
 from .rotation import rotate, rotation_matrix, unrotate
 
 # Unbounded buffers (the packed history) take a size class: the rows needed rounded up to a step of 1/32 to 1/64 of
-# them (CLASSES_PER_DOUBLING), at least `min_rows`. Growth stays geometric (amortised O(1) copies per token, while every
-# decode step reads all the rows anyway), the slack stays under ~3 % (at equal memory, batch: kivi-xpu bench
-# --kv-budget), and the capacity is a function of the rows held alone, not of the way there: a cache that holds fewer
-# packed tokens (the default's exact sinks) never reserves more than one that holds more (the paper preset).
+# them (CLASSES_PER_DOUBLING), and to at least `min_rows` (one residual block of tokens) while that is larger. Growth
+# stays geometric (amortised O(1) copies per token, while every decode step reads all the rows anyway), the slack stays
+# under ~3 % of a long history (at equal memory, batch: kivi-xpu bench --kv-budget) and under one residual block of a
+# short one (a sliver of its full-precision windows), and the capacity is a function of the rows held alone, not of
+# the way there: a cache that holds fewer packed tokens (the default's exact sinks) never reserves more than one that
+# holds more (the paper preset).
 CLASSES_PER_DOUBLING = 32
 # Bounded buffers (the full-precision windows) double up to their bound: few reallocations for a short cache.
 WINDOW_GROWTH_FACTOR = 2
