@@ -160,9 +160,11 @@ class TokenBuffer:
         live = len(self)
         if self.end + n <= self.capacity:
             return
-        if live + n <= self.capacity and self.start >= live:
-            # Enough room once the live rows move to the front, and the move does not overlap itself.
-            self.rows(0, live).copy_(self.view())
+        if live + n <= self.capacity:  # enough room once the live rows move to the front
+            # In pieces of `start` rows: each lands on rows already copied or free, never on rows still to read.
+            for first in range(0, live, self.start):
+                count = min(self.start, live - first)
+                self.rows(first, first + count).copy_(self.rows(self.start + first, self.start + first + count))
         else:
             grown = self._empty(self._grown_capacity(live + n))
             grown.narrow(self.dim, 0, live).copy_(self.view())

@@ -41,9 +41,10 @@ class KindStream:
         self.kind, self.settings = kind, settings
         self.dtype, self.device = like.dtype, like.device
         r = settings.residual_length
-        # The key window holds < R tokens; the value FIFO holds R and briefly more during an append (2R rows let it
-        # move its live rows back to the front only once every R steps). Both grow with the tokens held up to that.
-        window_rows = r if kind == "keys" else 2 * r
+        # The key window holds < R tokens; the value FIFO holds R and one more during a decode step. Its R / 4 spare
+        # rows let it move its live rows back to the front once every R / 4 steps (R rows copied: under 1 % of a step's
+        # reads of the history at 4k tokens) instead of reserving R more. Both grow with the tokens held up to that.
+        window_rows = r if kind == "keys" else r + max(1, r // 4)
         self.sinks = TokenBuffer(batch, heads, head_dim, self.dtype, self.device, bound=settings.sink_tokens)
         self.window = TokenBuffer(batch, heads, head_dim, self.dtype, self.device, bound=window_rows)
         self.packed = PackedHistory(kind, settings, batch, heads, head_dim, storage_device, backend)
