@@ -16,13 +16,14 @@ from .ops.checks import codes_per_byte
 from .rotation import rotate, rotation_matrix, unrotate
 
 # Unbounded buffers (the packed history) take a size class: the rows needed rounded up to a step of 1/32 to 1/64 of
-# them (CLASSES_PER_DOUBLING), and to at least `min_rows` (one residual block of tokens) while that is larger. Growth
-# stays geometric (amortised O(1) copies per token, while every decode step reads all the rows anyway), the slack stays
-# under ~3 % of a long history (at equal memory, batch: kivi-xpu bench --kv-budget) and under one residual block of a
-# short one (a sliver of its full-precision windows), and the capacity is a function of the rows held alone, not of
-# the way there: a cache that holds fewer packed tokens (the default's exact sinks) never reserves more than one that
-# holds more (the paper preset).
+# them (CLASSES_PER_DOUBLING), or of a quarter of `min_rows` (a residual block of tokens) while that is larger, and at
+# least `min_rows` in all. Growth stays geometric (amortised O(1) copies per token, while every decode step reads all
+# the rows anyway), the slack stays under ~3 % of a long history (at equal memory, batch: kivi-xpu bench --kv-budget)
+# and under a quarter of a residual block of a short one, and the capacity is a function of the rows held alone, not
+# of the way there: a cache that holds fewer packed tokens (the default's exact sinks) never reserves more than one
+# that holds more (the paper preset).
 CLASSES_PER_DOUBLING = 32
+SHORT_STEPS_PER_BLOCK = 4
 # Bounded buffers (the full-precision windows) double up to their bound: few reallocations for a short cache.
 WINDOW_GROWTH_FACTOR = 2
 # The packed history grows by at least this many tokens (or one residual block if smaller) when it is full.
@@ -51,8 +52,10 @@ def padded_channel_row(elements: int, itemsize: int) -> int:
 
 def size_class(needed: int, min_rows: int) -> int:
     """The capacity of an unbounded buffer that must hold ``needed`` rows: ``needed`` rounded up to a multiple of
-    ``max(min_rows, 2**k)``, with ``2**k`` the largest power of two ≤ ``needed / CLASSES_PER_DOUBLING``."""
-    step = max(min_rows, 1 << max(0, needed.bit_length() - CLASSES_PER_DOUBLING.bit_length()))
+    ``max(min_rows // SHORT_STEPS_PER_BLOCK, 2**k)``, with ``2**k`` the largest power of two ≤ ``needed /
+    CLASSES_PER_DOUBLING``; at least ``min_rows``."""
+    short_step = max(1, min_rows // SHORT_STEPS_PER_BLOCK)
+    step = max(short_step, 1 << max(0, needed.bit_length() - CLASSES_PER_DOUBLING.bit_length()))
     return max(min_rows, -(-needed // step) * step)
 
 
