@@ -26,7 +26,8 @@ CLASSES_PER_DOUBLING = 32
 SHORT_STEPS_PER_BLOCK = 4
 # Bounded buffers (the full-precision windows) double up to their bound: few reallocations for a short cache.
 WINDOW_GROWTH_FACTOR = 2
-# The packed history grows by at least this many tokens (or one residual block if smaller) when it is full.
+# The packed history reserves room for at least this many tokens (or one residual block if smaller), and while short
+# grows by a quarter of that at a time (size_class).
 MIN_GROWTH_TOKENS = 1024
 # A channel-major buffer (token axis last: the packed keys) whose rows would be a multiple of this many bytes apart gets
 # one cache line more per row. The fused decode attention reads the same position of a head's D channel rows together;
@@ -260,7 +261,7 @@ class PackedHistory:
         else:
             token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 2, 1, 1
             code_width, meta_width = head_dim // per, head_dim // g
-        # Grow by at least one residual block of tokens at a time (capped: see MIN_GROWTH_TOKENS).
+        # At least one residual block of tokens (capped: see MIN_GROWTH_TOKENS); size_class grows from there.
         grow_tokens = min(r, MIN_GROWTH_TOKENS)
         code_rows = max(1, grow_tokens // self.tokens_per_code_row)
         meta_rows = max(1, grow_tokens // self.tokens_per_meta_row)
