@@ -85,8 +85,10 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8064)
     p.add_argument("--steps", type=int, default=40, help="step pairs timed (after 2 untimed)")
     p.add_argument("--model", choices=["smollm2", *SHAPES], default="smollm2", help="the model (default smollm2)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers of a --model shape (default 4)")
+    p.add_argument("--layers", type=int, help="decoder layers of a --model shape (default 4)")
     args = p.parse_args()
+    if args.layers is not None and args.model == "smollm2":
+        p.error(f"--layers builds part of a public shape: --model must be one of {', '.join(SHAPES)}")
     print(*lscpu_lines(), sep="\n")
     builds = {"A": build(args.a, "a"), "B": build(args.b, "b")}
     print(f"ISA: {builds['A'].isa()} / {builds['B'].isa()}, arithmetic {builds['A'].dot()} / {builds['B'].dot()}, "
@@ -96,7 +98,7 @@ def main() -> None:
     if args.model == "smollm2":
         model = AutoModelForCausalLM.from_pretrained(assets.smollm2_checkpoint(), dtype=torch.float32).eval()
     else:
-        model = shape_model(args.model, torch.float32, "cpu", args.context + args.steps + 4, args.layers)
+        model = shape_model(args.model, torch.float32, "cpu", args.context + args.steps + 4, args.layers or 4)
     model.set_attn_implementation("kivi")
     cfg, b, n = model.config, args.batch, args.context
     cache = KiviCache(config=cfg)
