@@ -34,7 +34,7 @@ from torch.utils.cpp_extension import load
 from transformers import AutoModelForCausalLM
 
 from kivi_xpu import KiviCache, assets
-from kivi_xpu import attention as kivi_attention
+from kivi_xpu.attention import functions as kivi_attention
 from kivi_xpu.cache import config_head_dim
 from kivi_xpu.integration import cache_argument
 from kivi_xpu.ops.operands import decode_args
@@ -109,7 +109,7 @@ def main() -> None:
 
     arm, op_seconds = ["A"], []
 
-    def decode_attention(inputs, query, mask, scaling, softcap):  # kivi_xpu.attention.decode_attention, by build
+    def decode_attention(inputs, query, mask, scaling, softcap):  # attention.functions.decode_attention, by build
         operands = decode_args(inputs.keys, inputs.values, mask, scaling, 0.0 if softcap is None else float(softcap))
         start = time.perf_counter()
         out = builds[arm[0]].decode_attention(query, *operands)

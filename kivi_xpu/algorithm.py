@@ -86,9 +86,19 @@ class TokenSplit(NamedTuple):
     def sinks_full(self) -> bool:
         return self.length >= self.sink_tokens
 
+    @property
+    def key_window(self) -> int:
+        """Exact keys after the packed ones."""
+        return self.length - self.sinks - self.packed_keys
+
+    @property
+    def value_window(self) -> int:
+        """Exact values after the packed ones."""
+        return self.length - self.sinks - self.packed_values
+
     def packed(self, kind: str) -> int:
-        """Tokens of ``kind`` held as codes."""
-        return self.packed_keys if kind == "keys" else self.packed_values
+        """Tokens of ``kind`` (``"keys"`` or ``"values"``) held as codes."""
+        return self[_PACKED_FIELD[check_kind(kind)]]
 
     def window_start(self, kind: str) -> int:
         """Position of the first exact token of ``kind`` after the packed ones (``length`` when there is none)."""
@@ -104,7 +114,18 @@ class TokenSplit(NamedTuple):
         return range(self.sinks), range(s, s + packed), range(start, self.length)
 
 
-def _group_advice(head_dim: int, bits: int, which: str) -> str:
+KINDS = ("keys", "values")
+_PACKED_FIELD = {"keys": TokenSplit._fields.index("packed_keys"), "values": TokenSplit._fields.index("packed_values")}
+
+
+def check_kind(kind: str) -> str:
+    """``kind`` if it names a kind (the API's per-kind questions; the code itself has a class per kind)."""
+    if kind not in KINDS:
+        raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
+    return kind
+
+
+def _group_advice(head_dim: int, bits: int, which: str, field_prefix: str) -> str:
     """What a user can do when a group of ``bits``-bit codes does not fit ``head_dim``: the group sizes that work, or,
     when none does (a group is a whole number of bytes), the bits and group sizes that can quantize this head_dim."""
 
@@ -113,8 +134,8 @@ def _group_advice(head_dim: int, bits: int, which: str) -> str:
 
     if valid(bits):
         return f"group sizes that work for {bits}-bit codes: {', '.join(map(str, valid(bits)))}"
-    kind = "key" if which == "keys" else "value"
-    options = [f"`{kind}_bits={b}` with `{kind}_group_size` in {valid(b)}" for b in (4, 8) if b != bits and valid(b)]
+    options = [f"`{field_prefix}_bits={b}` with `{field_prefix}_group_size` in {valid(b)}"
+               for b in (4, 8) if b != bits and valid(b)]  # fmt: skip
     return (
         f"no group of {bits}-bit codes fits (a group is whole bytes of {codes_per_byte(bits)} codes and divides "
         f"head_dim), so these {which} cannot be quantized with {bits} bits: use "
@@ -244,13 +265,13 @@ class KiviSettings:
 
     def check_head_dim(self, head_dim: int, kind: str | None = None) -> None:
         """Checks that the key and value group sizes divide ``head_dim`` (only ``kind`` "keys"/"values" if given)."""
-        for which, field in (("keys", "key_group_size"), ("values", "value_group_size")):
-            group = getattr(self, field)
+        checks = (("keys", "key", self.key_group_size, self.key_bits),
+                  ("values", "value", self.value_group_size, self.value_bits))  # fmt: skip
+        for which, prefix, group, bits in checks:
             if kind in (None, which) and head_dim % group != 0:
-                bits = self.key_bits if which == "keys" else self.value_bits
                 raise ValueError(
-                    f"`{self._name(field)}` ({group}) for the {which} must divide the model's head_dim ({head_dim}); "
-                    + _group_advice(head_dim, bits, which)
+                    f"`{self._name(prefix + '_group_size')}` ({group}) for the {which} must divide the model's "
+                    f"head_dim ({head_dim}); " + _group_advice(head_dim, bits, which, prefix)
                 )
 
     def quantized_key_count(self, total_tokens: int) -> int:
@@ -272,15 +293,20 @@ class KiviSettings:
         """One-token appends from ``total_tokens`` held on, the first included, during which the count of ``kind``
         ("keys" or "values") held as codes grows by the same amount at each (what the one-call decode step relies on
         between two looks at the rule); ``UNBOUNDED`` when that never changes."""
-        if kind not in ("keys", "values"):
-            raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
+        by_kind = {"keys": self.steady_key_appends, "values": self.steady_value_appends}
+        return by_kind[check_kind(kind)](total_tokens)
+
+    def steady_key_appends(self, total_tokens: int) -> int:
+        """:meth:`steady_appends` of the keys: nothing is packed until the window completes a block of R, then a
+        block at once."""
         s, r = self.sink_tokens, self.residual_length
-        if kind == "keys":  # nothing until the window completes a block of R, then a block at once
-            count = self.quantized_key_count(total_tokens)
-            return 1 if self.quantized_key_count(total_tokens + 1) > count else s + count + r - 1 - total_tokens
-        if total_tokens + 1 > s + r:  # values: one token at every append once the window holds R
-            return UNBOUNDED
-        return s + r - total_tokens
+        count = self.quantized_key_count(total_tokens)
+        return 1 if self.quantized_key_count(total_tokens + 1) > count else s + count + r - 1 - total_tokens
+
+    def steady_value_appends(self, total_tokens: int) -> int:
+        """:meth:`steady_appends` of the values: one token at every append once the window holds R."""
+        s, r = self.sink_tokens, self.residual_length
+        return UNBOUNDED if total_tokens + 1 > s + r else s + r - total_tokens
 
     def for_model_dtype(self, dtype: torch.dtype) -> KiviSettings:
         """These settings with ``meta_dtype`` resolved for a model computing in ``dtype`` (themselves when it was
@@ -310,4 +336,4 @@ class KiviSettings:
         return (self.key_bits_per_element() + self.value_bits_per_element()) / 2
 
 
-__all__ = ["KiviSettings", "META_DTYPES", "PER_KIND_FIELDS", "PRESETS", "ROTATIONS", "TokenSplit"]
+__all__ = ["KINDS", "KiviSettings", "META_DTYPES", "PER_KIND_FIELDS", "PRESETS", "ROTATIONS", "TokenSplit"]

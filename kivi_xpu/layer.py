@@ -1,5 +1,5 @@
-"""One attention layer's KIVI cache: :class:`KiviLayer`, the transformers ``CacheLayerMixin`` protocol over two
-:class:`~kivi_xpu.stream.KindStream` (keys and values)."""
+"""One attention layer's KIVI cache: :class:`KiviLayer`, the transformers ``CacheLayerMixin`` protocol over a
+:class:`~kivi_xpu.stream.KeyStream` and a :class:`~kivi_xpu.stream.ValueStream`."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .algorithm import KiviSettings
-from .attention import DecodeInputs, dense_kind, dense_states, fuses, hand_over, log_attention_path
+from .attention.hand_over import hand_over
+from .attention.path import fuses, log_attention_path
 from .backend import Selection, select
+from .codec import dense_states
 from .memory import KiviMemoryReport
 from .ops.checks import check_float_tensor
 from .storage import STORAGE_FORMAT
-from .stream import KindStream, SteadyRun
+from .stream import KeyStream, KindStream, SteadyRun, ValueStream, append_and_read
 from .validation import integer, name_choice
 
 ATTENTION_MODES = ("auto", "dense")
@@ -20,14 +22,15 @@ ATTENTION_MODES = ("auto", "dense")
 
 class KiviLayer(CacheLayerMixin):
     """One attention layer's KIVI cache: transformers' layer protocol over two :class:`~kivi_xpu.stream.KindStream`
-    (``keys_stream``, ``values_stream``; ``None`` until the first ``update``), which split the tokens into exact
+    (``keys_stream`` a :class:`~kivi_xpu.stream.KeyStream`, ``values_stream`` a :class:`~kivi_xpu.stream.ValueStream`;
+    ``None`` until the first ``update``), which split the tokens into exact
     sinks, packed history and exact window by the rule of :mod:`kivi_xpu.algorithm`. The mixin's ``keys`` /
     ``values`` (the dense tensors of transformers' own layers) are read-only properties here: dense
     ``[B, H_kv, n, D]`` computed at each access (see :attr:`keys`), never stored.
 
     ``update`` returns dense ``[B, H_kv, n, D]`` keys and values ``[sinks | dequantized history | exact tail]`` for
     attention implementations that need them (the history dequantized into a temporary, never kept). Under the
-    fused KIVI attention it returns only the exact tails and hands a :class:`~kivi_xpu.attention.DecodeInputs` to
+    fused KIVI attention it returns only the exact tails and hands a :class:`~kivi_xpu.ops.operands.DecodeInputs` to
     the attention call, which reads the sinks, the packed history in place and the tails.
 
     ``settings`` (a :class:`~kivi_xpu.KiviSettings`) is this layer's configuration (per-layer overrides applied;
@@ -44,6 +47,7 @@ class KiviLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
+    _logged_path = None  # whether the attention path last logged for this layer was fused (log_attention_path)
 
     def __init__(
         self,
@@ -70,11 +74,11 @@ class KiviLayer(CacheLayerMixin):
         # it follows `model.set_attn_implementation`); "dense": always return dense keys/values. `attention_seen`:
         # whether the model's attention has read this layer through a kivi_xpu attention function.
         self.attention, self.model_config, self.attention_seen = attention, model_config, False
-        self.keys_stream: KindStream | None = None
-        self.values_stream: KindStream | None = None
+        self.keys_stream: KeyStream | None = None
+        self.values_stream: ValueStream | None = None
         self._record_past = False
         self._checked_states = None  # see update
-        self._steady_run: SteadyRun | None = None  # see _decode_step; dropped by every other change of the streams
+        self._steady_run: SteadyRun | None = None  # see _steady_step; dropped by every other change of the streams
 
     def __repr__(self) -> str:
         s = self.settings
@@ -98,14 +102,12 @@ class KiviLayer(CacheLayerMixin):
         first update), as transformers' layers expose them: exact sinks and window, the packed history
         dequantized. Computed at each access (a dequantization of the whole history, as the dense path does per
         step) and never kept; writing into it does not change the cache."""
-        return None if self.keys_stream is None else dense_kind(self.keys_stream.held(), "keys", self.backend.name)
+        return None if self.keys_stream is None else self.keys_stream.dense()
 
     @property
     def values(self) -> torch.Tensor | None:
         """The values held, dense ``[B, H_kv, n, D]``; computed at each access like :attr:`keys`."""
-        if self.values_stream is None:
-            return None
-        return dense_kind(self.values_stream.held(), "values", self.backend.name)
+        return None if self.values_stream is None else self.values_stream.dense()
 
     @property
     def cumulative_length(self) -> int:
@@ -142,8 +144,8 @@ class KiviLayer(CacheLayerMixin):
         self.settings.check_head_dim(value_states.shape[-1], "values")
         self.backend = self.requested_backend.for_device(self.device)
         storage, name = self.backend.storage_device(self.device), self.backend.name
-        self.keys_stream = KindStream("keys", self.settings, key_states, storage, name)
-        self.values_stream = KindStream("values", self.settings, value_states, storage, name)
+        self.keys_stream = KeyStream(self.settings, key_states, storage, name)
+        self.values_stream = ValueStream(self.settings, value_states, storage, name)
         self.is_initialized = True
 
     @property
@@ -170,47 +172,44 @@ class KiviLayer(CacheLayerMixin):
         if signature is None or signature != self._checked_states:
             self._check_new_states(k, v)
             self._checked_states = signature
-        run = self._steady_run
-        step = run.step(k, v) if run is not None and k.shape[2] == 1 and not self._record_past else None
+        one_call = k.shape[2] == 1 and not self._record_past and self.cumulative_length  # a decode step
+        step = self._steady_step(k, v) if one_call else None
         keys_out, values_out, inputs = step if step is not None else self._append(k, v)
-        if inputs is not None and not self.fused:
-            (keys_out, values_out), inputs = dense_states(inputs.with_tails(keys_out, values_out)), None
+        if inputs is not None:
+            fused = self.attention == "auto" and fuses(self.model_config, self.attention_seen)  # (self.fused)
+            if fused is not self._logged_path:
+                log_attention_path(self)
+                self._logged_path = fused
+            if not fused:
+                (keys_out, values_out), inputs = dense_states(inputs.with_tails(keys_out, values_out)), None
         if self.attention == "auto":  # (also when dense: the kivi attention then tells the layer to fuse)
             hand_over(self, keys_out, values_out, inputs)
         return keys_out, values_out
 
+    def _steady_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple | None:
+        """A decode step's cache work (one new token, not recording) by the layer's
+        :class:`~kivi_xpu.stream.SteadyRun` (made at the first such step, kept for the next ones): one
+        ``append_decode_step`` call while its plan holds, the general path otherwise. Returns the key and value tails
+        and the :class:`~kivi_xpu.ops.operands.DecodeInputs` without them (``update`` takes the general path itself
+        where this gives ``None``)."""
+        run = self._steady_run
+        if run is None:
+            run = self._steady_run = SteadyRun(self.keys_stream, self.values_stream, self.backend.name)
+        return run.decode(key_states, value_states)
+
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
-        """``update`` outside a steady run: returns the key and value tails (the states themselves for a prefill)
-        and the :class:`DecodeInputs` without them (``None`` for a prefill, which attends to the exact states)."""
+        """``update`` on the general path: returns the key and value tails (the states themselves for a prefill)
+        and the :class:`~kivi_xpu.ops.operands.DecodeInputs` without them (``None`` for a prefill, which attends to
+        the exact states)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._steady_run = None  # (it must not keep a buffer alive that this append replaces)
         if self.cumulative_length == 0:
-            self._steady_run = None
             self.keys_stream.append(key_states, self.record_past)
             self.values_stream.append(value_states, self.record_past)
             return key_states, value_states, None
-        log_attention_path(self)
-        one_call = not self._record_past and key_states.shape[2] == 1  # a decode step, nothing to record
-        step = self._decode_step(key_states, value_states) if one_call else None
-        if step is not None:
-            return step
-        self._steady_run = None  # (it must not keep a buffer alive that this append replaces)
-        inputs = DecodeInputs(
-            self.keys_stream.append_and_read(key_states, self.record_past),
-            self.values_stream.append_and_read(value_states, self.record_past),
-            self.backend.name,
-        )
-        return inputs.keys.tail, inputs.values.tail, inputs
-
-    def _decode_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple | None:
-        """A decode step's cache work (one new token, not recording) in one ``append_decode_step`` call, as the first
-        step of a :class:`~kivi_xpu.stream.SteadyRun` (kept for the next steps; the run that just ran out, if any,
-        hands over the budget it has left). Returns the key and value tails and the :class:`DecodeInputs` without
-        them, or ``None`` (nothing done) when the step needs the general path (sinks not full yet, a key block
-        leaving)."""
-        run = SteadyRun.start(self.keys_stream, self.values_stream, self.backend.name, self._steady_run)
-        self._steady_run = run
-        return None if run is None else run.step(key_states, value_states)
+        return append_and_read(self.keys_stream, self.values_stream, key_states, value_states, self.record_past,
+                               self.backend.name)  # fmt: skip
 
     def _check_new_states(self, key_states, value_states) -> None:
         check_float_tensor(key_states, "key_states")

@@ -10,11 +10,12 @@ that a token-by-token decode from an empty cache applies at ``t``'s decode step:
   iff ``S <= j < S + quantized_key_count(t)`` and value ``j`` dequantized iff ``S <= j < S + quantized_value_count(t)``
   (:class:`~kivi_xpu.KiviSettings` counts; the sinks ``[0, S)``, the residual window and the new token are exact;
   the first token, a prefill of length 1, reads itself exactly);
-* the dequantized key/value is the cache's: :func:`kivi_xpu.ops.reference.quantize_keys` per channel over groups of
-  ``key_group_size`` tokens aligned at ``S`` (the cache's ``R``-blocks are made of whole such groups) and
-  :func:`~kivi_xpu.ops.reference.quantize_values` per token, with the layer's bits and ``meta_dtype``, in the
-  layer's rotated basis when it has a rotation (quantize ``x @ Q``, read back ``dequantized @ Qᵀ``). A token's
-  dequantized version does not depend on when it was quantized, so it is computed once per forward.
+* the dequantized key/value is the cache's: the round trip of its codecs (:meth:`kivi_xpu.codec.KindCodec.round_trip`
+  on the ``"reference"`` backend, plain PyTorch), keys per channel over groups of ``key_group_size`` tokens aligned
+  at ``S`` (the cache's ``R``-blocks are made of whole such groups) and values per token, with the layer's bits and
+  ``meta_dtype``, in the layer's rotated basis when it has a rotation (quantize ``x @ Q``, read back
+  ``dequantized @ Qᵀ``). A token's dequantized version does not depend on when it was quantized, so it is computed
+  once per forward.
 
 Sliding-window layers (which a ``KiviCache`` keeps exact) attend exactly. Gradients are straight-through: the
 forward reads ``dequantize(quantize(x))`` bit for bit, the backward treats it as ``x`` (identity w.r.t. the exact
@@ -39,11 +40,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .algorithm import KiviSettings
 from .cache import KiviCache, config_head_dim
+from .codec import KeyCodec, ValueCodec
 from .layer import KiviLayer
-from .ops import reference as ref
 from .ops.checks import check_float_tensor
 from .ops.reference import group_queries, masked_scores
-from .rotation import rotate, rotation_matrix, unrotate
 from .validation import integer
 
 QAT_ATTENTION_NAME = "kivi_qat"
@@ -120,20 +120,12 @@ def _dequantized(key: torch.Tensor, value: torch.Tensor, settings: KiviSettings)
     key_tokens = max(0, n - sinks) // settings.key_group_size * settings.key_group_size
     key_target = key.detach().clone()
     if key_tokens:
-        rotation = rotation_matrix(settings.key_rotation, key.shape[3], key.device)
-        exact = rotate(key_target[:, :, sinks : sinks + key_tokens], rotation).contiguous()
-        g, bits = settings.key_group_size, settings.key_bits
-        codes, scales, zeros = ref.quantize_keys(exact, g, bits, settings.meta_dtype)
-        dequantized = ref.dequantize_keys(codes, scales, zeros, key_tokens, g, bits, exact.dtype)
-        key_target[:, :, sinks : sinks + key_tokens] = unrotate(dequantized, rotation, key.dtype)
+        codec = KeyCodec.of(settings, key.shape[3], "reference")
+        key_target[:, :, sinks : sinks + key_tokens] = codec.round_trip(key_target[:, :, sinks : sinks + key_tokens])
     value_target = value.detach().clone()
     if n > sinks:
-        rotation = rotation_matrix(settings.value_rotation, value.shape[3], value.device)
-        exact = rotate(value_target[:, :, sinks:], rotation).contiguous()
-        g, bits = settings.value_group_size, settings.value_bits
-        codes, scales, zeros = ref.quantize_values(exact, g, bits, settings.meta_dtype)
-        dequantized = ref.dequantize_values(codes, scales, zeros, n - sinks, g, bits, exact.dtype)
-        value_target[:, :, sinks:] = unrotate(dequantized, rotation, value.dtype)
+        codec = ValueCodec.of(settings, value.shape[3], "reference")
+        value_target[:, :, sinks:] = codec.round_trip(value_target[:, :, sinks:])
     return key_target, value_target
 
 

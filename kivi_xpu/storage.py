@@ -1,19 +1,16 @@
-"""Growable token buffers and the packed key/value history of one cache layer.
+"""Growable token buffers and the packed history of one cache layer: bytes and rows, nothing else.
 
 Storage grows with the tokens actually held, by amortised chunks (geometric growth), never by concatenating the
-whole history at every step, and a decode step only quantizes the tokens that leave the full-precision window.
+whole history at every step. It knows layouts (:class:`PackedLayout`), not quantization: the codecs
+(:mod:`kivi_xpu.codec`) write the codes into these buffers and read them back. A leaf: torch and the standard library
+only.
 """
 
 from __future__ import annotations
 
-import warnings
+from typing import NamedTuple
 
 import torch
-
-from .algorithm import KiviSettings
-from .ops import kernel
-from .ops.checks import codes_per_byte
-from .rotation import rotate, rotation_matrix, unrotate
 
 # Unbounded buffers (the packed history) take a size class: the rows needed rounded up to a step of 1/32 to 1/64 of
 # them (CLASSES_PER_DOUBLING), or of a quarter of `min_rows` (a residual block of tokens) while that is larger, and at
@@ -58,53 +55,6 @@ def size_class(needed: int, min_rows: int) -> int:
     short_step = max(1, min_rows // SHORT_STEPS_PER_BLOCK)
     step = max(short_step, 1 << max(0, needed.bit_length() - CLASSES_PER_DOUBLING.bit_length()))
     return max(min_rows, -(-needed // step) * step)
-
-
-_overflow_warned = False
-
-
-def warn_on_metadata_overflow(
-    x: torch.Tensor, scales: torch.Tensor, kind: str, rotation: torch.Tensor | None = None
-) -> None:
-    """Warns once per process when finite ``x [B, H, n, D]`` (quantized as ``x @ rotation`` with a rotation)
-    exceeded the float16 range of its scales/zero points (their groups then hold NaN, by the quantizer's rule: a loud
-    result, but the cause deserves a message). Cheap: ``scales`` is small, and ``x`` is only looked at when some
-    scale is NaN."""
-    global _overflow_warned
-    if _overflow_warned or scales.device.type == "meta" or not scales.isnan().any():
-        return
-    x = rotate(x, rotation)
-    largest = x.abs().masked_fill(~x.isfinite(), 0).max()
-    if largest > torch.finfo(torch.float16).max:
-        _overflow_warned = True
-        warnings.warn(
-            f"KiviCache: {kind} up to {largest.item():.3g} in magnitude overflow the float16 scales and zero points "
-            "(max 65504): their quantization groups hold NaN, so the model's output becomes NaN. Use "
-            "meta_dtype=torch.bfloat16 (or torch.float32) for this model",
-            UserWarning,
-            stacklevel=2,
-        )
-
-
-def dequantized(
-    kind: str,
-    backend: str,
-    codes,
-    scales,
-    zeros,
-    count: int,
-    group: int,
-    bits: int,
-    rotation,
-    out_dtype: torch.dtype,
-    device=None,
-) -> torch.Tensor:
-    """``count`` packed tokens of ``kind`` ("keys" or "values") as ``[B, H, count, D]`` in ``out_dtype`` (moved to
-    ``device`` when given): the backend's dequantize op, then ``@ rotation.T`` when the codes hold rotated tokens
-    (``rotation`` ``[D, D]`` float32 or ``None``; dequantized in float32 then, so the rotation back is exact)."""
-    work_dtype = out_dtype if rotation is None else torch.float32
-    x = kernel(f"dequantize_{kind}", backend)(codes, scales, zeros, count, group, bits, work_dtype)
-    return unrotate(x if device is None else x.to(device), rotation, out_dtype)
 
 
 class TokenBuffer:
@@ -227,128 +177,83 @@ class TokenBuffer:
         return self.data.numel() * self.data.element_size()
 
 
+class PackedLayout(NamedTuple):
+    """How one kind's codes and metadata lie in a :class:`PackedHistory` (the codec's, :mod:`kivi_xpu.codec`):
+
+    * ``token_dim`` 3, channel-major (keys): codes ``[B, H, D, T/P]``, scales/zeros ``[B, H, D, T/G]``;
+    * ``token_dim`` 2, token-major (values): codes ``[B, H, T, D/P]``, scales/zeros ``[B, H, T, D/G]``;
+
+    a code row holds ``tokens_per_code_row`` tokens and a metadata row ``tokens_per_meta_row`` (``P`` codes per byte,
+    ``G`` the group); rows are ``code_width`` / ``meta_width`` wide; the metadata is ``meta_dtype``; the buffers
+    reserve at least ``growth_tokens`` tokens and grow by a quarter of that while short (:func:`size_class`)."""
+
+    token_dim: int
+    tokens_per_code_row: int
+    tokens_per_meta_row: int
+    code_width: int
+    meta_width: int
+    meta_dtype: torch.dtype
+    growth_tokens: int
+
+
 class PackedHistory:
-    """The quantized part of one layer's keys or values, on the storage device.
+    """The packed part of one kind of one layer, on the storage device: ``codes``, ``scales`` and ``zeros`` token
+    buffers in a :class:`PackedLayout`, and ``num_tokens``, the tokens they hold, which only this class writes.
+    Written by a codec (:meth:`kivi_xpu.codec.KindCodec.pack`): whole parts (:meth:`append_parts`) or in place
+    (:meth:`reserve`, then :meth:`commit`)."""
 
-    * ``kind="keys"`` (per-channel, channel-major): codes ``[B, H, D, T/P]``, scales/zeros ``[B, H, D, T/G]``;
-    * ``kind="values"`` (per-token): codes ``[B, H, T, D/P]``, scales/zeros ``[B, H, T, D/G]``;
-
-    with ``P = 8 // bits`` codes per byte and ``G`` the group size of that kind (``settings.key_bits`` /
-    ``key_group_size`` for keys, ``value_bits`` / ``value_group_size`` for values; see :mod:`kivi_xpu.ops.reference`).
-    The codes are written and read by the ``quantize_<kind>`` / ``dequantize_<kind>`` ops of ``backend`` (a name).
-    With a rotation (``settings.key_rotation`` / ``value_rotation``), the codes are those of ``x @ Q``
-    (:mod:`kivi_xpu.rotation`), and :meth:`dequantize` returns them rotated back.
-    """
-
-    def __init__(self, kind: str, settings: KiviSettings, batch: int, heads: int, head_dim: int, device, backend: str):
-        if kind == "keys":
-            self.bits, self.group_size, self.rotation_name = (
-                settings.key_bits,
-                settings.key_group_size,
-                settings.key_rotation,
-            )
-        elif kind == "values":
-            self.bits, self.group_size = settings.value_bits, settings.value_group_size
-            self.rotation_name = settings.value_rotation
-        else:
-            raise ValueError(f"`kind` must be 'keys' or 'values', got {kind!r}")
-        self.kind, self.settings, self.backend = kind, settings, backend
-        per, g, r = codes_per_byte(self.bits), self.group_size, settings.residual_length
-        if kind == "keys":
-            # Token axis last (channel-major); rows are bytes of P tokens (codes) and groups of G tokens (metadata).
-            token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 3, per, g
-            code_width, meta_width = head_dim, head_dim
-        else:
-            token_dim, self.tokens_per_code_row, self.tokens_per_meta_row = 2, 1, 1
-            code_width, meta_width = head_dim // per, head_dim // g
-        # At least one residual block of tokens (capped: see MIN_GROWTH_TOKENS); size_class grows from there.
-        grow_tokens = min(r, MIN_GROWTH_TOKENS)
-        code_rows = max(1, grow_tokens // self.tokens_per_code_row)
-        meta_rows = max(1, grow_tokens // self.tokens_per_meta_row)
-        self.codes = TokenBuffer(batch, heads, code_width, torch.uint8, device, code_rows, token_dim)
-        self.scales = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)
-        self.zeros = TokenBuffer(batch, heads, meta_width, settings.meta_dtype, device, meta_rows, token_dim)
-        self.head_dim, self.num_tokens = head_dim, 0
+    def __init__(self, layout: PackedLayout, batch: int, heads: int, device):
+        self.layout = layout
+        code_rows = max(1, layout.growth_tokens // layout.tokens_per_code_row)
+        meta_rows = max(1, layout.growth_tokens // layout.tokens_per_meta_row)
+        dim = layout.token_dim
+        self.codes = TokenBuffer(batch, heads, layout.code_width, torch.uint8, device, code_rows, dim)
+        self.scales = TokenBuffer(batch, heads, layout.meta_width, layout.meta_dtype, device, meta_rows, dim)
+        self.zeros = TokenBuffer(batch, heads, layout.meta_width, layout.meta_dtype, device, meta_rows, dim)
+        self.num_tokens = 0
 
     @property
     def device(self) -> torch.device:
         return self.codes.device
 
-    def rotation(self, device) -> torch.Tensor | None:
-        """The rotation ``Q [D, D]`` float32 on ``device`` (``None`` without one): a shared matrix, kept outside the
-        cache (so it is neither copied with it nor counted as its memory)."""
-        return rotation_matrix(self.rotation_name, self.head_dim, device)
-
     def buffers(self) -> tuple[TokenBuffer, ...]:
         return self.codes, self.scales, self.zeros
 
-    def append(self, x: torch.Tensor) -> None:
-        """Quantizes and appends ``x [B, H, n, D]`` (for keys, ``n`` is a multiple of the group size)."""
-        n, rotation = x.shape[2], None
-        if self.kind == "values":
-            # Straight into the storage rows, rotated by the op itself: one op call and no temporaries for a decode
-            # step's departing token.
-            x, rotation = x.to(self.device), self.rotation(self.device)
-            self.reserve(n)
-            codes, scales, zeros = (buf.data for buf in self.buffers())
-            quantize = kernel("quantize_values_into", self.backend)
-            quantize(x, codes, scales, zeros, self.codes.end, self.group_size, self.bits, rotation)
-            self.commit(n)
-            # Checked for blocks only (prefill, appends of several tokens): a per-token check would cost a
-            # reduction per layer and step, and keys, from the same activations, are checked every R tokens.
-            written_scales = self.scales.rows(self.scales.end - n, self.scales.end) if n > 1 else None
-        else:
-            x = rotate(x, self.rotation(x.device)).to(self.device)  # once per G tokens: not worth folding
-            quantize = kernel("quantize_keys", self.backend)
-            parts = quantize(x, self.group_size, self.bits, self.settings.meta_dtype)
-            for buf, part in zip(self.buffers(), parts, strict=True):
-                buf.append(part)
-            self.num_tokens += n
-            written_scales = parts[1]
-        quantized = x.dtype if rotation is None else torch.float32  # values quantize x @ Q in float32
-        if written_scales is not None and self.settings.meta_dtype == torch.float16 and quantized != torch.float16:
-            warn_on_metadata_overflow(x, written_scales, self.kind, rotation)  # only then can it overflow
+    def append_parts(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Appends packed tokens given as parts in this layout (whole metadata rows)."""
+        for buf, part in zip(self.buffers(), (codes, scales, zeros), strict=True):
+            buf.append(part)
+        self.num_tokens += scales.shape[self.layout.token_dim] * self.layout.tokens_per_meta_row
 
     def reserve(self, n: int) -> None:
-        """Values: makes token rows ``[num_tokens, num_tokens + n)`` of the storage writable in place, for a writer
-        that fills them itself (``quantize_values_into``, ``append_decode_step``) and then calls :meth:`commit`."""
+        """Makes the rows of ``n`` more tokens writable in place, for a writer that fills them itself
+        (``quantize_values_into``, ``append_decode_step``) and then calls :meth:`commit`."""
         for buf in self.buffers():
             buf.reserve(n)
 
     def commit(self, n: int) -> None:
-        """Counts the ``n`` value tokens written after :meth:`reserve` as stored."""
+        """Counts the ``n`` token rows written after :meth:`reserve` as held (token-major layouts)."""
         for buf in self.buffers():
             buf.commit(n)
         self.num_tokens += n
 
-    def dequantize(self, out_dtype: torch.dtype, start: int = 0, count: int | None = None) -> torch.Tensor:
-        """Stored tokens ``[start, count)`` (default: all) as ``[B, H, count - start, D]``; ``start`` is
-        group-aligned for keys."""
-        count = self.num_tokens if count is None else count
-        codes, scales, zeros = (b.data for b in self.buffers())  # whole buffers: the op reads only what it needs
-        if start:
-            code_start, meta_start = start // self.tokens_per_code_row, start // self.tokens_per_meta_row
-            codes = self.codes.rows(code_start, self.codes.capacity).contiguous()
-            scales = self.scales.rows(meta_start, self.scales.capacity).contiguous()
-            zeros = self.zeros.rows(meta_start, self.zeros.capacity).contiguous()
-        return dequantized(
-            self.kind,
-            self.backend,
-            codes,
-            scales,
-            zeros,
-            count - start,
-            self.group_size,
-            self.bits,
-            self.rotation(self.device),
-            out_dtype,
+    def parts_from(self, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The buffers from token ``start`` on (group-aligned for keys) to their capacity: the whole buffers for 0,
+        contiguous copies otherwise (what a dequantize op reads; it reads only the tokens it is asked for)."""
+        if not start:
+            return self.codes.data, self.scales.data, self.zeros.data
+        code_start, meta_start = start // self.layout.tokens_per_code_row, start // self.layout.tokens_per_meta_row
+        return (
+            self.codes.rows(code_start, self.codes.capacity).contiguous(),
+            self.scales.rows(meta_start, self.scales.capacity).contiguous(),
+            self.zeros.rows(meta_start, self.zeros.capacity).contiguous(),
         )
 
     def truncate(self, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens (group-aligned for keys)."""
-        self.codes.truncate(num_tokens // self.tokens_per_code_row)
-        self.scales.truncate(num_tokens // self.tokens_per_meta_row)
-        self.zeros.truncate(num_tokens // self.tokens_per_meta_row)
+        self.codes.truncate(num_tokens // self.layout.tokens_per_code_row)
+        self.scales.truncate(num_tokens // self.layout.tokens_per_meta_row)
+        self.zeros.truncate(num_tokens // self.layout.tokens_per_meta_row)
         self.num_tokens = num_tokens
 
     def select_batch(self, index: torch.Tensor) -> None:
@@ -361,6 +266,21 @@ class PackedHistory:
 
     def allocated_bytes(self) -> int:
         return sum(b.allocated_bytes() for b in self.buffers())
+
+    def __setstate__(self, state: dict) -> None:
+        """Reads the pickles of kivi-xpu <= 0.3 (bc2f283), whose packed history also named its kind, settings,
+        backend and quantization (now the codec's): the layout is rebuilt from the buffers, the rest kept aside in
+        ``legacy`` for the stream (:meth:`KindStream.__setstate__
+        <kivi_xpu.stream.KindStream.__setstate__>`)."""
+        if "layout" not in state:
+            codes, scales = state["codes"], state["scales"]
+            growth = min(state["settings"].residual_length, MIN_GROWTH_TOKENS)
+            layout = PackedLayout(codes.dim, state["tokens_per_code_row"], state["tokens_per_meta_row"], codes.width,
+                                  scales.width, scales.dtype, growth)  # fmt: skip
+            kept = ("codes", "scales", "zeros", "num_tokens")
+            legacy = {k: v for k, v in state.items() if k not in kept}
+            state = {"layout": layout, **{k: state[k] for k in kept}, "legacy": legacy}
+        self.__dict__.update(state)
 
 
 class DepartedTokens:

@@ -2,8 +2,10 @@
 generation, and the attention hand-over slot is never part of what is copied."""
 
 import copy
+import importlib.util
 import io
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,20 +41,29 @@ def state(cache: KiviCache) -> dict:
     """Everything the KIVI layers store, as comparable tensors and values."""
     out = {"layers": len(cache.layers), "settings": cache.settings, "backend": cache.backend.name}
     for index, layer in enumerate(cache.layers):
-        assert isinstance(layer, KiviLayer)
-        out[f"{index}.config"] = (layer.settings, layer.backend.name, layer.attention, layer.record_past)
-        out[f"{index}.length"] = layer.get_seq_length()
-        for kind, stream in zip(("keys", "values"), layer._streams(), strict=False):  # none before an update
-            prefix = f"{index}.{kind}"
-            out[f"{prefix}.sinks"], out[f"{prefix}.window"] = stream.sinks.view(), stream.window.view()
-            out[f"{prefix}.count"] = stream.packed.num_tokens
-            for name, buffer in zip(("codes", "scales", "zeros"), stream.packed.buffers(), strict=True):
-                out[f"{prefix}.{name}"] = buffer.view()
+        out.update(layer_state(layer, f"{index}."))
+    return out
+
+
+def layer_state(layer: KiviLayer, prefix: str = "") -> dict:
+    """Everything one KIVI layer stores, as comparable tensors and values."""
+    assert isinstance(layer, KiviLayer)
+    out = {f"{prefix}config": (layer.settings, layer.backend.name, layer.attention, layer.record_past)}
+    out[f"{prefix}length"] = layer.get_seq_length()
+    for kind, stream in zip(("keys", "values"), layer._streams(), strict=False):  # none before an update
+        at = f"{prefix}{kind}"
+        out[f"{at}.sinks"], out[f"{at}.window"] = stream.sinks.view(), stream.window.view()
+        out[f"{at}.count"] = stream.packed.num_tokens
+        for name, buffer in zip(("codes", "scales", "zeros"), stream.packed.buffers(), strict=True):
+            out[f"{at}.{name}"] = buffer.view()
     return out
 
 
 def assert_same_state(a: KiviCache, b: KiviCache) -> None:
-    sa, sb = state(a), state(b)
+    assert_same(state(a), state(b))
+
+
+def assert_same(sa: dict, sb: dict) -> None:
     assert sa.keys() == sb.keys()
     for name, value in sa.items():
         if isinstance(value, torch.Tensor):
@@ -146,3 +157,30 @@ def test_a_pickle_records_its_storage_format_and_another_one_is_refused_by_name(
     newer = KiviLayer.__new__(KiviLayer)
     with pytest.raises(ValueError, match=r"storage format 2; this kivi-xpu reads format 1"):
         newer.__setstate__({**layer.__getstate__(), "storage_format": 2})
+
+
+def test_a_pickle_of_kivi_xpu_at_bc2f283_loads_and_continues_as_a_new_cache():
+    """Layers pickled before the streams became one class per kind (tests/data/make_legacy_pickle.py, run at
+    bc2f283) load as KeyStream / ValueStream with their codecs, hold what a layer of today fed the same tokens holds,
+    and go on exactly as it does."""
+    data = Path(__file__).parent / "data"
+    spec = importlib.util.spec_from_file_location("make_legacy_pickle", data / "make_legacy_pickle.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    prompt, steps = maker.legacy_inputs()
+    for old in pickle.loads((data / "kivi_layers_bc2f283.pt").read_bytes()):
+        new = KiviLayer(old.settings, backend="reference", attention="dense")
+        new.update(*prompt)
+        for k, v in steps:
+            new.update(k, v)
+        assert [type(s).__name__ for s in old._streams()] == ["KeyStream", "ValueStream"]
+        assert repr(old.keys_stream.codec) == repr(new.keys_stream.codec)
+        assert old.values_stream.packed.layout == new.values_stream.packed.layout
+        assert not hasattr(old.keys_stream.packed, "legacy")
+        assert_same(layer_state(old), layer_state(new))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(40):  # past a key block and the value window's moves
+            k, v = (torch.randn(2, 2, 1, 32, generator=g) for _ in range(2))
+            got, expected = old.update(k, v), new.update(k, v)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert_same(layer_state(old), layer_state(new))

@@ -326,8 +326,9 @@ def test_streaming_rule_with_options_after_every_step(backend_name, seed):
 def test_packed_storage_uses_each_kinds_bits_and_group(backend_name):
     layer = make_layer(backend_name, key_bits=4, value_bits=2, key_group_size=8, value_group_size=32, sink_tokens=2)
     layer.update(torch.randn(B, H, 100, D), torch.randn(B, H, 100, D))
+    key_codec, value_codec = layer.keys_stream.codec, layer.values_stream.codec  # (bits and groups: the codecs')
+    assert (key_codec.bits, key_codec.group, value_codec.bits, value_codec.group) == (4, 8, 2, 32)
     keys, values = layer.keys_stream.packed, layer.values_stream.packed
-    assert (keys.bits, keys.group_size, values.bits, values.group_size) == (4, 8, 2, 32)
     assert keys.codes.view().shape == (B, H, D, 96 // 2)  # 96 keys quantized, 2 codes per byte, channel-major
     assert keys.scales.view().shape == (B, H, D, 96 // 8)
     assert values.codes.view().shape == (B, H, 66, D // 4)  # 100 - 2 sinks - 32 window, 4 codes per byte
@@ -430,7 +431,7 @@ def test_per_layer_settings_are_public_and_applied():
     for i, layer in enumerate(cache.layers):
         k = torch.randn(1, 2, 70, 64)
         cache.update(k, k, i)
-        assert layer.keys_stream.packed.bits == cache.layer_settings(i).key_bits
+        assert layer.keys_stream.codec.bits == cache.layer_settings(i).key_bits  # (bits are the codec's)
 
 
 def test_callable_overrides_apply_to_lazily_created_layers():

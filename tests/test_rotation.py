@@ -11,6 +11,7 @@ import tiny_models as models
 import torch
 
 from kivi_xpu import KiviCache, KiviSettings
+from kivi_xpu.codec import ValueCodec
 from kivi_xpu.qat import fake_quantized_states
 from kivi_xpu.rotation import ROTATIONS, hadamard_block, rotate, rotation_matrix, unrotate
 from kivi_xpu.storage import PackedHistory
@@ -88,9 +89,10 @@ def test_rotation_lowers_the_error_of_value_groups_with_outlier_channels():
     errors = {}
     for rotation in ROTATIONS:
         settings = KiviSettings(rotation=rotation, residual_length=256).for_model_dtype(torch.float32)
-        history = PackedHistory("values", settings, 1, 2, 64, "cpu", "reference")
-        history.append(x)
-        errors[rotation] = (history.dequantize(torch.float32) - x).pow(2).mean().item()
+        codec = ValueCodec.of(settings, 64, "reference")  # (quantization is the codec's, storage only bytes)
+        history = PackedHistory(codec.layout(settings.residual_length), 1, 2, "cpu")
+        codec.pack(history, x)
+        errors[rotation] = (codec.unpack(history, torch.float32) - x).pow(2).mean().item()
     assert errors["hadamard"] < 0.7 * errors["none"], errors
 
 

@@ -23,13 +23,15 @@ NATIVE_OPS = (
 )
 
 
-def _native(op: str):
-    @functools.cache
-    def resolve():
-        return getattr(load_native_extension(), op)
+@functools.cache
+def _extension_function(op: str):
+    """The extension's function of ``op`` (loaded, and the environment checked, at its first use)."""
+    return getattr(load_native_extension(), op)
 
+
+def _native(op: str):
     def run(*args):
-        return resolve()(*args)
+        return _extension_function(op)(*args)
 
     run.__name__ = op
     return run
@@ -43,4 +45,4 @@ for _op in NATIVE_OPS:
 def _direct_decode_step(key_window):
     """The extension's function itself: a steady run's decode steps call it with no Python in between (the device
     rule gives the native kernels only layers on the CPU, so the windows are host memory)."""
-    return load_native_extension().append_decode_step
+    return _extension_function("append_decode_step")

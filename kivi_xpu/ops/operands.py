@@ -1,5 +1,6 @@
 """The named parts of the attention ops' flat arguments: a kind's operands of ``decode_attention``
-(:class:`KindOperands`) and the columns of ``paged_decode_attention``'s ``requests`` table (:class:`RequestColumns`).
+(:class:`KindOperands`), both kinds with the backend that reads them (:class:`DecodeInputs`, what a cache layer hands
+to the attention call) and the columns of ``paged_decode_attention``'s ``requests`` table (:class:`RequestColumns`).
 
 The ops' schemas are flat (one argument per tensor or number, as ``torch.library`` wants them); these give the
 parts names, so that no caller, check or kernel wrapper counts positions itself.
@@ -40,6 +41,19 @@ class KindOperands(NamedTuple):
 
 
 _new_tuple = tuple.__new__
+
+
+class DecodeInputs(NamedTuple):
+    """What one layer's ``update`` hands to the attention call that follows it: keys, values and the name of
+    the backend whose kernels read the packed codes. (A named tuple: built three times per layer and step.)"""
+
+    keys: KindOperands  # sinks, packed codes/scales/zeros (whole buffers), count, group, bits, tail
+    values: KindOperands
+    backend: str
+
+    def with_tails(self, key_tail: torch.Tensor | None, value_tail: torch.Tensor | None) -> DecodeInputs:
+        """The same inputs with other tails (``None`` while the step waits in the hand-over's slot)."""
+        return DecodeInputs(self.keys.with_tail(key_tail), self.values.with_tail(value_tail), self.backend)
 
 
 def decode_args(keys: KindOperands, values: KindOperands, mask, scaling: float, softcap: float) -> tuple:

@@ -17,9 +17,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..attention import DecodeInputs, dense_states
+from ..codec import dense_states
 from ..ops import kernel
-from ..ops.operands import decode_args
+from ..ops.operands import DecodeInputs, decode_args
 from .cache import STEP_KEY
 
 ATTENTION_NAME = "kivi_paged"

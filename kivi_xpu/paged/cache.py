@@ -20,7 +20,7 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
 
 from ..algorithm import KiviSettings
-from ..rotation import rotation_matrix
+from ..codec import KeyCodec, ValueCodec
 from .budget import PAGES, UNITS, PageBudget
 from .holdings import Holdings
 from .pages import KiviPageAllocator
@@ -90,10 +90,9 @@ class KiviPagedCache(PagedAttentionCache):
         self._requests: list[Request] = []
         self._decode_plan: DecodePlan | None = None
         self._others: list[Request] = []
-        rotations = (rotation_matrix(settings.key_rotation, head_dim, self.device),
-                     rotation_matrix(settings.value_rotation, head_dim, self.device))  # fmt: skip
-        self._rotations = rotations
-        self._writer = PageWriter(settings, backend, self.units, rotations)
+        codecs = KeyCodec.of(settings, head_dim, backend), ValueCodec.of(settings, head_dim, backend)
+        self._rotations = tuple(codec.rotation(self.device) for codec in codecs)
+        self._writer = PageWriter(settings, self.units, *codecs, self._rotations)
 
     # ------------------------------------------------------------------ memory
 

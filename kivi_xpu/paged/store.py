@@ -20,9 +20,9 @@ from typing import NamedTuple
 import torch
 
 from ..algorithm import KiviSettings, TokenSplit
-from ..ops import kernel
+from ..codec import KeyCodec, ValueCodec
 from ..ops.operands import KindOperands
-from ..rotation import rotate
+from ..stream import KeyStream, KindStream, ValueStream
 from .pages import LayerPages
 from .windows import ExactUnits
 
@@ -111,10 +111,13 @@ class DecodePlan(NamedTuple):
 
 
 class PageWriter:
-    """Stores a layer's new tokens into pages and units (see the module docstring)."""
+    """Stores a layer's new tokens into pages and units (see the module docstring), through the kinds' codecs (the
+    codes are those a ``KiviCache`` of the same settings writes). ``rotations``: the codecs' rotations on the
+    cache's device (``None`` or ``Q [D, D]``), which attention reads."""
 
-    def __init__(self, settings: KiviSettings, backend: str, units: ExactUnits, rotations: tuple):
-        self.settings, self.backend, self.units = settings, backend, units
+    def __init__(self, settings: KiviSettings, units: ExactUnits, keys: KeyCodec, values: ValueCodec, rotations: tuple):
+        self.settings, self.units = settings, units
+        self.key_codec, self.value_codec = keys, values
         self.key_rotation, self.value_rotation = rotations
 
     # ------------------------------------------------------------ decode rows
@@ -156,17 +159,13 @@ class PageWriter:
         """Quantizes the value tokens leaving the windows (``leaving [4, n]``: slots, window rows, blocks, page rows)
         into their pages' rows: one quantization of all of them (the rotation folded in, as KiviCache's), one indexed
         copy per section."""
-        settings = self.settings
         slots, window_rows, blocks, page_rows = leaving
         x = value_windows[slots, :, window_rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         heads, n = x.shape[1:3]
         codes = pages.value_codes.new_empty(1, heads, n, pages.value_codes.shape[3])
         scales = pages.value_scales.new_empty(1, heads, n, pages.value_scales.shape[3])
         zeros = torch.empty_like(scales)
-        kernel("quantize_values_into", self.backend)(
-            x.contiguous(), codes, scales, zeros, 0, settings.value_group_size, settings.value_bits,
-            self.value_rotation,
-        )  # fmt: skip
+        self.value_codec.quantize_into(x.contiguous(), codes, scales, zeros, 0)
         for section, part in ((pages.value_codes, codes), (pages.value_scales, scales), (pages.value_zeros, zeros)):
             section[blocks, :, page_rows] = part[0].transpose(0, 1)
 
@@ -194,90 +193,72 @@ class PageWriter:
     def append(self, layer: int, pages: LayerPages, request: Request, key_states, value_states) -> RequestStep:
         """Any other request's update of one layer (a token before the sinks are full, a multi-token append after
         the prompt): returns what its attention reads."""
-        q_start, m = request.q_start, request.q_len
+        q_start, m, blocks = request.q_start, request.q_len, request.blocks
         new_k = key_states[:, :, q_start : q_start + m]
         new_v = value_states[:, :, q_start : q_start + m]
-        key_tail, value_tail, sinks, counts = self._append(layer, pages, request.slot, request.blocks, request.held,
-                                                           new_k, new_v)  # fmt: skip
-        return RequestStep(
-            q_start,
-            m,
-            self._operands("keys", pages, request.blocks, sinks[0], counts[0], key_tail),
-            self._operands("values", pages, request.blocks, sinks[1], counts[1], value_tail),
-            False,
-        )
+        (key_tail, key_sinks), (value_tail, value_sinks) = self._append(layer, pages, request.slot, blocks,
+                                                                        request.held, new_k, new_v)  # fmt: skip
+        t, k, v = self.settings.key_group_size, self.key_codec, self.value_codec
+        key_count, value_count = request.held.packed_keys, request.held.packed_values
+        key_parts, value_parts = pages.keys(blocks[: -(-key_count // t)]), pages.values(blocks[: -(-value_count // t)])
+        keys = KindOperands(key_sinks, *key_parts, key_count, k.group, k.bits, key_tail, self.key_rotation)
+        values = KindOperands(value_sinks, *value_parts, value_count, v.group, v.bits, value_tail, self.value_rotation)
+        return RequestStep(q_start, m, keys, values, False)
 
     def _append(self, layer: int, pages: LayerPages, slot: int, blocks, before: TokenSplit, new_k, new_v):
         """Appends ``new_k`` / ``new_v [1, H, m, D]`` after the tokens split as ``before``: sinks, packed tokens and
-        window as :mod:`.windows` lays them out. Returns the exact tails (window rows, then the new tokens), the sinks
-        held before and the packed counts before (what attention reads: the tokens leaving now are still in the
-        tails)."""
-        s, units, past = self.settings.sink_tokens, self.units, before.length
-        after = self.settings.split(past + new_k.shape[2])
-        key_rows, value_rows = units.keys[layer][slot], units.values[layer][slot]
-        qk0, qk1, qv0, qv1 = before.packed_keys, after.packed_keys, before.packed_values, after.packed_values
+        window as :mod:`.windows` lays them out. Returns per kind the exact tail (window rows, then the new tokens:
+        the tokens leaving now are still in it, as attention reads them) and the sinks held before."""
+        units, s = self.units, self.settings.sink_tokens
+        after = self.settings.split(before.length + new_k.shape[2])
         units.move_values(layer, slot, before)
-        base = units.value_base[layer][slot]
-        held_sinks = before.sinks
+        base, base_after = units.value_base[layer][slot], units.value_base_for(after)
+        keys = self._append_kind(KeyStream, self._pack_keys, pages, blocks, units.keys[layer][slot], (s, s), before,
+                                 after, new_k)  # fmt: skip
+        value_rows = (s + before.packed_values - base, s + after.packed_values - base_after)
+        values = self._append_kind(ValueStream, self._pack_values, pages, blocks, units.values[layer][slot],
+                                   value_rows, before, after, new_v)  # fmt: skip
+        units.value_base[layer][slot] = base_after
+        return keys, values
+
+    @staticmethod
+    def _append_kind(kind: type[KindStream], pack, pages: LayerPages, blocks, rows: torch.Tensor, window_rows: tuple,
+                     before: TokenSplit, after: TokenSplit, new: torch.Tensor) -> tuple:  # fmt: skip
+        """One kind of :meth:`_append`, by the stream's split (``kind.packed_in``) and ``pack``: ``rows [H, W, D]``
+        is the kind's part of the slot, whose exact tokens after the packed ones start at row ``window_rows[0]``
+        before the append and ``window_rows[1]`` after it. Returns (tail ``[1, H, n, D]``, sinks held before)."""
+        held_sinks, packed_before, packed_after = before.sinks, kind.packed_in(before), kind.packed_in(after)
+        first, first_after = window_rows
         # Exact tokens after the packed ones: window rows then the new tokens (sinks-bound ones first).
-        key_tail = torch.cat([key_rows[:, s : s + before.window("keys")].unsqueeze(0), new_k], dim=2)
-        value_window = s + qv0 - base
-        value_tail = torch.cat([value_rows[:, value_window : value_window + before.window("values")].unsqueeze(0),
-                                new_v], dim=2)  # fmt: skip
-        sinks = (key_rows[:, :held_sinks].unsqueeze(0), value_rows[:, :held_sinks].unsqueeze(0))
+        tail = torch.cat([rows[:, first : first + before.length - held_sinks - packed_before].unsqueeze(0), new], dim=2)
+        sinks = rows[:, :held_sinks].unsqueeze(0)
         to_sinks = after.sinks - held_sinks
         if to_sinks > 0:
-            key_rows[:, held_sinks : held_sinks + to_sinks] = new_k[0, :, :to_sinks]
-            value_rows[:, held_sinks : held_sinks + to_sinks] = new_v[0, :, :to_sinks]
-        start = max(0, s - past)  # tail index of position s (the tails start at s + q0 or at past)
-        if qk1 > qk0:
-            self._pack_keys(pages, blocks, qk0, key_tail[:, :, start : start + qk1 - qk0])
-        if qv1 > qv0:
-            self._pack_values(pages, blocks, qv0, value_tail[:, :, start : start + qv1 - qv0])
-        # The slot's exact rows after the append.
-        key_rows[:, s : s + after.window("keys")] = key_tail[0, :, start + qk1 - qk0 :]
-        base = units.value_base_for(after)
-        value_window = s + qv1 - base
-        value_rows[:, value_window : value_window + after.window("values")] = value_tail[0, :, start + qv1 - qv0 :]
-        units.value_base[layer][slot] = base
-        return key_tail, value_tail, sinks, (qk0, qv0)
-
-    def _operands(self, kind: str, pages: LayerPages, blocks, sinks, count: int, tail) -> KindOperands:
-        t = self.settings.key_group_size
-        used = blocks[: -(-count // t)]
-        if kind == "keys":
-            codes, scales, zeros = pages.keys(used)
-            group, bits, rotation = self.settings.key_group_size, self.settings.key_bits, self.key_rotation
-        else:
-            codes, scales, zeros = pages.values(used)
-            group, bits, rotation = self.settings.value_group_size, self.settings.value_bits, self.value_rotation
-        return KindOperands(sinks, codes, scales, zeros, count, group, bits, tail, rotation)
+            rows[:, held_sinks : held_sinks + to_sinks] = new[0, :, :to_sinks]
+        start, leaving = max(0, before.sink_tokens - before.length), packed_after - packed_before
+        if leaving:  # (tail index `start` is position S: the tail starts at S + packed or at the length held)
+            pack(pages, blocks, packed_before, tail[:, :, start : start + leaving])
+        rows[:, first_after : first_after + after.length - after.sinks - packed_after] = tail[0, :, start + leaving :]
+        return tail, sinks
 
     def _pack_keys(self, pages: LayerPages, blocks, start: int, keys) -> None:
         """Quantizes ``keys [1, H, n, D]`` (packed positions ``[start, start + n)``, whole pages) into their pages."""
         t = self.settings.key_group_size
-        x = rotate(keys, self.key_rotation)
-        codes, scales, zeros = kernel("quantize_keys", self.backend)(
-            x.contiguous(), self.settings.key_group_size, self.settings.key_bits, self.settings.meta_dtype
-        )
+        codes, scales, zeros = self.key_codec.quantize(keys)
         pages.store_keys(blocks[start // t : (start + keys.shape[2]) // t], codes, scales, zeros)
 
     def _pack_values(self, pages: LayerPages, blocks, start: int, values) -> None:
         """Quantizes ``values [1, H, n, D]`` (packed positions ``[start, start + n)``) into their pages' rows."""
-        t, quantize = self.settings.key_group_size, kernel("quantize_values_into", self.backend)
-        done, n = 0, values.shape[2]
+        t, done, n = self.settings.key_group_size, 0, values.shape[2]
         while done < n:
             position = start + done
             page, row = int(blocks[position // t]), position % t
             count = min(n - done, t - row)
-            quantize(
+            self.value_codec.quantize_into(
                 values[:, :, done : done + count],
                 pages.value_codes[page : page + 1],
                 pages.value_scales[page : page + 1],
                 pages.value_zeros[page : page + 1],
                 row,
-                self.settings.value_group_size,
-                self.settings.value_bits,
-                self.value_rotation,
             )
             done += count

@@ -74,7 +74,7 @@ class ExactUnits:
         old = bases[slot]
         if base == old:
             return
-        s, qv, exact = split.sink_tokens, split.packed_values, split.window("values")
+        s, qv, exact = split.sink_tokens, split.packed_values, split.value_window
         rows = self.values[layer][slot]
         if exact > 0:
             src = rows[:, s + qv - old : s + qv - old + exact].clone()

@@ -16,7 +16,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.generation.streamers import BaseStreamer
 
-from .. import attention
+from ..attention import functions as attention_functions
 from ..integration import cache_argument
 from ..ops.operands import KindOperands
 from ..runtime import load_native_extension
@@ -182,12 +182,12 @@ def exact_bytes(kind: KindOperands) -> int:
 @contextlib.contextmanager
 def fused_op_timer():
     """Times every call of the fused KIVI attention within the block: yields a list that receives one
-    :class:`OpCall` per call of ``kivi_xpu.attention.decode_attention`` (what the ``"kivi"`` attention calls for
-    each layer of a decode step; it runs the backend's ``decode_attention`` op, whose CPU and SYCL kernels return
-    when done). The module's function is wrapped for the block and restored after it, also on an error: outside a
-    ``with fused_op_timer()`` nothing is wrapped, so it costs nothing; inside, a few microseconds per call. On an
-    asynchronous device (the pure-PyTorch kernels on cuda) a call's time is that of its launches."""
-    original = attention.decode_attention
+    :class:`OpCall` per call of ``kivi_xpu.attention.functions.decode_attention`` (what the ``"kivi"`` attention
+    calls for each layer of a decode step; it runs the backend's ``decode_attention`` op, whose CPU and SYCL kernels
+    return when done). The module's function is wrapped for the block and restored after it, also on an error:
+    outside a ``with fused_op_timer()`` nothing is wrapped, so it costs nothing; inside, a few microseconds per call.
+    On an asynchronous device (the pure-PyTorch kernels on cuda) a call's time is that of its launches."""
+    original = attention_functions.decode_attention
     calls: list[OpCall] = []
 
     def timed(inputs, *args, **kwargs):
@@ -198,11 +198,11 @@ def fused_op_timer():
         calls.append(OpCall(seconds, packed, exact_bytes(inputs.keys) + exact_bytes(inputs.values)))
         return out
 
-    attention.decode_attention = timed
+    attention_functions.decode_attention = timed
     try:
         yield calls
     finally:
-        attention.decode_attention = original
+        attention_functions.decode_attention = original
 
 
 class PhaseTimes:
