@@ -142,6 +142,71 @@ def test_a_split_prompt_is_stored_as_its_own_kivi_cache_stores_it(model, monkeyp
             assert torch.equal(own[:, :, : values.count], paged[:, :, : values.count])
 
 
+def test_each_request_holds_the_split_of_its_length_as_its_own_kivi_cache_holds_it(model, monkeypatch):
+    """The counterpart of a stream's one owner of each count: a request's tokens are where the rule's split of its
+    length puts them (sinks and window in its slot, the packed ones in its pages), and hold what its own KiviCache,
+    run through the same generate, holds there: after a prompt in chunks and decode steps across key blocks."""
+    prompts, new = _prompts((77, 30)), 13
+    config = ContinuousBatchingConfig(max_batch_tokens=16)
+    manager = init_continuous_batching(model, _greedy(new), config, kv_memory=4 * MiB, **SMALL)
+    seen = {}
+    free_blocks = manager_module.KiviPagedCache.free_blocks
+
+    def snapshot_then_free(cache, request_id, no_cache=False):  # what the request holds just before it returns it
+        allocator = cache.cache_allocators["full_attention"]
+        blocks, slot = torch.tensor(allocator.block_table[request_id]), cache.holdings.held[request_id].slot
+        units = cache.units
+        seen[request_id] = {
+            layer: (
+                pages.keys(blocks),
+                pages.values(blocks),
+                units.keys[layer][slot].clone(),
+                units.values[layer][slot].clone(),
+                units.value_base[layer][slot],
+            )  # fmt: skip
+            for layer, pages in allocator.pages.items()
+        }
+        free_blocks(cache, request_id, no_cache)
+
+    monkeypatch.setattr(manager_module.KiviPagedCache, "free_blocks", snapshot_then_free)
+    manager.start()
+    try:
+        # One at a time: fp32 linears are not batch-invariant (a decode row's states differ by ~1e-7 in a batch of
+        # two), and this compares what is stored bit for bit.
+        ids = [manager.add_request(prompt, max_new_tokens=new) for prompt in prompts[:1]]
+        answers = [_finished(manager, ids[0]).generated_tokens]
+        ids.append(manager.add_request(prompts[1], max_new_tokens=new))
+        answers.append(_finished(manager, ids[1]).generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=30)
+    settings = _settings(SMALL)
+    for request_id, prompt, answer in zip(ids, prompts, answers, strict=True):
+        use_fused_attention(model)
+        cache = KiviCache(model.config, **SMALL)
+        own = model.generate(torch.tensor([prompt]), cache=cache, generation_config=_greedy(new))
+        assert own[0, len(prompt) :].tolist() == answer
+        split = settings.split(len(prompt) + new - 1)  # the last token is never fed back
+        s, qk, qv = split.sinks, split.packed_keys, split.packed_values
+        for layer, (page_keys, page_values, key_rows, value_rows, base) in seen[request_id].items():
+            keys, values = cache.layers[layer].keys_stream, cache.layers[layer].values_stream
+            assert (keys.length, keys.packed.num_tokens, values.packed.num_tokens) == (split.length, qk, qv)
+            # Exact tokens: the same rows, to fp32 rounding (a decode row's states went through paged_decode_attention
+            # here and decode_attention there, which sum in other orders).
+            close = dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(key_rows[:, :s], keys.sinks.view()[0], **close)
+            torch.testing.assert_close(value_rows[:, :s], values.sinks.view()[0], **close)
+            torch.testing.assert_close(key_rows[:, s : s + split.key_window], keys.window.view()[0], **close)
+            window = s + qv - base  # the slot's first exact value row after the packed ones
+            torch.testing.assert_close(value_rows[:, window : window + split.value_window], values.window.view()[0],
+                                       **close)  # fmt: skip
+            # Packed tokens: the split's counts in the pages, code for code (the rounding above moved no value
+            # across a code boundary here).
+            for own_part, paged_part in zip(keys.packed.buffers(), page_keys, strict=True):
+                assert torch.equal(own_part.view(), paged_part[..., : own_part.view().shape[3]])
+            for own_part, paged_part in zip(values.packed.buffers(), page_values, strict=True):
+                assert torch.equal(own_part.view(), paged_part[:, :, :qv])
+
+
 def test_inside_the_window_answers_equal_full_precision_continuous_batching(model):
     prompts, new = _prompts((5, 12, 9)), 10  # every request stays inside its window of 64
     kivi = generate_batch(model, prompts, _greedy(new), kv_memory=4 * MiB, max_new_tokens=new, residual_length=64)
