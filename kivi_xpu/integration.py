@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import weakref
 
 import transformers
 from packaging.version import InvalidVersion, Version
@@ -135,14 +136,21 @@ def cache_argument(cache) -> dict:
     return {CACHE_KEY: cache}
 
 
+# The caches kivi_xpu itself hands to a generate whose config says cache_implementation="kivi"
+# (kivi_xpu.conversations): used as given, where any other cache object is refused.
+HANDED_OVER: weakref.WeakSet = weakref.WeakSet()
+
+
 def _prepare_kivi_cache(original):
     @functools.wraps(original)
     def prepare(self, generation_config, model_kwargs, *args, **kwargs):
         if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
             return original(self, generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get(CACHE_KEY)
-        if generation_config.is_assistant and isinstance(cache, KiviCache):
-            # Assisted decoding calls the assistant's generate again with the KiviCache its first call built.
+        handed_over = cache is not None and cache in HANDED_OVER
+        if handed_over or (generation_config.is_assistant and isinstance(cache, KiviCache)):
+            # Assisted decoding calls the assistant's generate again with the KiviCache its first call built; a
+            # continued conversation (kivi_xpu.conversations) brings the KiviCache of its earlier turns.
             generation_config = copy.copy(generation_config)
             generation_config.cache_implementation = None
             return original(self, generation_config, model_kwargs, *args, **kwargs)

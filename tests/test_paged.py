@@ -14,6 +14,7 @@ from kivi_xpu import KiviCache, use_fused_attention
 from kivi_xpu.integration import cache_argument
 from kivi_xpu.paged import SUPPORTED_TRANSFORMERS, check_transformers_version, generate_batch, init_continuous_batching
 from kivi_xpu.paged import manager as manager_module
+from kivi_xpu.paged.budget import RequestTooLong
 from kivi_xpu.paged.cache import PageBudget
 
 pytestmark = pytest.mark.skipif(
@@ -272,6 +273,33 @@ def test_a_prompt_longer_than_the_budget_serves_exactly_is_refused_and_serving_g
         assert len(_finished(manager, request).generated_tokens) == 4
     finally:
         manager.stop(block=True, timeout=30)
+
+
+def test_generate_batch_refuses_an_input_the_budget_cannot_serve_before_any_work(model, monkeypatch):
+    """An input longer than the budget serves raises before any request runs (naming the input and the longest prompt
+    served), instead of transformers' empty results beside the fitting requests."""
+    manager = init_continuous_batching(model, _greedy(4), kv_memory=2 * MiB, **SMALL)
+    longest = manager.budget.longest_prompt(4, manager.max_batch_tokens)
+    started = []
+    monkeypatch.setattr(manager_module.KiviBatchingManager, "start", lambda self, *a, **k: started.append(1))
+    with pytest.raises(RequestTooLong, match=rf"inputs\[1\]: .* the longest prompt it serves exactly with 4 new tokens "
+                       rf"is {longest} "):  # fmt: skip
+        generate_batch(model, [[1] * 10, [1] * (longest + 1)], _greedy(4), kv_memory=2 * MiB, max_new_tokens=4,
+                       **SMALL)  # fmt: skip
+    assert not started
+
+
+def test_an_error_in_the_generation_thread_reaches_the_caller_of_generate_batch(model, monkeypatch):
+    """transformers' generation thread only logs what it raises and hands back requests with no tokens; here the
+    caller gets the error."""
+
+    def broken(cache, *args, **kwargs):
+        raise RuntimeError("a fault in the pages")
+
+    monkeypatch.setattr(manager_module.KiviPagedCache, "update", broken)
+    with pytest.raises(RuntimeError, match="generation thread: a fault in the pages") as raised:
+        generate_batch(model, _prompts((20, 30)), _greedy(4), kv_memory=2 * MiB, max_new_tokens=4, **SMALL)
+    assert str(raised.value.__cause__) == "a fault in the pages"
 
 
 def test_the_longest_prompt_is_served_exactly_in_chunks(model):

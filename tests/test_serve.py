@@ -18,6 +18,7 @@ from tiny_models import tiny_llama
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from kivi_xpu import KiviCache
 from kivi_xpu.__main__ import main
 from kivi_xpu.tools import serve as serve_tool
 
@@ -194,6 +195,40 @@ def test_chat_completions_equal_direct_generate(server, model_dir, expected):
     assert time.monotonic() < deadline
 
 
+def test_a_continued_chat_prefills_only_its_new_turn_and_answers_as_one_cache_across_turns(server, model_dir):
+    """The sequential server keeps the recent conversations' caches (--reuse-memory): a chat's second turn, which
+    repeats the first turn and its answer, is continued from the first turn's cache (the log says how many prompt
+    tokens were reused) and answers as a program that keeps one KiviCache across the turns."""
+    url, process = server
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="kivi").eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    first, second = PROMPTS[2], PROMPTS[3]
+    cache = KiviCache(model.config, **KIVI)
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": first}], add_generation_prompt=True,
+                                         return_dict=True, return_tensors="pt")  # fmt: skip
+    one = model.generate(**turn, cache=cache, max_new_tokens=MAX_TOKENS, do_sample=False)
+    answer = tokenizer.decode(one[0, turn["input_ids"].shape[1] :], skip_special_tokens=True)
+    messages = [{"role": "user", "content": first}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": second}]  # fmt: skip
+    turn = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    held = cache.get_seq_length()
+    assert turn["input_ids"][0, :held].tolist() == one[0, :held].tolist()  # the second turn repeats the first
+    two = model.generate(**turn, cache=cache, max_new_tokens=MAX_TOKENS, do_sample=False)
+    expected = tokenizer.decode(two[0, turn["input_ids"].shape[1] :], skip_special_tokens=True)
+    try:
+        assert chat(url, model_dir, first) == answer
+        response = client(url).chat.completions.create(model=str(model_dir), messages=messages, temperature=0,
+                                                       max_tokens=MAX_TOKENS)  # fmt: skip
+        assert response.choices[0].message.content == expected
+        reused = f"{held} of {turn['input_ids'].shape[1]} prompt tokens reused"
+        deadline = time.monotonic() + 10
+        while reused not in "".join(process.lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert reused in "".join(process.lines)
+    except (AssertionError, openai.APIError) as err:
+        raise AssertionError(f"{err}\nserver log:\n{process.log()}") from None
+
+
 def test_server_models_use_kivi(model_dir):
     """The model manager installed by `kivi-xpu serve` gives every model it loads the KIVI cache and the fused
     attention (in-process, without starting a server)."""
@@ -236,6 +271,23 @@ def test_continuous_batching_on_kivi_pages_answers_as_direct_generate_under_load
             answers = list(pool.map(lambda i: chat(url, model_dir, prompts[i], stream=i % 2 == 1), range(64)))
         assert answers == [expected[p] for p in prompts]
     except AssertionError as err:
+        raise AssertionError(f"{err}\nserver log:\n{process.log()}") from None
+
+
+def test_a_request_longer_than_the_budget_serves_gets_400_and_the_others_are_answered(batching_server, model_dir,
+                                                                                      expected):  # fmt: skip
+    """A prompt the whole --kv-memory cannot serve exactly gets HTTP 400 naming the longest prompt served (the
+    official client's BadRequestError), not a 500; requests beside and after it are answered as `generate`."""
+    url, process = batching_server
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            fitting = [pool.submit(chat, url, model_dir, prompt) for prompt in PROMPTS[:2]]
+            with pytest.raises(openai.BadRequestError, match="the longest prompt it serves exactly") as refused:
+                chat(url, model_dir, "word " * 60_000)
+            assert refused.value.status_code == 400 and refused.value.code == "context_length_exceeded"
+            assert [f.result() for f in fitting] == [expected[p] for p in PROMPTS[:2]]
+        assert chat(url, model_dir, PROMPTS[2]) == expected[PROMPTS[2]]
+    except (AssertionError, openai.APIError) as err:
         raise AssertionError(f"{err}\nserver log:\n{process.log()}") from None
 
 

@@ -45,6 +45,11 @@ def window_rows(settings: KiviSettings, heads: int, head_dim: int, itemsize: int
     return need
 
 
+class RequestTooLong(ValueError):
+    """A request that the whole ``kv_memory`` budget cannot serve exactly, even alone (the message names the longest
+    prompt it serves): a client's error, which ``kivi-xpu serve`` answers with HTTP 400."""
+
+
 class RequestNeeds(NamedTuple):
     """What one request takes from the pool: page blocks and exact units."""
 
@@ -120,10 +125,10 @@ class PageBudget(NamedTuple):
                                                                          max_batch_tokens))  # fmt: skip
 
     def check_request(self, prompt: int, new_tokens: int, max_batch_tokens: int) -> None:
-        """``ValueError`` for a request the empty pool cannot serve exactly."""
+        """:class:`RequestTooLong` (a ``ValueError``) for a request the empty pool cannot serve exactly."""
         longest = self.longest_prompt(new_tokens, max_batch_tokens)
         if prompt > longest:
-            raise ValueError(
+            raise RequestTooLong(
                 f"request of {prompt} prompt + {new_tokens} new tokens exceeds the `kv_memory` budget of KIVI pages "
                 f"({self.num_sectors * self.bytes_per_sector / 2**20:.1f} MiB) even alone: the longest prompt it "
                 f"serves exactly with {new_tokens} new tokens is {longest} tokens (a prompt's exact states wait in the "

@@ -76,12 +76,18 @@ class KiviBatchingManager(ContinuousBatchingManager):
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     **kwargs) -> str | None:  # fmt: skip
         """transformers' ``add_request``; a request that the whole budget cannot serve exactly is refused at once
-        (``ValueError`` naming the longest prompt it serves) instead of waiting forever."""
+        (:meth:`check_request`) instead of waiting forever."""
+        self.check_request(len(input_ids), max_new_tokens)
+        return super().add_request(input_ids, request_id, max_new_tokens, **kwargs)
+
+    def check_request(self, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
+        """:class:`~kivi_xpu.paged.budget.RequestTooLong` (a ``ValueError`` naming the longest prompt served) for a
+        request of ``prompt_tokens`` + ``max_new_tokens`` (default: the generation config's) that the whole budget
+        cannot serve exactly; ``ValueError`` without a ``max_new_tokens``."""
         new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         if new is None:
             raise ValueError("KIVI pages reserve each request's whole length at admission: give `max_new_tokens`")
-        self.budget.check_request(len(input_ids), new, self.max_batch_tokens)
-        return super().add_request(input_ids, request_id, max_new_tokens, **kwargs)
+        self.budget.check_request(prompt_tokens, new, self.max_batch_tokens)
 
     @property
     def cache(self) -> KiviPagedCache | None:
@@ -180,17 +186,27 @@ def generate_batch(
     **kwargs,
 ) -> dict:
     """``model.generate_batch`` (transformers' continuous batching of ``inputs``, lists of token ids) on KIVI pages:
-    returns ``{request_id: GenerationOutput}`` in input order. ``kwargs``: ``max_new_tokens`` and the
-    :class:`~kivi_xpu.KiviSettings` fields; the other arguments as :func:`init_continuous_batching`."""
+    returns ``{request_id: GenerationOutput}`` in input order, every request answered. ``kwargs``:
+    ``max_new_tokens`` and the :class:`~kivi_xpu.KiviSettings` fields; the other arguments as
+    :func:`init_continuous_batching`.
+
+    Raises before any work when an input is one the budget cannot serve (:class:`~kivi_xpu.paged.budget.RequestTooLong`
+    naming the input and the longest prompt served), and after it when the generation thread failed (the error it
+    raised, which transformers only logs) or a request came back failed or missing: never empty answers in silence."""
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     manager = init_continuous_batching(
         model, generation_config, continuous_batching_config, kv_memory=kv_memory, max_requests=max_requests,
         backend=backend, **kwargs,
     )  # fmt: skip
+    for index, prompt in enumerate(inputs):
+        try:
+            manager.check_request(len(prompt), max_new_tokens)
+        except ValueError as error:
+            raise type(error)(f"inputs[{index}]: {error}") from None
     previous = model.__dict__.get("_cached_continuous_batching_manager")
     model._cached_continuous_batching_manager = manager  # transformers' entry points use a cached manager
     try:
-        return model.generate_batch(
+        results = model.generate_batch(
             inputs, generation_config=manager.generation_config, max_new_tokens=max_new_tokens,
             progress_bar=progress_bar, warmup=False,
         )  # fmt: skip
@@ -199,3 +215,18 @@ def generate_batch(
             model.__dict__.pop("_cached_continuous_batching_manager", None)
         else:
             model._cached_continuous_batching_manager = previous
+    _raise_lost_work(manager, results, len(inputs))
+    return results
+
+
+def _raise_lost_work(manager: KiviBatchingManager, results: dict, expected: int) -> None:
+    """Raises what transformers' ``generate_batch`` only logs: the generation thread's fatal error, failed requests,
+    missing answers."""
+    fatal = manager.background_thread_status.fatal_error
+    if fatal is not None:
+        raise RuntimeError(f"continuous batching on KIVI pages failed in its generation thread: {fatal}") from fatal
+    failed = {request_id: result.error for request_id, result in results.items() if result.error is not None}
+    if failed:
+        raise RuntimeError(f"continuous batching on KIVI pages: requests failed: {failed}")
+    if len(results) != expected:
+        raise RuntimeError(f"continuous batching on KIVI pages answered {len(results)} of {expected} requests")

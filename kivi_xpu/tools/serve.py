@@ -39,18 +39,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 
 from ..attention import ATTENTION_NAME
 from ..cache import KiviCache
+from ..conversations import Conversations, remember_conversations
 from ..integration import CACHE_IMPLEMENTATION, build_cache, cache_kwargs
 from ..overrides import settings_json
-from .cli import KIVI_FLAGS, add_kivi_arguments, positive_int
+from .cli import KIVI_FLAGS, add_kivi_arguments, nonnegative_int, positive_int
 from .options import ToolError
 
 EXTRA_INSTALL = 'pip install "kivi-xpu[serve]"  (or: pip install "transformers[serving]")'
 
 DEFAULT_KV_MEMORY_MIB = 1024  # --kv-memory of --continuous-batching
+DEFAULT_REUSE_MEMORY_MIB = 256  # --reuse-memory of the sequential server
 
 COMPILE_ERROR = (
     "--compile is not supported by kivi-xpu serve: in transformers serve it only switches requests to a StaticCache "
@@ -93,6 +96,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"requests beyond it wait (default: {DEFAULT_KV_MEMORY_MIB})",
     )
     p.add_argument(
+        "--reuse-memory",
+        type=nonnegative_int,
+        default=DEFAULT_REUSE_MEMORY_MIB,
+        metavar="MIB",
+        help="without --continuous-batching: MiB of recent conversations' caches kept, so that a request continuing "
+        "one prefills only its new tokens (0: none; default: %(default)s)",
+    )
+    p.add_argument(
         "--max-requests",
         type=positive_int,
         default=None,
@@ -133,10 +144,11 @@ def use_kivi_cache(model, config: dict) -> None:
     model.generation_config.cache_config = dict(config)
 
 
-def kivi_model_manager(base: type, config: dict, paged: dict | None = None) -> type:
+def kivi_model_manager(base: type, config: dict, paged: dict | None = None, reuse_bytes: int = 0) -> type:
     """A subclass of transformers' serving ``ModelManager`` (``base``) whose every loaded model generates with the
     KIVI cache (:func:`use_kivi_cache`), and which accepts ``attn_implementation="kivi"``; with ``paged``
-    (:func:`paged_options`), its continuous batching runs on KIVI pages."""
+    (:func:`paged_options`), its continuous batching runs on KIVI pages; without, its sequential ``generate``
+    continues the recent conversations within ``reuse_bytes`` (:mod:`kivi_xpu.conversations`; 0: never)."""
 
     class KiviModelManager(base):
         """transformers' ModelManager; each model it loads (again after an idle unload too) gets the KIVI cache."""
@@ -160,22 +172,47 @@ def kivi_model_manager(base: type, config: dict, paged: dict | None = None) -> t
 
                 budget = install(model, **paged)
                 print(budget.summary(model.generation_config.max_new_tokens or 0), file=sys.stderr)
+            elif reuse_bytes:
+                remember_conversations(model, Conversations(reuse_bytes))
             return model
 
     return KiviModelManager
 
 
 @contextlib.contextmanager
-def _kivi_model_manager_installed(config: dict, paged: dict | None):
-    """transformers' serving ``ModelManager`` replaced by :func:`kivi_model_manager`'s while the server runs."""
-    from transformers.cli.serving import model_manager
+def _kivi_model_manager_installed(config: dict, paged: dict | None, reuse_bytes: int = 0):
+    """transformers' serving ``ModelManager`` replaced by :func:`kivi_model_manager`'s, and its ``build_server`` by
+    :func:`_with_request_errors`, while the server runs."""
+    from transformers.cli.serving import model_manager, server
 
-    original = model_manager.ModelManager
-    model_manager.ModelManager = kivi_model_manager(original, config, paged)
+    original, build_server = model_manager.ModelManager, server.build_server
+    model_manager.ModelManager = kivi_model_manager(original, config, paged, reuse_bytes)
+    server.build_server = _with_request_errors(build_server)
     try:
         yield
     finally:
-        model_manager.ModelManager = original
+        model_manager.ModelManager, server.build_server = original, build_server
+
+
+def _with_request_errors(build_server):
+    """transformers' ``build_server``, whose app answers a request the KIVI pages cannot serve (longer than the
+    ``--kv-memory`` budget serves even alone: :class:`~kivi_xpu.paged.budget.RequestTooLong`) with HTTP 400 and the
+    message naming the longest prompt served, as vLLM answers a prompt over ``max_model_len``, instead of a 500."""
+    from fastapi.responses import JSONResponse
+
+    from ..paged.budget import RequestTooLong
+
+    def build(*args, **kwargs):
+        app = build_server(*args, **kwargs)
+
+        @app.exception_handler(RequestTooLong)
+        async def request_too_long(_request, error: RequestTooLong):
+            body = {"message": str(error), "type": "invalid_request_error", "code": "context_length_exceeded"}
+            return JSONResponse({"error": body}, status_code=400)
+
+        return app
+
+    return build
 
 
 def _check_serving_dependencies() -> None:
@@ -188,7 +225,7 @@ def _check_serving_dependencies() -> None:
         )
 
 
-def _transformers_serve_command(config: dict, paged: dict):
+def _transformers_serve_command(config: dict, paged: dict, reuse_bytes: int = 0):
     """transformers' ``serve`` click command, its callback wrapped: --compile refused, the attention defaulting to
     "kivi", and the KIVI model manager (with ``paged``, the :func:`paged_options`, under --continuous-batching)
     installed around ``Serve`` (which runs the server)."""
@@ -213,7 +250,7 @@ def _transformers_serve_command(config: dict, paged: dict):
                 raise ToolError(str(err)) from None
         if params.get("attn_implementation") is None:
             params["attn_implementation"] = ATTENTION_NAME
-        with _kivi_model_manager_installed(config, paged if batching else None):
+        with _kivi_model_manager_installed(config, paged if batching else None, reuse_bytes):
             return serve(**params)
 
     command.callback = callback
@@ -235,6 +272,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _log_to_stderr() -> None:
+    """kivi_xpu's log (logger ``kivi_xpu``: the attention path, continued conversations) in the server's output."""
+    log = logging.getLogger("kivi_xpu")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def serve(argv: list[str]) -> int:
     """``kivi-xpu serve ARGV``: runs the server until it is stopped (SIGINT/SIGTERM); returns the exit code.
     :class:`ToolError` for a missing serving dependency, bad KIVI options or --compile."""
@@ -248,10 +295,13 @@ def serve(argv: list[str]) -> int:
         print(kivi_parser.format_help())
         rest = ["--help" if arg == "-h" else arg for arg in rest]
     _check_serving_dependencies()
+    _log_to_stderr()
     config = cache_config(options)
     paged = paged_options(options, config)
     try:
-        _transformers_serve_command(config, paged).main(args=rest, prog_name="kivi-xpu serve")
+        _transformers_serve_command(config, paged, options.reuse_memory * 2**20).main(
+            args=rest, prog_name="kivi-xpu serve"
+        )
     except SystemExit as done:  # click ends with sys.exit; a usage error has printed its message
         return done.code if isinstance(done.code, int) else 0
     return 0
