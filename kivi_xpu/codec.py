@@ -24,7 +24,7 @@ from .ops import kernel
 from .ops.checks import codes_per_byte
 from .ops.operands import DecodeInputs, KindOperands
 from .rotation import rotate, rotation_matrix, unrotate
-from .storage import MIN_GROWTH_TOKENS, PackedHistory, PackedLayout
+from .storage import PackedHistory, PackedLayout, growth_tokens
 
 
 class KindCodec:
@@ -56,8 +56,7 @@ class KindCodec:
         return rotation_matrix(self.rotation_name, self.head_dim, device)
 
     def layout(self, residual_length: int) -> PackedLayout:
-        """The layout of this kind's packed history (at least one residual block reserved, capped at
-        ``MIN_GROWTH_TOKENS``)."""
+        """The layout of this kind's packed history (reserving :func:`~kivi_xpu.storage.growth_tokens`)."""
         raise NotImplementedError
 
     def pack(self, history: PackedHistory, x: torch.Tensor) -> None:
@@ -118,8 +117,7 @@ class KeyCodec(KindCodec):
                    backend)  # fmt: skip
 
     def layout(self, residual_length: int) -> PackedLayout:
-        d = self.head_dim
-        growth = min(residual_length, MIN_GROWTH_TOKENS)
+        d, growth = self.head_dim, growth_tokens(residual_length)
         return PackedLayout(3, codes_per_byte(self.bits), self.group, d, d, self.meta_dtype, growth)
 
     def quantize(self, x: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,7 +125,7 @@ class KeyCodec(KindCodec):
         (once per G tokens: not worth folding into the op), quantized on ``device`` (default: ``x``'s)."""
         x = rotate(x, self.rotation(x.device))
         x = x.contiguous() if device is None else x.to(device).contiguous()
-        parts = kernel("quantize_keys", self.backend)(x, self.group, self.bits, self.meta_dtype)
+        parts = kernel(self.quantize_op, self.backend)(x, self.group, self.bits, self.meta_dtype)
         if self.meta_dtype == torch.float16 and x.dtype != torch.float16:
             warn_on_metadata_overflow(x, parts[1], self.kind)  # only then can it overflow
         return parts
@@ -150,8 +148,8 @@ class ValueCodec(KindCodec):
 
     def layout(self, residual_length: int) -> PackedLayout:
         d = self.head_dim
-        growth = min(residual_length, MIN_GROWTH_TOKENS)
-        return PackedLayout(2, 1, 1, d // codes_per_byte(self.bits), d // self.group, self.meta_dtype, growth)
+        code_width, meta_width = d // codes_per_byte(self.bits), d // self.group
+        return PackedLayout(2, 1, 1, code_width, meta_width, self.meta_dtype, growth_tokens(residual_length))
 
     def quantize_into(self, x: torch.Tensor, codes, scales, zeros, row: int) -> None:
         """Quantizes ``x [B, H, n, D]`` into token rows ``[row, row + n)`` of ``codes`` / ``scales`` / ``zeros``

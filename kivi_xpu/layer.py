@@ -176,7 +176,7 @@ class KiviLayer(CacheLayerMixin):
         step = self._steady_step(k, v) if one_call else None
         keys_out, values_out, inputs = step if step is not None else self._append(k, v)
         if inputs is not None:
-            fused = self.attention == "auto" and fuses(self.model_config, self.attention_seen)  # (self.fused)
+            fused = self.fused
             if fused is not self._logged_path:
                 log_attention_path(self)
                 self._logged_path = fused

@@ -48,6 +48,11 @@ def padded_channel_row(elements: int, itemsize: int) -> int:
     return elements
 
 
+def growth_tokens(residual_length: int) -> int:
+    """Tokens a packed history reserves at least: one residual block, capped at ``MIN_GROWTH_TOKENS``."""
+    return min(residual_length, MIN_GROWTH_TOKENS)
+
+
 def size_class(needed: int, min_rows: int) -> int:
     """The capacity of an unbounded buffer that must hold ``needed`` rows: ``needed`` rounded up to a multiple of
     ``max(min_rows // SHORT_STEPS_PER_BLOCK, 2**k)``, with ``2**k`` the largest power of two ≤ ``needed /
@@ -274,7 +279,7 @@ class PackedHistory:
         <kivi_xpu.stream.KindStream.__setstate__>`)."""
         if "layout" not in state:
             codes, scales = state["codes"], state["scales"]
-            growth = min(state["settings"].residual_length, MIN_GROWTH_TOKENS)
+            growth = growth_tokens(state["settings"].residual_length)
             layout = PackedLayout(codes.dim, state["tokens_per_code_row"], state["tokens_per_meta_row"], codes.width,
                                   scales.width, scales.dtype, growth)  # fmt: skip
             kept = ("codes", "scales", "zeros", "num_tokens")
