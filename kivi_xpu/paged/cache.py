@@ -24,6 +24,7 @@ from ..codec import KeyCodec, ValueCodec
 from .budget import PAGES, UNITS, PageBudget
 from .holdings import Holdings
 from .pages import KiviPageAllocator
+from .prefixes import unit_hashes
 from .store import DecodePlan, DecodeRows, PageWriter, Request, RequestStep
 from .windows import ExactUnits
 
@@ -53,7 +54,8 @@ class KiviPagedCache(PagedAttentionCache):
     """
 
     def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype, *, kv_memory: int,
-                 settings: KiviSettings, backend: str, max_requests: int | None = None, **_ignored):  # fmt: skip
+                 settings: KiviSettings, backend: str, max_requests: int | None = None,
+                 salts: dict[str, str] | None = None, **_ignored):  # fmt: skip
         if distributed_helper.tp_size > 1:
             raise ValueError("KIVI pages do not support tensor-parallel continuous batching (tp_size > 1)")
         groups = group_layers_by_attn_type(config)
@@ -80,13 +82,19 @@ class KiviPagedCache(PagedAttentionCache):
         allocator.register_cache_tensor(self.bytes_per_sector, self.cache_tensor.numel(), self.cache_tensor,
                                         self.pool)  # fmt: skip
         self.units = ExactUnits(settings, budget, self.cache_tensor, self.pool, layers, heads, head_dim, dtype)
-        self.allow_block_sharing = self.use_prefix_sharing = False
+        # Prefix reuse (:mod:`.prefixes`), on unless ContinuousBatchingConfig(allow_block_sharing=False): transformers'
+        # scheduler then asks search_prefix_match for each new request, which admits a hit itself.
+        self.allow_block_sharing = self.use_prefix_sharing = bool(continuous_batching_config.allow_block_sharing)
+        self.scheduler = None  # set by the manager: a hit's admission reads the waiting request's state
+        self.salts = {} if salts is None else salts  # request id -> tenant salt
+        self._awaiting: set[str] = set()  # requests waiting for a prefix that another request is prefilling
+        self._batch_ids: list[str] = []  # the next forward's requests, in transformers' order
         self.num_blocks = allocator.num_blocks
         self.read_cache_limit = None
         self.max_decode_fast_path_length = 0
         self.max_tokens_read = allocator.tokens_per_page * allocator.num_blocks
         self.first_layer, self.last_layer = layers[0], layers[-1]
-        self.holdings = Holdings(budget, allocator, self.units, self.pool, self.device)
+        self.holdings = Holdings(settings, budget, allocator, self.units, self.pool, self.device)
         self._requests: list[Request] = []
         self._decode_plan: DecodePlan | None = None
         self._others: list[Request] = []
@@ -102,12 +110,36 @@ class KiviPagedCache(PagedAttentionCache):
         return self.cache_tensor.numel()
 
     @property
-    def held_bytes(self) -> int:
-        """Bytes of pages and exact units that requests hold now (lent sectors less their free blocks)."""
+    def free_bytes(self) -> int:
+        """Bytes of the pool no one holds: free sectors and the free blocks of lent ones."""
         budget, pool = self.budget, self.pool
-        lent = (self.num_sectors - pool.num_free_sectors) * self.bytes_per_sector
         page_block = budget.layout.page_bytes * budget.num_layers
-        return lent - pool.count_free_blocks(PAGES) * page_block - pool.count_free_blocks(UNITS) * budget.unit_bytes
+        return (pool.num_free_sectors * self.bytes_per_sector + pool.count_free_blocks(PAGES) * page_block
+                + pool.count_free_blocks(UNITS) * budget.unit_bytes)  # fmt: skip
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes that only cached prefixes hold (their exact units, and pages no request lists)."""
+        budget = self.budget
+        return (self.holdings.prefixes.cached_units * budget.unit_bytes
+                + len(self.holdings.cached_pages()) * budget.layout.page_bytes * budget.num_layers)  # fmt: skip
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of pages and exact units that requests hold now: the pool less what is free and what is cached
+        (``held_bytes + cached_bytes + free_bytes`` is always the pool)."""
+        return self.num_sectors * self.bytes_per_sector - self.free_bytes - self.cached_bytes
+
+    def drop_cached_prefixes(self) -> int:
+        """Evicts every cached prefix; returns how many."""
+        count = 0
+        while (evicted := self.holdings.prefixes.evict()) is not None:
+            unit, pages = evicted
+            self.units.give_back([unit])
+            self.pool.free_blocks(PAGES, pages)
+            count += 1
+        self.pool.try_to_free_sectors()
+        return count
 
     @property
     def requests_in_flight(self) -> int:
@@ -117,8 +149,9 @@ class KiviPagedCache(PagedAttentionCache):
 
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
         """Admission: a request not yet in flight is admitted only when all it will hold fits at once (its pages for
-        prompt + ``max_new_tokens``, its window, its exact prompt when this first chunk does not finish it); its
-        later steps then always fit, so transformers never preempts it."""
+        prompt + ``max_new_tokens``, its window, its exact prompt while staged), evicting cached prefixes if need be;
+        its later steps then always fit, so transformers never preempts it. (A request that found a cached prefix
+        was admitted by :meth:`search_prefix_match`.)"""
         allocator = self.cache_allocators[FULL_ATTENTION]
         request_id = state.request_id
         if request_id in self.holdings:
@@ -128,26 +161,81 @@ class KiviPagedCache(PagedAttentionCache):
                     f"pages reserved at its admission"
                 )
             return True
-        if self.budget.max_requests is not None and len(self.holdings) >= self.budget.max_requests:
+        if request_id in self._awaiting:
+            self._awaiting.discard(request_id)
             return False
-        if request_id.startswith("__warmup_"):
-            return False  # transformers' warm-up of padded shapes: nothing to warm on KIVI pages
+        if not self._admissible(request_id):
+            return False
         if state.current_len() or state.max_new_tokens is None:
             raise RuntimeError(
                 f"KiviPagedCache: request {request_id} arrived with {state.current_len()} tokens already processed or "
                 f"no max_new_tokens; KIVI pages admit fresh requests of known length only"
             )
         prompt = max(len(state.remaining_prefill_tokens), request_len)  # (a dry run may ask for any length)
-        split = request_len < prompt
-        needs = self.budget.needs(prompt, state.max_new_tokens - len(state.generated_tokens), split)
-        fits = self.holdings.fits(needs)
+        hashes = self._prompt_hashes(request_id, state.remaining_prefill_tokens) if not dry_run else []
+        staged = request_len < prompt or bool(hashes)
+        needs = self.budget.needs(prompt, state.max_new_tokens - len(state.generated_tokens), staged)
+        fits = self.holdings.fits(needs, evict=not dry_run)
         if fits and not dry_run:
-            self.holdings.take(request_id, needs, prompt, split)
+            self.holdings.take(request_id, needs, prompt, staged, hashes, [])
         return fits
 
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """transformers' scheduler asks this for each new request before admission, and makes the request active at
+        the returned position at once: so a hit (the first whole units of ``prompt_ids`` cached, at least one token
+        left to compute) is admitted here, with all it will hold; otherwise 0, and :meth:`can_store_request_tokens`
+        admits it from position 0, or keeps it waiting while another request prefills a unit of its prompt."""
+        state = None if self.scheduler is None else self.scheduler.waiting_requests.get(request_id)
+        if state is None or state.max_new_tokens is None or not self._admissible(request_id):
+            return 0
+        prefixes, rows = self.holdings.prefixes, self.budget.rows
+        hashes = self._prompt_hashes(request_id, prompt_ids)
+        chain = prefixes.match(hashes[: (len(prompt_ids) - 1) // rows])
+        if prefixes.awaited(hashes[len(chain) :], request_id):
+            self._awaiting.add(request_id)
+            return 0
+        if not chain:
+            return 0
+        prompt, new = len(prompt_ids), state.max_new_tokens - len(state.generated_tokens)
+        needs = self.budget.needs(prompt, new, True)
+        shared = len(prefixes.shared_pages(chain))
+        needs = needs._replace(pages=needs.pages - shared, units=needs.units - len(chain))
+        if not self.holdings.fits(needs, keep=chain):
+            return 0  # (admission from position 0 may still fit, evicting this prefix too)
+        self.holdings.take(request_id, needs, prompt, True, hashes, chain)
+        return len(chain) * rows
+
+    def _admissible(self, request_id: str) -> bool:
+        if self.budget.max_requests is not None and len(self.holdings) >= self.budget.max_requests:
+            return False
+        return not request_id.startswith("__warmup_")  # transformers' warm-up of padded shapes: nothing to warm
+
+    def _prompt_hashes(self, request_id: str, prompt_ids: list[int]) -> list[int]:
+        """The hash chain of the prompt's whole units (none without prefix reuse)."""
+        if not self.use_prefix_sharing:
+            return []
+        rows = self.budget.rows
+        return unit_hashes(prompt_ids, rows, self.salts.get(request_id), len(prompt_ids) // rows)
+
+    def count_new_complete_blocks(self, state, request_len: int) -> dict:
+        return {}  # units are registered by update (:meth:`Holdings.register_filled_units`), not by block hashes
+
+    def mark_complete_blocks(self, state, complete_blocks) -> None:
+        pass
+
+    def evict_cached_blocks(self) -> bool:
+        return False  # cached prefixes are evicted by admission, one at a time, only when a request needs the room
+
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
+        """transformers' indices, and the order of the next forward's requests (which names them in :meth:`_plan`)."""
+        self._batch_ids.append(request_id)
+        super().extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index)
+
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
-        """Returns everything the request holds: its pages, its window, its staged prompt."""
+        """Returns everything the request holds: its pages, its window, its staged prompt (the whole units of its
+        prompt stay cached)."""
         self.holdings.free(request_id)
+        self.salts.pop(request_id, None)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         for request_id in list(self.cache_allocators[FULL_ATTENTION].block_table):
@@ -162,26 +250,23 @@ class KiviPagedCache(PagedAttentionCache):
     # ---------------------------------------------------------------- update
 
     def _plan(self, kwargs: dict[str, Any]) -> list[Request]:
-        """The requests of this forward, from the batch's cumulative lengths and indices (once per forward)."""
-        allocator = self.cache_allocators[FULL_ATTENTION]
-        t, stride = allocator.tokens_per_page, allocator.block_physical_stride
+        """The requests of this forward, named in transformers' order (once per forward)."""
         cu_q = kwargs["cu_seq_lens_q"].tolist()
         cu_k = kwargs["cu_seq_lens_k"][FULL_ATTENTION].tolist()
-        read, write = kwargs["read_index"][0], kwargs["write_index"][0]
+        ids, self._batch_ids = self._batch_ids, []
         requests = []
         for r in range(len(cu_q) - 1):
             q_start, q_len = cu_q[r], cu_q[r + 1] - cu_q[r]
             if q_len == 0:
                 continue  # padding
+            if len(requests) == len(ids):
+                raise RuntimeError("KiviPagedCache: a forward has more requests than transformers prepared")
+            request_id = ids[len(requests)]
+            held = self.holdings[request_id]
             past = cu_k[r + 1] - cu_k[r] - q_len
-            # Physical token index = block * stride + offset: the first index of each page gives its block.
-            if read.numel():
-                blocks = read[cu_k[r] : cu_k[r + 1] : t] // stride
-            else:  # nothing read in this batch: every request starts here, its write indices cover it
-                blocks = write[q_start : q_start + q_len : t] // stride
-            request_id, held = self.holdings.of_first_block(int(blocks[0]))
-            requests.append(Request(request_id, held.slot, past, q_start, q_len, blocks.to(torch.int64),
-                                    held.prompt_end, held.staging, self.settings.split(past)))  # fmt: skip
+            requests.append(Request(request_id, held.slot, past, q_start, q_len, held.blocks, held.prompt_end,
+                                    held.staging, self.settings.split(past), held.shared_pages,
+                                    held.keep_prompt))  # fmt: skip
         return requests
 
     def _plan_decode(self) -> None:
@@ -215,7 +300,10 @@ class KiviPagedCache(PagedAttentionCache):
         return key_states, value_states
 
     def _end_finished_staging(self) -> None:
-        """After the last layer: requests whose last prompt chunk ran return their staging units."""
+        """After the last layer: the whole units that prompts filled become cached prefixes, and requests whose last
+        prompt chunk ran return their staging units."""
         for r in self._others:
-            if r.staging is not None and r.past + r.q_len == r.prompt_end:
-                self.holdings.end_staging(r.request_id)
+            if r.staging is not None:
+                self.holdings.register_filled_units(r.request_id, r.past + r.q_len)
+                if r.past + r.q_len == r.prompt_end:
+                    self.holdings.end_staging(r.request_id)

@@ -49,7 +49,8 @@ class KiviBatchingManager(ContinuousBatchingManager):
 
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None, *, cache_options,
                  budget: PageBudget):  # fmt: skip
-        self._cache_options, self.budget = cache_options, budget
+        self.salts: dict[str, str] = {}  # request id -> tenant salt (read by the cache's prefix matching)
+        self._cache_options, self.budget = dict(cache_options, salts=self.salts), budget
         self.max_batch_tokens = continuous_batching_config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         _exact_scheduling(continuous_batching_config)
         logger.info(self.budget.summary(generation_config.max_new_tokens or 0, self.max_batch_tokens))
@@ -69,15 +70,24 @@ class KiviBatchingManager(ContinuousBatchingManager):
             original = continuous_api.PagedAttentionCache
             continuous_api.PagedAttentionCache = functools.partial(KiviPagedCache, **self._cache_options)
             try:
-                return super()._create_batch_processor()
+                processor = super()._create_batch_processor()
             finally:
                 continuous_api.PagedAttentionCache = original
+        processor.cache.scheduler = processor.scheduler  # a prefix hit is admitted with the waiting request's state
+        return processor
 
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
-                    **kwargs) -> str | None:  # fmt: skip
+                    *, cache_salt: str | None = None, **kwargs) -> str | None:  # fmt: skip
         """transformers' ``add_request``; a request that the whole budget cannot serve exactly is refused at once
-        (:meth:`check_request`) instead of waiting forever."""
+        (:meth:`check_request`) instead of waiting forever. ``cache_salt`` (as vLLM's): requests share cached
+        prefixes only with requests of the same salt (``None``: the unsalted tenant)."""
         self.check_request(len(input_ids), max_new_tokens)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"`cache_salt` must be a string or None, got {type(cache_salt).__name__}")
+        if cache_salt is not None and request_id is None:
+            raise ValueError("a request with a `cache_salt` needs its `request_id`")
+        if cache_salt is not None:
+            self.salts[request_id] = cache_salt
         return super().add_request(input_ids, request_id, max_new_tokens, **kwargs)
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
@@ -97,15 +107,19 @@ class KiviBatchingManager(ContinuousBatchingManager):
 
 
 def _exact_scheduling(config: ContinuousBatchingConfig) -> None:
-    """Turns off what would make a request's answer differ from its own ``generate`` with ``KiviCache``: prefix
-    sharing (a packed page depends on when it was packed) and CPU offloading (a restored request would lose its exact
-    window). Admission reserves all a request holds, so the scheduler's safety margin is not needed either."""
+    """Refuses what would make a request's answer differ from its own ``generate`` with ``KiviCache``: CPU
+    offloading (a restored request would lose its exact window). Asynchronous batching is refused too (the cache names
+    a forward's requests in the order transformers prepared them, which a batch prepared ahead would change). Prefix
+    sharing stays as configured: on KIVI pages it reuses exact prompt states (:mod:`.prefixes`). Admission reserves all
+    a request holds, so the scheduler's safety margin is not needed either."""
     if config.cpu_offload_space:
         raise ValueError(
             f"`cpu_offload_space` ({config.cpu_offload_space}) must be 0 with KIVI pages: admission reserves all a "
             "request will hold, so no request is ever offloaded or re-prefilled"
         )
-    config.allow_block_sharing = False
+    if config.use_async_batching:
+        raise ValueError("`use_async_batching` must be off with KIVI pages: each forward names its requests in order")
+    config.use_async_batching = False
     if config.safety_margin is None:
         config.safety_margin = 0.0
 

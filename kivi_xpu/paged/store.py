@@ -37,8 +37,10 @@ class Request(NamedTuple):
     q_len: int
     blocks: torch.Tensor  # int64 block ids of its pages 0, 1, ...
     prompt_end: int  # its prompt's length: tokens before it are prompt tokens
-    staging: torch.Tensor | None  # int64 units of its exact prompt while the prompt is split
+    staging: torch.Tensor | None  # int64 units of its exact prompt while the prompt is staged
     held: TokenSplit  # how its ``past`` tokens split (the rule)
+    shared_pages: int = 0  # its first pages are a cached prefix's: read, never written
+    keep_prompt: bool = False  # its whole prompt is staged (its units become cached prefixes)
 
     @property
     def in_prompt(self) -> bool:
@@ -92,10 +94,11 @@ class DecodePlan(NamedTuple):
             bases.append(base)
             window_rows.append((r.past - qk0, r.past - base))  # the new token's key and value rows
             rows.append((r.slot, s, qk0, s, qv0, s + qv0 - base, after.length))
-            if after.packed_values > qv0:  # the oldest exact value token leaves
+            shared = r.shared_pages * t  # packed positions a cached prefix's pages hold already
+            if after.packed_values > qv0 >= shared:  # the oldest exact value token leaves
                 leaving.append((r.slot, s + qv0 - base, int(r.blocks[qv0 // t]), qv0 % t))
             qk1 = after.packed_keys
-            if qk1 > qk0:  # the key window is full: its block leaves it
+            if qk1 > qk0 >= shared:  # the key window is full: its block leaves it
                 key_blocks.append((r, qk0, qk1 - qk0))
         return cls(
             decode,
@@ -137,7 +140,7 @@ class PageWriter:
         if plan.leaving is not None:
             self._pack_leaving_values(pages, value_windows, plan.leaving)
         for r, qk0, count in plan.key_blocks:
-            self._pack_keys(pages, r.blocks, qk0, key_windows[r.slot, :, s : s + count].unsqueeze(0))
+            self._pack_keys(pages, _Private(r.blocks, 0), qk0, key_windows[r.slot, :, s : s + count].unsqueeze(0))
         args = (
             key_windows,
             value_windows,
@@ -182,10 +185,11 @@ class PageWriter:
         if past:
             staged_keys, staged_values = self.units.staged(request.staging, layer, past)
             keys, values = torch.cat([staged_keys, new_k], dim=2), torch.cat([staged_values, new_v], dim=2)
-        if past + m < request.prompt_end:
+        last = past + m == request.prompt_end
+        if not last or request.keep_prompt:
             self.units.stage(request.staging, layer, past, new_k, new_v)
-        else:
-            self._append(layer, pages, request.slot, request.blocks, self.settings.split(0), keys, values)
+        if last:
+            self._append(layer, pages, request, self.settings.split(0), keys, values)
         return RequestStep(q_start, m, keys, values, True)
 
     # ---------------------------------------------------------- other appends
@@ -196,8 +200,8 @@ class PageWriter:
         q_start, m, blocks = request.q_start, request.q_len, request.blocks
         new_k = key_states[:, :, q_start : q_start + m]
         new_v = value_states[:, :, q_start : q_start + m]
-        (key_tail, key_sinks), (value_tail, value_sinks) = self._append(layer, pages, request.slot, blocks,
-                                                                        request.held, new_k, new_v)  # fmt: skip
+        (key_tail, key_sinks), (value_tail, value_sinks) = self._append(layer, pages, request, request.held, new_k,
+                                                                        new_v)  # fmt: skip
         t, k, v = self.settings.key_group_size, self.key_codec, self.value_codec
         key_count, value_count = request.held.packed_keys, request.held.packed_values
         key_parts, value_parts = pages.keys(blocks[: -(-key_count // t)]), pages.values(blocks[: -(-value_count // t)])
@@ -205,11 +209,13 @@ class PageWriter:
         values = KindOperands(value_sinks, *value_parts, value_count, v.group, v.bits, value_tail, self.value_rotation)
         return RequestStep(q_start, m, keys, values, False)
 
-    def _append(self, layer: int, pages: LayerPages, slot: int, blocks, before: TokenSplit, new_k, new_v):
-        """Appends ``new_k`` / ``new_v [1, H, m, D]`` after the tokens split as ``before``: sinks, packed tokens and
-        window as :mod:`.windows` lays them out. Returns per kind the exact tail (window rows, then the new tokens:
-        the tokens leaving now are still in it, as attention reads them) and the sinks held before."""
-        units, s = self.units, self.settings.sink_tokens
+    def _append(self, layer: int, pages: LayerPages, request: Request, before: TokenSplit, new_k, new_v):
+        """Appends ``new_k`` / ``new_v [1, H, m, D]`` to ``request`` after the tokens split as ``before``: sinks,
+        packed tokens and window as :mod:`.windows` lays them out (its shared pages are not written: they hold these
+        bytes already). Returns per kind the exact tail (window rows, then the new tokens: the tokens leaving now are
+        still in it, as attention reads them) and the sinks held before."""
+        units, s, slot = self.units, self.settings.sink_tokens, request.slot
+        blocks = _Private(request.blocks, request.shared_pages * self.settings.key_group_size)
         after = self.settings.split(before.length + new_k.shape[2])
         units.move_values(layer, slot, before)
         base, base_after = units.value_base[layer][slot], units.value_base_for(after)
@@ -241,15 +247,21 @@ class PageWriter:
         rows[:, first_after : first_after + after.length - after.sinks - packed_after] = tail[0, :, start + leaving :]
         return tail, sinks
 
-    def _pack_keys(self, pages: LayerPages, blocks, start: int, keys) -> None:
-        """Quantizes ``keys [1, H, n, D]`` (packed positions ``[start, start + n)``, whole pages) into their pages."""
-        t = self.settings.key_group_size
+    def _pack_keys(self, pages: LayerPages, blocks: _Private, start: int, keys) -> None:
+        """Quantizes ``keys [1, H, n, D]`` (packed positions ``[start, start + n)``, whole pages) into their pages,
+        except into shared ones."""
+        start, keys = blocks.from_private(start, keys)
+        if not keys.shape[2]:
+            return
+        t, blocks = self.settings.key_group_size, blocks.blocks
         codes, scales, zeros = self.key_codec.quantize(keys)
         pages.store_keys(blocks[start // t : (start + keys.shape[2]) // t], codes, scales, zeros)
 
-    def _pack_values(self, pages: LayerPages, blocks, start: int, values) -> None:
-        """Quantizes ``values [1, H, n, D]`` (packed positions ``[start, start + n)``) into their pages' rows."""
-        t, done, n = self.settings.key_group_size, 0, values.shape[2]
+    def _pack_values(self, pages: LayerPages, blocks: _Private, start: int, values) -> None:
+        """Quantizes ``values [1, H, n, D]`` (packed positions ``[start, start + n)``) into their pages' rows, except
+        into shared pages."""
+        start, values = blocks.from_private(start, values)
+        t, done, n, blocks = self.settings.key_group_size, 0, values.shape[2], blocks.blocks
         while done < n:
             position = start + done
             page, row = int(blocks[position // t]), position % t
@@ -262,3 +274,16 @@ class PageWriter:
                 row,
             )
             done += count
+
+
+class _Private(NamedTuple):
+    """A request's pages as the packers see them: ``blocks`` (int64), of which packed positions before ``shared`` are
+    a cached prefix's pages."""
+
+    blocks: torch.Tensor
+    shared: int
+
+    def from_private(self, start: int, states: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Packed positions ``[start, start + n)`` of ``states [1, H, n, D]`` less those in shared pages."""
+        skip = min(states.shape[2], max(0, self.shared - start))
+        return start + skip, states[:, :, skip:]
