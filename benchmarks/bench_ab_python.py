@@ -84,9 +84,38 @@ def worker(args) -> None:
     print(json.dumps({"package": str(Path(kivi_xpu.__file__).parent), **medians}))
 
 
+def add_ab_arguments(parser, pairs: int) -> None:
+    """The driver's ``--a``, ``--b``, ``--pairs`` and the hidden ``--worker``."""
+    parser.add_argument("--a", default="HEAD", help="git revision of A, or - for the working tree (default HEAD)")
+    parser.add_argument("--b", default="-", help="git revision of B, or - for the working tree (default -)")
+    parser.add_argument("--pairs", type=int, default=pairs, help=f"process pairs (default {pairs})")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def alternate(args, run_arm, describe) -> dict[str, list[dict]]:
+    """``args.pairs`` pairs of processes of revisions ``args.a`` and ``args.b`` (``run_arm(tree, args)`` runs one),
+    in alternating order; prints the CPU, each pair (``describe(result)``) and returns each arm's results."""
+    from kivi_xpu.tools.machine import lscpu_lines
+
+    print(*lscpu_lines(), sep="\n", flush=True)
+    trees = {"A": tree_of(args.a), "B": tree_of(args.b)}
+    results = {"A": [], "B": []}
+    for pair in range(args.pairs):
+        for arm in ("A", "B") if pair % 2 == 0 else ("B", "A"):
+            results[arm].append(run_arm(trees[arm], args))
+        print(f"pair {pair + 1}: " + ", ".join(f"{arm} {describe(r[-1])}" for arm, r in results.items()), flush=True)
+    return results
+
+
 def run_arm(tree: Path, args) -> dict:
-    command = [sys.executable, __file__, "--worker", "--batch", str(args.batch), "--context", str(args.context),
-               "--steps", str(args.steps)]  # fmt: skip
+    return run_worker(__file__, tree, ["--batch", str(args.batch), "--context", str(args.context), "--steps",
+                                       str(args.steps)])  # fmt: skip
+
+
+def run_worker(script: str, tree: Path, flags: list[str]) -> dict:
+    """Runs ``script --worker flags`` with ``tree``'s package first on the path; the JSON of its last line (whose
+    ``package`` must be ``tree``'s)."""
+    command = [sys.executable, script, "--worker", *flags]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
@@ -97,27 +126,15 @@ def run_arm(tree: Path, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--a", default="HEAD", help="git revision of A, or - for the working tree (default HEAD)")
-    p.add_argument("--b", default="-", help="git revision of B, or - for the working tree (default -)")
+    add_ab_arguments(p, pairs=5)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=60, help="decode steps timed per process (default 60)")
-    p.add_argument("--pairs", type=int, default=5, help="process pairs (default 5)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
-    from kivi_xpu.tools.machine import lscpu_lines
-
-    print(*lscpu_lines(), sep="\n", flush=True)
-    trees = {"A": tree_of(args.a), "B": tree_of(args.b)}
-    results = {"A": [], "B": []}
-    for pair in range(args.pairs):
-        for arm in ("A", "B") if pair % 2 == 0 else ("B", "A"):
-            results[arm].append(run_arm(trees[arm], args))
-        print(f"pair {pair + 1}: " + ", ".join(f"{arm} {r[-1]['steady']:.2f} / {r[-1]['run_start']:.2f} ms"
-                                               for arm, r in results.items()), flush=True)  # fmt: skip
+    results = alternate(args, run_arm, lambda r: f"{r['steady']:.2f} / {r['run_start']:.2f} ms")
     print(f"SmolLM2-135M fp32, batch {args.batch}, context {args.context}, {args.steps} steps per process, "
           f"{args.pairs} pairs; A = {args.a}, B = {args.b}")  # fmt: skip
     for what, label in (("steady", "steady step"), ("run_start", "step planning new runs")):

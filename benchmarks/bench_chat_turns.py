@@ -5,7 +5,9 @@ question, then follow-up questions, each turn sending the whole conversation so 
 * ``kivi``: ``kivi-xpu serve`` (sequential), which continues a kept conversation (``--reuse-memory``);
 * ``kivi-fresh``: the same with ``--reuse-memory 0`` (every turn prefilled whole, as before it kept them);
 * ``dynamic``: ``transformers serve`` (sequential, DynamicCache, no reuse);
-* ``dynamic-cb`` / ``kivi-cb``: the continuous-batching servers (transformers' pool shares cached blocks).
+* ``dynamic-cb`` / ``kivi-cb``: the continuous-batching servers (transformers' pool shares cached blocks; KIVI pages
+  start a request after the cached exact units of its prompt);
+* ``kivi-cb-fresh``: ``kivi-cb`` with ``--no-prefix-reuse``.
 
     python benchmarks/bench_chat_turns.py --model smollm2 --servers kivi kivi-fresh dynamic-cb --prompt-words 1300
 """
@@ -24,7 +26,8 @@ from bench_serve import Server, fp32_blocks, prompts, server_command  # noqa: E4
 from kivi_xpu.tools.loading import resolve_model  # noqa: E402
 from kivi_xpu.tools.machine import lscpu_lines  # noqa: E402
 
-SERVERS = ("kivi", "kivi-fresh", "dynamic", "dynamic-cb", "kivi-cb")
+SERVERS = ("kivi", "kivi-fresh", "dynamic", "dynamic-cb", "kivi-cb", "kivi-cb-fresh")
+FRESH_FLAGS = {"kivi-fresh": ["--reuse-memory", "0"], "kivi-cb-fresh": ["--no-prefix-reuse"]}
 QUESTIONS = (
     "What is the main topic of this document? Answer in one sentence.",
     "Who are the people named in it?",
@@ -80,8 +83,8 @@ def main() -> None:
     results = {}
     for name in args.servers:
         command = server_command(name.removesuffix("-fresh"), model, "float32", {}, batching)
-        if name == "kivi-fresh":
-            command[command.index("serve") + 1 : command.index("serve") + 1] = ["--reuse-memory", "0"]
+        if name in FRESH_FLAGS:
+            command[command.index("serve") + 1 : command.index("serve") + 1] = FRESH_FLAGS[name]
         server = Server(command, timeout=300)
         try:
             results[name] = conversation(server.url, model, document, args.turns, args.max_tokens)

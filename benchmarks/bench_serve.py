@@ -17,8 +17,10 @@ Each server is started here (`python -m kivi_xpu serve` / `python -m transformer
 127.0.0.1, port 0, the model preloaded, --device cpu), warmed up with one request, sent the N requests (fixed
 prompts: the first --prompt-words words of news articles from kivi_xpu.assets.news_text(), greedy, --max-tokens
 each) from --concurrency client threads with the official `openai` client, and stopped. Printed per server:
-requests/s, completion tokens/s (from the responses' `usage`) and the mean request latency; `--url` measures an
-already running server instead.
+requests/s, completion tokens/s (from the responses' `usage`), the mean request latency and the prompt tokens the
+server found cached (`usage.prompt_tokens_details.cached_tokens`, where it reports them); `--url` measures an already
+running server instead. `--shared-document`: every request is the first prompt's document and a question of its own
+(the workload that prefix reuse serves; the continued chat is `bench_chat_turns.py`).
 
 KV memory, not asked of the servers (they have no such endpoint): the last request is generated once more here, in
 process, with the same chat template and token count, into a KiviCache with the same settings and into a
@@ -191,7 +193,10 @@ def load(url: str, model: str, texts: list[str], concurrency: int, max_tokens: i
         results = list(pool.map(ask, texts))
     wall = time.perf_counter() - start
     tokens = sum(usage.completion_tokens for usage, _ in results)
+    details = [usage.prompt_tokens_details for usage, _ in results]
     return {
+        "prompt_tokens": sum(usage.prompt_tokens for usage, _ in results),
+        "cached_tokens": sum((d.cached_tokens or 0) if d is not None else 0 for d in details),
         "requests_per_s": len(texts) / wall,
         "completion_tokens_per_s": tokens / wall,
         "mean_latency_s": sum(seconds for _, seconds in results) / len(results),
@@ -233,6 +238,11 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=positive_int, default=4, help="client threads (default 4)")
     parser.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per request (default 64)")
     parser.add_argument("--prompt-words", type=positive_int, default=400, help="article words per prompt (400)")
+    parser.add_argument(
+        "--shared-document",
+        action="store_true",
+        help="every request: the same document (the first prompt) and a question of its own",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300, help="seconds to wait for a server (300)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--cb-block-size", type=positive_int, default=32, help="full-precision CB block tokens (32)")
@@ -244,6 +254,9 @@ def main(argv=None) -> int:
     kivi = cache_config(args)
     model = resolve_model(args.model)
     texts = prompts(args.requests, args.prompt_words)
+    if args.shared_document:  # one document, a question of its own each
+        document = texts[0]
+        texts = [f"{document}\n\nQuestion {i + 1}: what is said about topic {i + 1}?" for i in range(args.requests)]
 
     runs = {}
     batching = {
@@ -267,7 +280,8 @@ def main(argv=None) -> int:
         print(
             f"{name:<11} {run['requests_per_s']:.3f} requests/s  {run['completion_tokens_per_s']:.1f} tokens/s  "
             f"mean latency {run['mean_latency_s']:.1f} s  ({args.requests} requests, concurrency {args.concurrency}, "
-            f"{run['completion_tokens']} tokens in {run['wall_s']:.1f} s)",
+            f"{run['completion_tokens']} tokens in {run['wall_s']:.1f} s; prompt tokens found cached: "
+            f"{run['cached_tokens']} of {run['prompt_tokens']})",
             flush=True,
         )
     last_tokens = next(iter(runs.values()))["last_usage"]["completion_tokens"]

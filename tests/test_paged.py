@@ -97,12 +97,13 @@ def test_bf16_answers_differ_from_own_generate_only_at_near_ties(model, max_batc
 
 
 @pytest.mark.parametrize("max_batch_tokens", [7, 16, 64, None])
-def test_split_prompts_answer_as_each_requests_own_generate(model, max_batch_tokens):
+@pytest.mark.parametrize("reuse", [True, False])
+def test_split_prompts_answer_as_each_requests_own_generate(model, max_batch_tokens, reuse):
     """However the scheduler splits the prompts (several times the batch's tokens, several requests' chunks in one
     forward, prompts joining while others decode), each answer equals the request's own generate, whose prefill
-    attends the exact prompt."""
+    attends the exact prompt; with prefix reuse on (the default: the prompts share nothing) and off."""
     prompts, new = _prompts((150, 3, 45, 97, 1, 230)), 24
-    config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, allow_block_sharing=reuse)
     results = generate_batch(model, prompts, _greedy(new), config, kv_memory=4 * MiB, max_new_tokens=new, **SMALL)
     for prompt, answer in zip(prompts, _answers(results), strict=True):
         assert answer == _own_generate(model, prompt, new, **SMALL)

@@ -85,8 +85,8 @@ def test_requests_sharing_a_document_answer_as_their_own_generate(model, max_bat
 
 
 def test_a_continued_chat_starts_after_the_previous_turns_prompt(model):
-    """Turn 2's prompt is turn 1's prompt, its answer and a new question: it starts after turn 1's whole units, and
-    turn 3 after turn 2's."""
+    """Turn 2's prompt is turn 1's prompt, its answer and a new question: it starts after turn 1's prompt (its whole
+    units and the tail after them), and turn 3 after turn 2's."""
     new = 12
     manager = init_continuous_batching(model, _greedy(new), kv_memory=4 * MiB, **SMALL)
     manager.start()
@@ -101,8 +101,8 @@ def test_a_continued_chat_starts_after_the_previous_turns_prompt(model):
                 prompt = prompt + answer.generated_tokens + question
     finally:
         manager.stop(block=True, timeout=30)
-    rows = cache.budget.rows
-    assert [cached for _, _, cached in turns] == [0] + [len(p) // rows * rows for p, _, _ in turns[:-1]]
+    assert [cached for _, _, cached in turns] == [0] + [len(p) for p, _, _ in turns[:-1]]
+    assert len(turns[0][0]) % cache.budget.rows  # (the first prompt has a tail)
     for prompt, answer, _ in turns:
         assert answer == _own_generate(model, prompt, new, **SMALL)
     _check_accounts(cache)
@@ -144,6 +144,43 @@ def test_a_hit_stores_what_its_own_kivi_cache_stores(model, monkeypatch):
             assert torch.equal(own.view(), paged[..., : own.view().shape[3]])
         for own, paged in zip(values.buffers(), page_values, strict=True):
             assert torch.equal(own.view(), paged[:, :, : values.num_tokens])
+
+
+def test_cancelling_a_request_that_holds_shared_pages_keeps_every_count(model):
+    """Requests started after a cached document, cancelled mid-prefill and mid-decode, return what they held and
+    nothing more: the document stays cached and the next request starts after it, answering as its own generate."""
+    prompts = _document_prompts(120, (200, 3, 9))
+    config = ContinuousBatchingConfig(max_batch_tokens=8)
+    manager = init_continuous_batching(model, _greedy(400), config, kv_memory=4 * MiB, **SMALL)
+    manager.start()
+    try:
+        cache = _wait_for_cache(manager)
+        _finished(manager, manager.add_request(prompts[0], "donor", max_new_tokens=2))
+        entries = len(cache.holdings.prefixes.entries)
+        in_prefill = manager.add_request(prompts[0][:120] + prompts[0][121:], "prefill", max_new_tokens=4)
+        deadline = time.monotonic() + 30
+        while "prefill" not in cache.holdings:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        manager.cancel_request(in_prefill)
+        assert cache.cached_prompt_tokens["prefill"] > 0  # it started after the document
+        decoding = manager.add_request(prompts[1], "decode", max_new_tokens=400, streaming=True)
+        for seen, _output in enumerate(manager.request_id_iter(decoding)):
+            if seen == 2:
+                assert cache.holdings["decode"].shared_pages > 0
+                manager.cancel_request(decoding)
+                break
+        while cache.requests_in_flight:
+            assert time.monotonic() < deadline, "a cancelled request kept what it held"
+            time.sleep(0.01)
+        _check_accounts(cache)
+        assert cache.held_bytes == 0 and len(cache.holdings.prefixes.entries) >= entries
+        before = cache.holdings.prefixes.cached_tokens
+        answer = _finished(manager, manager.add_request(prompts[2], "after", max_new_tokens=6)).generated_tokens
+        assert cache.holdings.prefixes.cached_tokens - before >= 120 // cache.budget.rows * cache.budget.rows
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert answer == _own_generate(model, prompts[2], 6, **SMALL)
 
 
 def test_requests_of_different_salts_never_share(model):
@@ -236,9 +273,9 @@ def test_a_soak_of_shared_prefixes_and_cancels_keeps_every_count(model):
 
 def test_eviction_takes_leaves_least_recently_used_first():
     index = PrefixIndex()
-    a0 = index.register(1, None, 0, unit=10)
-    a1 = index.register(2, 1, 1, unit=11)
-    b0 = index.register(3, None, 0, unit=12)
+    a0 = index.register(1, None, 0, unit=10, rows=8)
+    a1 = index.register(2, 1, 1, unit=11, rows=8)
+    b0 = index.register(3, None, 0, unit=12, rows=8)
     index.release_units([a0, a1, b0])  # all cached; a1 is a leaf, a0 is not
     index.acquire([b0])
     index.release_units([b0])  # b0 used last
@@ -248,7 +285,7 @@ def test_eviction_takes_leaves_least_recently_used_first():
 
 def test_a_running_requests_units_and_shared_pages_are_never_evicted():
     index = PrefixIndex()
-    entry = index.register(1, None, 0, unit=7)  # held by the request prefilling it
+    entry = index.register(1, None, 0, unit=7, rows=8)  # held by the request prefilling it
     index.attach_pages(entry, [(0, 100), (1, 101)])
     assert index.evict() is None
     index.release_units([entry])  # its prompt is stored: cached, its pages still listed by the request

@@ -291,6 +291,43 @@ def test_a_request_longer_than_the_budget_serves_gets_400_and_the_others_are_ans
         raise AssertionError(f"{err}\nserver log:\n{process.log()}") from None
 
 
+def test_a_continued_chat_on_kivi_pages_starts_after_its_history_and_reports_cached_tokens(batching_server,
+                                                                                            model_dir):  # fmt: skip
+    """On the continuous-batching server a chat's second turn starts after the first turn's prompt (cached exact
+    states), answers as its own `generate` with the same KiviCache settings, and its `usage` says how many prompt
+    tokens were found cached, streamed or not (0 for the first turn)."""
+    url, process = batching_server
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="kivi").eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    first = [{"role": "user", "content": " ".join(WORDS[(5 * i) % 113] for i in range(90))}]
+    request = dict(model=str(model_dir), temperature=0, max_tokens=MAX_TOKENS)
+    try:
+        one = client(url).chat.completions.create(messages=first, **request)
+        assert one.usage.prompt_tokens_details.cached_tokens == 0
+        messages = [*first, {"role": "assistant", "content": one.choices[0].message.content},
+                    {"role": "user", "content": PROMPTS[0]}]  # fmt: skip
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                               return_tensors="pt")  # fmt: skip
+        own = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, cache_implementation="kivi",
+                             cache_config=KIVI)[0, inputs["input_ids"].shape[1] :]  # fmt: skip
+        expected = tokenizer.decode(own, skip_special_tokens=True)
+        first_prompt = one.usage.prompt_tokens
+        for stream in (False, True):
+            if not stream:
+                two = client(url).chat.completions.create(messages=messages, **request)
+                answer, usage = two.choices[0].message.content, two.usage
+            else:
+                chunks = list(client(url).chat.completions.create(messages=messages, stream=True, **request))
+                answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                usage = next(c.usage for c in chunks if c.usage is not None)
+            assert answer == expected
+            # The first time: after all of turn 1's prompt; the same turn again: after its own whole units.
+            least = 1 if stream else first_prompt
+            assert least <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    except (AssertionError, openai.APIError) as err:
+        raise AssertionError(f"{err}\nserver log:\n{process.log()}") from None
+
+
 def test_disconnected_streams_give_their_slots_back(batching_server, model_dir, expected):
     """Eight streams (as many as the server's slots) each read one chunk and disconnect; transformers' server cancels
     them, and the eight requests after them are served and answer as `generate` (a leaked slot would leave them

@@ -4,7 +4,7 @@
 * :func:`init_continuous_batching` — the manager for a server (``start``, ``add_request``, ``request_id_iter``, ...);
 * :func:`install` — ``model.init_continuous_batching`` (``transformers serve --continuous-batching``) on KIVI pages;
 * :class:`KiviPagedCache` — the cache (:mod:`.cache`): one pool (:mod:`.budget`) of 2-bit pages (:mod:`.pages`) and
-  exact units (:mod:`.windows`), written per layer by :mod:`.store`;
+  exact units (:mod:`.windows`), written per layer by :mod:`.store`; prompts reused by :mod:`.prefixes`;
 * ``"kivi_paged"`` — the attention that reads them (:mod:`.attention`).
 """
 

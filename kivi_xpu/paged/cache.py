@@ -12,6 +12,8 @@ attention reads (:class:`LayerStep`), which the ``"kivi_paged"`` attention (:mod
 
 from __future__ import annotations
 
+import logging
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -24,10 +26,13 @@ from ..codec import KeyCodec, ValueCodec
 from .budget import PAGES, UNITS, PageBudget
 from .holdings import Holdings
 from .pages import KiviPageAllocator
-from .prefixes import unit_hashes
+from .prefixes import chain_hash, unit_hashes
 from .store import DecodePlan, DecodeRows, PageWriter, Request, RequestStep
 from .windows import ExactUnits
 
+logger = logging.getLogger(__name__)
+LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()  # the caches in this process (the server's usage reads their hits)
+_CACHED_TOKENS_KEPT = 4096  # recent hits whose cached token counts stay readable (the server's usage)
 STEP_KEY = "kivi_paged_step"  # where update leaves the layer's LayerStep in the attention kwargs
 DEFAULT_MAX_BATCH_TOKENS = 1024  # query tokens of one forward when ContinuousBatchingConfig leaves it unset
 
@@ -88,7 +93,10 @@ class KiviPagedCache(PagedAttentionCache):
         self.scheduler = None  # set by the manager: a hit's admission reads the waiting request's state
         self.salts = {} if salts is None else salts  # request id -> tenant salt
         self._awaiting: set[str] = set()  # requests waiting for a prefix that another request is prefilling
+        self._waiting_hashes: dict[str, list[int]] = {}  # waiting request -> its prompt's unit hashes
         self._batch_ids: list[str] = []  # the next forward's requests, in transformers' order
+        self.cached_prompt_tokens: dict[str, int] = {}  # recent hits: request id -> prompt tokens found cached
+        LIVE_CACHES.add(self)
         self.num_blocks = allocator.num_blocks
         self.read_cache_limit = None
         self.max_decode_fast_path_length = 0
@@ -172,12 +180,15 @@ class KiviPagedCache(PagedAttentionCache):
                 f"no max_new_tokens; KIVI pages admit fresh requests of known length only"
             )
         prompt = max(len(state.remaining_prefill_tokens), request_len)  # (a dry run may ask for any length)
-        hashes = self._prompt_hashes(request_id, state.remaining_prefill_tokens) if not dry_run else []
-        staged = request_len < prompt or bool(hashes)
+        tokens = state.remaining_prefill_tokens
+        hashes = self._prompt_hashes(request_id, tokens) if not dry_run else []
+        tail_key = self._tail_key(hashes, self.salts.get(request_id), tokens) if not dry_run else None
+        staged = request_len < prompt or bool(hashes) or tail_key is not None
         needs = self.budget.needs(prompt, state.max_new_tokens - len(state.generated_tokens), staged)
         fits = self.holdings.fits(needs, evict=not dry_run)
         if fits and not dry_run:
-            self.holdings.take(request_id, needs, prompt, staged, hashes, [])
+            self.holdings.take(request_id, needs, prompt, staged, hashes, [], tail_key=tail_key)
+            self._waiting_hashes.pop(request_id, None)
         return fits
 
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
@@ -189,21 +200,41 @@ class KiviPagedCache(PagedAttentionCache):
         if state is None or state.max_new_tokens is None or not self._admissible(request_id):
             return 0
         prefixes, rows = self.holdings.prefixes, self.budget.rows
+        salt = self.salts.get(request_id)
         hashes = self._prompt_hashes(request_id, prompt_ids)
         chain = prefixes.match(hashes[: (len(prompt_ids) - 1) // rows])
         if prefixes.awaited(hashes[len(chain) :], request_id):
             self._awaiting.add(request_id)
             return 0
-        if not chain:
+        parent = chain[-1].key if chain else None
+        tail = prefixes.match_tail(parent, salt, prompt_ids[len(chain) * rows :])
+        if not chain and tail is None:
             return 0
         prompt, new = len(prompt_ids), state.max_new_tokens - len(state.generated_tokens)
         needs = self.budget.needs(prompt, new, True)
         shared = len(prefixes.shared_pages(chain))
         needs = needs._replace(pages=needs.pages - shared, units=needs.units - len(chain))
-        if not self.holdings.fits(needs, keep=chain):
+        if not self.holdings.fits(needs, keep=chain if tail is None else [*chain, tail]):
             return 0  # (admission from position 0 may still fit, evicting this prefix too)
-        self.holdings.take(request_id, needs, prompt, True, hashes, chain)
-        return len(chain) * rows
+        self.holdings.take(request_id, needs, prompt, True, hashes, chain, tail,
+                           self._tail_key(hashes, salt, prompt_ids))  # fmt: skip
+        self._waiting_hashes.pop(request_id, None)
+        cached = len(chain) * rows + (0 if tail is None else tail.rows)
+        self.cached_prompt_tokens[request_id] = cached
+        while len(self.cached_prompt_tokens) > _CACHED_TOKENS_KEPT:
+            self.cached_prompt_tokens.pop(next(iter(self.cached_prompt_tokens)))
+        logger.info(
+            "KIVI pages: request %s starts after %d cached tokens of its %d-token prompt (%.0f%% of the prompt tokens "
+            "admitted so far were found cached)", request_id, cached, prompt, 100 * prefixes.hit_rate,
+        )  # fmt: skip
+        return cached
+
+    def _tail_key(self, hashes: list[int], salt: str | None, prompt_ids: list[int]) -> int | None:
+        """The hash of the prompt's tokens after its whole units (``None``: none, or no prefix reuse)."""
+        start = len(hashes) * self.budget.rows
+        if not self.use_prefix_sharing or start == len(prompt_ids):
+            return None
+        return chain_hash(hashes[-1] if hashes else None, salt, prompt_ids[start:])
 
     def _admissible(self, request_id: str) -> bool:
         if self.budget.max_requests is not None and len(self.holdings) >= self.budget.max_requests:
@@ -211,11 +242,16 @@ class KiviPagedCache(PagedAttentionCache):
         return not request_id.startswith("__warmup_")  # transformers' warm-up of padded shapes: nothing to warm
 
     def _prompt_hashes(self, request_id: str, prompt_ids: list[int]) -> list[int]:
-        """The hash chain of the prompt's whole units (none without prefix reuse)."""
+        """The hash chain of the prompt's whole units (none without prefix reuse), computed once per waiting request
+        (the scheduler asks at every step until it is admitted)."""
         if not self.use_prefix_sharing:
             return []
-        rows = self.budget.rows
-        return unit_hashes(prompt_ids, rows, self.salts.get(request_id), len(prompt_ids) // rows)
+        hashes = self._waiting_hashes.get(request_id)
+        if hashes is None:
+            rows = self.budget.rows
+            hashes = unit_hashes(prompt_ids, rows, self.salts.get(request_id), len(prompt_ids) // rows)
+            self._waiting_hashes[request_id] = hashes
+        return hashes
 
     def count_new_complete_blocks(self, state, request_len: int) -> dict:
         return {}  # units are registered by update (:meth:`Holdings.register_filled_units`), not by block hashes
@@ -236,6 +272,7 @@ class KiviPagedCache(PagedAttentionCache):
         prompt stay cached)."""
         self.holdings.free(request_id)
         self.salts.pop(request_id, None)
+        self._waiting_hashes.pop(request_id, None)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         for request_id in list(self.cache_allocators[FULL_ATTENTION].block_table):

@@ -32,6 +32,7 @@ class Held:
     hashes: list[int] = field(default_factory=list)  # of its prompt's whole units
     chain: list[Entry] = field(default_factory=list)  # entries of its prompt's units: found cached, then registered
     hit_units: int = 0  # units of its prompt found cached
+    tail_key: int | None = None  # hash of its prompt's tokens after the whole units (None: there are none)
     keep_prompt: bool = False  # its whole units become entries
 
 
@@ -84,10 +85,11 @@ class Holdings:
     # ------------------------------------------------------------------ lending
 
     def take(self, request_id: str, needs: RequestNeeds, prompt_end: int, staged: bool, hashes: list[int],
-             chain: list[Entry]) -> None:  # fmt: skip
+             chain: list[Entry], tail: Entry | None = None, tail_key: int | None = None) -> None:  # fmt: skip
         """Lends ``request_id`` everything ``needs`` says (it :meth:`fits`): its private pages after the ``chain``'s
-        shared ones, its slot and, for a ``staged`` prompt, its staging units after the ``chain``'s. ``hashes``: its
-        prompt's whole units, registered as they fill."""
+        shared ones, its slot and, for a ``staged`` prompt, its staging units after the ``chain``'s (the first
+        starting with a copy of the cached ``tail``'s rows). ``hashes``: its prompt's whole units, registered as they
+        fill; ``tail_key``: the hash of its prompt's tokens after them, registered when the prompt is stored."""
         allocator, pool, prefixes = self.allocator, self.pool, self.prefixes
         shared = prefixes.shared_pages(chain)
         for _ in range(self.budget.sectors(needs._replace(units=0), pool.count_free_blocks(PAGES))):
@@ -102,11 +104,15 @@ class Holdings:
         if staged:
             held.staging = torch.tensor([e.unit for e in chain] + units[1:], dtype=torch.int64, device=self.device)
             held.own_units, held.hashes, held.chain = units[1:], hashes, list(chain)
-            held.keep_prompt = bool(hashes)
+            held.keep_prompt, held.tail_key = bool(hashes) or tail_key is not None, tail_key
+            if tail is not None:
+                self.units.copy_rows(tail.unit, units[1], tail.rows)
+                prefixes.acquire([tail])
+                prefixes.release_units([tail])
             for key in hashes[len(chain) :]:
                 prefixes.pending.setdefault(key, request_id)
         prefixes.prompt_tokens += prompt_end
-        prefixes.cached_tokens += len(chain) * self.budget.rows
+        prefixes.cached_tokens += len(chain) * self.budget.rows + (0 if tail is None else tail.rows)
         self.held[request_id] = held
 
     def register_filled_units(self, request_id: str, staged_end: int) -> None:
@@ -119,21 +125,41 @@ class Holdings:
             key = held.hashes[depth]
             if key in prefixes.entries:
                 held.keep_prompt = False
+                self._forget_pending(request_id, held)  # no one should wait for its units now
                 return
             unit = int(held.staging[depth])
             parent = held.chain[-1].key if held.chain else None
-            held.chain.append(prefixes.register(key, parent, depth, unit))
+            held.chain.append(prefixes.register(key, parent, depth, unit, rows))
             held.own_units.remove(unit)
+
+    def _forget_pending(self, request_id: str, held: Held) -> None:
+        pending = self.prefixes.pending
+        for key in held.hashes:
+            if pending.get(key) == request_id:
+                del pending[key]
 
     def end_staging(self, request_id: str) -> None:
         """The prompt is stored: its unregistered staging units go back to the pool, its prefixes' units are no
         longer read by it (cached from now on), and the pages its own packing filled inside its registered units go
         to those entries too."""
         held, prefixes = self.held[request_id], self.prefixes
+        self._register_tail(held)
         self.units.give_back(held.own_units)
         prefixes.release_units(held.chain)
         self._attach_pages(held)
         held.staging, held.own_units = None, []
+
+    def _register_tail(self, held: Held) -> None:
+        """The prompt's tokens after its whole units become a cached tail (when all its whole units are entries)."""
+        depth, rows = len(held.hashes), held.prompt_end % self.budget.rows
+        if not held.keep_prompt or held.tail_key is None or len(held.chain) != depth:
+            return
+        if held.tail_key in self.prefixes.entries:
+            return
+        unit = int(held.staging[depth])
+        parent = held.chain[-1].key if held.chain else None
+        self.prefixes.register_tail(held.tail_key, parent, depth, unit, rows)
+        held.own_units.remove(unit)
 
     def _attach_pages(self, held: Held) -> None:
         settings, rows, t = self.settings, self.budget.rows, self.allocator.tokens_per_page
@@ -155,9 +181,7 @@ class Holdings:
             if held.staging is not None:  # freed mid-prompt (cancelled, failed)
                 prefixes.release_units(held.chain)
                 self.units.give_back(held.own_units)
-            for key in held.hashes:
-                if prefixes.pending.get(key) == request_id:
-                    del prefixes.pending[key]
+            self._forget_pending(request_id, held)
             self.units.give_back([held.slot])
         table = self.allocator.block_table.pop(request_id, [])
         self.pool.free_blocks(PAGES, prefixes.release_pages(table))

@@ -171,16 +171,20 @@ def init_continuous_batching(
 
 
 def install(model, *, kv_memory: int, max_requests: int | None = None, backend: str | None = None,
-            **kivi_settings) -> PageBudget:  # fmt: skip
+            prefix_reuse: bool = True, **kivi_settings) -> PageBudget:  # fmt: skip
     """Makes ``model.init_continuous_batching`` (what ``transformers serve --continuous-batching`` and other callers of
-    transformers' API use) return a manager on KIVI pages with these options (see :func:`init_continuous_batching`).
-    The options are checked now; returns the budget they plan (:meth:`PageBudget.summary` for the log)."""
+    transformers' API use) return a manager on KIVI pages with these options (see :func:`init_continuous_batching`;
+    ``prefix_reuse=False`` turns reuse off whatever the caller's ``ContinuousBatchingConfig`` says). The options are
+    checked now; returns the budget they plan (:meth:`PageBudget.summary` for the log)."""
     _, budget = _cache_options(model, kv_memory, max_requests, backend, kivi_settings)  # bad options fail here
 
     def init_on_pages(generation_config=None, continuous_batching_config=None, workload_hints=None):
+        config = continuous_batching_config or ContinuousBatchingConfig()
+        if not prefix_reuse:
+            config.allow_block_sharing = False
         return init_continuous_batching(
-            model, generation_config, continuous_batching_config, kv_memory=kv_memory, max_requests=max_requests,
-            backend=backend, **kivi_settings,
+            model, generation_config, config, kv_memory=kv_memory, max_requests=max_requests, backend=backend,
+            **kivi_settings,
         )  # fmt: skip
 
     model.init_continuous_batching = init_on_pages

@@ -27,15 +27,21 @@ from array import array
 from dataclasses import dataclass, field
 
 
+def chain_hash(parent: int | None, salt: str | None, tokens: list[int]) -> int:
+    """The hash of ``tokens`` after the unit hashed ``parent`` (``None``: the first unit, after the tenant's
+    ``salt``, mixed into every hash of the chain so that tenants never share)."""
+    start = b"kivi-xpu" + (b"" if salt is None else salt.encode()) if parent is None else parent.to_bytes(16, "little")
+    digest = hashlib.blake2b(start, digest_size=16)
+    digest.update(array("q", tokens).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
 def unit_hashes(tokens: list[int], rows: int, salt: str | None, count: int) -> list[int]:
-    """The hash chain of the first ``count`` units of ``rows`` tokens of ``tokens`` (``salt``: a tenant's secret
-    mixed into every hash, so that tenants never share)."""
-    hashes, parent = [], b"kivi-xpu" + (b"" if salt is None else salt.encode())
+    """The hash chain of the first ``count`` units of ``rows`` tokens of ``tokens``."""
+    hashes, parent = [], None
     for j in range(count):
-        digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(array("q", tokens[j * rows : (j + 1) * rows]).tobytes())
-        parent = digest.digest()
-        hashes.append(int.from_bytes(parent, "little"))
+        parent = chain_hash(parent, salt, tokens[j * rows : (j + 1) * rows])
+        hashes.append(parent)
     return hashes
 
 
@@ -49,6 +55,7 @@ class Entry:
     parent: int | None
     depth: int
     unit: int
+    rows: int  # tokens it holds: W, or fewer for a prompt's tail (a leaf for ever)
     pages: list[tuple[int, int]] = field(default_factory=list)
     unit_refs: int = 1  # the request that registers it is prefilling from it
     last_used: int = 0
@@ -60,6 +67,7 @@ class PrefixIndex:
 
     def __init__(self):
         self.entries: dict[int, Entry] = {}
+        self.tail_rows: dict[int | None, dict[int, int]] = {}  # parent -> {rows of a cached tail: how many}
         self.page_refs: dict[int, int] = {}  # shared page -> references (absent: one owner)
         self.pending: dict[int, str] = {}  # hash of a unit a prefilling request will register -> that request
         self.clock = 0
@@ -122,14 +130,32 @@ class PrefixIndex:
                 freed.append(block)
         return freed
 
-    def register(self, key: int, parent: int | None, depth: int, unit: int) -> Entry:
-        """A prefilling request's unit ``depth`` is complete: it becomes an entry, held by that request."""
+    def register(self, key: int, parent: int | None, depth: int, unit: int, rows: int) -> Entry:
+        """A prefilling request's unit ``depth`` holds ``rows`` of its prompt's tokens (all the unit's, or the last
+        ones of its prompt): it becomes an entry, held by that request."""
         self.pending.pop(key, None)
         self.clock += 1
         if parent is not None:
             self.entries[parent].children += 1
-        entry = self.entries[key] = Entry(key, parent, depth, unit, last_used=self.clock)
+        entry = self.entries[key] = Entry(key, parent, depth, unit, rows, last_used=self.clock)
         return entry
+
+    def register_tail(self, key: int, parent: int | None, depth: int, unit: int, rows: int) -> Entry:
+        """A prompt's last ``rows`` tokens after its whole units (cached at once: its request is done with them)."""
+        entry = self.register(key, parent, depth, unit, rows)
+        entry.unit_refs = 0
+        lengths = self.tail_rows.setdefault(parent, {})
+        lengths[rows] = lengths.get(rows, 0) + 1
+        return entry
+
+    def match_tail(self, parent: int | None, salt: str | None, tokens: list[int]) -> Entry | None:
+        """The longest cached tail after ``parent`` that ``tokens`` begins with and leaves a token of."""
+        for rows in sorted(self.tail_rows.get(parent, ()), reverse=True):
+            if rows < len(tokens):
+                entry = self.entries.get(chain_hash(parent, salt, tokens[:rows]))
+                if entry is not None:
+                    return entry
+        return None
 
     def attach_pages(self, entry: Entry, pages: list[tuple[int, int]]) -> None:
         """``entry`` keeps ``pages`` (page index, block) besides the request that wrote them."""
@@ -153,6 +179,11 @@ class PrefixIndex:
         del self.entries[victim.key]
         if victim.parent is not None:
             self.entries[victim.parent].children -= 1
+        lengths = self.tail_rows.get(victim.parent, {})
+        if victim.rows in lengths:  # (a whole unit's rows are never a tail's)
+            lengths[victim.rows] -= 1
+            if not lengths[victim.rows]:
+                del lengths[victim.rows]
         return victim.unit, self.release_pages([block for _, block in victim.pages])
 
     @property

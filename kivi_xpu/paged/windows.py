@@ -39,6 +39,7 @@ class ExactUnits:
         count = cache_tensor.numel() // budget.unit_bytes
         units = cache_tensor[: count * budget.unit_bytes].view(dtype).view(count, len(layers), 2, heads, self.rows,
                                                                            head_dim)  # fmt: skip
+        self._units = units  # [units, layers, 2, H, W, D]
         self.keys = {layer: units[:, i, 0] for i, layer in enumerate(layers)}  # [units, H, W, D] views
         self.values = {layer: units[:, i, 1] for i, layer in enumerate(layers)}
         self.value_base = {layer: [0] * count for layer in layers}  # base of each slot's value rows
@@ -60,6 +61,10 @@ class ExactUnits:
 
     def give_back(self, units: list[int]) -> None:
         self.pool.free_blocks(UNITS, units)
+
+    def copy_rows(self, source: int, target: int, rows: int) -> None:
+        """Copies the first ``rows`` exact tokens of unit ``source`` (every layer, keys and values) into ``target``."""
+        self._units[target, :, :, :, :rows] = self._units[source, :, :, :, :rows]
 
     # ------------------------------------------------------------------ window
 

@@ -104,6 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "one prefills only its new tokens (0: none; default: %(default)s)",
     )
     p.add_argument(
+        "--no-prefix-reuse",
+        dest="prefix_reuse",
+        action="store_false",
+        help="with --continuous-batching: keep no prompt's exact states for later requests (default: a request whose "
+        "prompt begins with a cached prompt's units, a continued chat or a shared document, starts after them)",
+    )
+    p.add_argument(
         "--max-requests",
         type=positive_int,
         default=None,
@@ -119,7 +126,8 @@ def paged_options(options: argparse.Namespace, config: dict) -> dict:
         raise ToolError("--continuous-batching does not support per-layer overrides (layer_overrides)")
     kwargs.pop("device", None)
     kwargs.pop("attention", None)
-    return dict(kwargs, kv_memory=options.kv_memory * 2**20, max_requests=options.max_requests)
+    return dict(kwargs, kv_memory=options.kv_memory * 2**20, max_requests=options.max_requests,
+                prefix_reuse=options.prefix_reuse)  # fmt: skip
 
 
 def cache_config(options: argparse.Namespace) -> dict:
@@ -197,13 +205,16 @@ def _kivi_model_manager_installed(config: dict, paged: dict | None, reuse_bytes:
 def _with_request_errors(build_server):
     """transformers' ``build_server``, whose app answers a request the KIVI pages cannot serve (longer than the
     ``--kv-memory`` budget serves even alone: :class:`~kivi_xpu.paged.budget.RequestTooLong`) with HTTP 400 and the
-    message naming the longest prompt served, as vLLM answers a prompt over ``max_model_len``, instead of a 500."""
+    message naming the longest prompt served, as vLLM answers a prompt over ``max_model_len``, instead of a 500; and
+    whose completions report the prompt tokens found cached (:mod:`.cached_usage`)."""
     from fastapi.responses import JSONResponse
 
     from ..paged.budget import RequestTooLong
+    from .cached_usage import report_cached_tokens
 
     def build(*args, **kwargs):
         app = build_server(*args, **kwargs)
+        report_cached_tokens(app)
 
         @app.exception_handler(RequestTooLong)
         async def request_too_long(_request, error: RequestTooLong):
