@@ -69,8 +69,11 @@ class PageBudget(NamedTuple):
     max_requests: int | None  # a cap on requests in flight; None: memory alone bounds them
 
     @classmethod
-    def plan(cls, config, settings: KiviSettings, dtype, kv_memory: int, max_requests: int | None) -> PageBudget:
-        heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
+    def plan(cls, config, settings: KiviSettings, dtype, kv_memory: int, max_requests: int | None,
+             kv_shards: int = 1) -> PageBudget:  # fmt: skip
+        """The budget of ``kv_memory`` bytes for ``config``'s KV heads, or for one rank's ``1 / kv_shards`` of them
+        (tensor parallelism)."""
+        heads, head_dim = find_num_key_value_heads(config) // kv_shards, find_head_dim(config)
         settings.check_head_dim(head_dim)
         num_layers = len(group_layers_by_attn_type(config).get(FULL_ATTENTION, []))
         layout = PageLayout.for_settings(settings, heads, head_dim)

@@ -47,6 +47,21 @@ class LayerStep(NamedTuple):
     rotations: tuple  # (key rotation, value rotation): None or Q [D, D] float32
 
 
+def kv_shards(config, distributed_helper) -> int:
+    """Into how many shards tensor parallelism cuts the KV heads (1: none): transformers' rule (its plan shards
+    ``k_proj`` / ``v_proj``); ``ValueError`` when they do not divide."""
+    size = distributed_helper.tp_size
+    if size <= 1 or not distributed_helper.are_kv_heads_tp_ed():
+        return 1
+    heads = find_num_key_value_heads(config)
+    if heads % size:
+        raise ValueError(
+            f"tensor parallelism over {size} ranks needs a number of KV heads divisible by {size}; this model has "
+            f"{heads}: run it on a number of ranks that divides {heads}"
+        )
+    return size
+
+
 class KiviPagedCache(PagedAttentionCache):
     """Paged KIVI cache for transformers' continuous batching (see the module docstring).
 
@@ -61,8 +76,7 @@ class KiviPagedCache(PagedAttentionCache):
     def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype, *, kv_memory: int,
                  settings: KiviSettings, backend: str, max_requests: int | None = None,
                  salts: dict[str, str] | None = None, **_ignored):  # fmt: skip
-        if distributed_helper.tp_size > 1:
-            raise ValueError("KIVI pages do not support tensor-parallel continuous batching (tp_size > 1)")
+        shards = kv_shards(config, distributed_helper)
         groups = group_layers_by_attn_type(config)
         if list(groups) != [FULL_ATTENTION]:
             raise ValueError(
@@ -70,11 +84,11 @@ class KiviPagedCache(PagedAttentionCache):
             )
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.settings, self.backend = settings, backend
-        heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
+        heads, head_dim = find_num_key_value_heads(config) // shards, find_head_dim(config)  # this rank's
         continuous_batching_config.page_size = settings.key_group_size
         self.max_blocks_per_request = 0  # no flash block-table fast path
         layers = groups[FULL_ATTENTION]
-        self.budget = budget = PageBudget.plan(config, settings, dtype, kv_memory, max_requests)
+        self.budget = budget = PageBudget.plan(config, settings, dtype, kv_memory, max_requests, shards)
         allocator = KiviPageAllocator(PAGES, budget.layout, layers)
         self.cache_allocators = {FULL_ATTENTION: allocator}
         self.layer_to_allocator = dict.fromkeys(layers, allocator)

@@ -14,6 +14,7 @@ import functools
 import logging
 import threading
 
+import torch
 import transformers
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -24,7 +25,7 @@ from ..algorithm import KiviSettings
 from ..backend import select
 from .attention import ATTENTION_NAME, register
 from .budget import PageBudget
-from .cache import DEFAULT_MAX_BATCH_TOKENS, KiviPagedCache
+from .cache import DEFAULT_MAX_BATCH_TOKENS, KiviPagedCache, kv_shards
 
 # transformers minor versions whose continuous-batching internals this module was written and tested against.
 SUPPORTED_TRANSFORMERS = ("5.24",)
@@ -53,8 +54,15 @@ class KiviBatchingManager(ContinuousBatchingManager):
         self._cache_options, self.budget = dict(cache_options, salts=self.salts), budget
         self.max_batch_tokens = continuous_batching_config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         _exact_scheduling(continuous_batching_config)
-        logger.info(self.budget.summary(generation_config.max_new_tokens or 0, self.max_batch_tokens))
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
+        helper = self.distributed_helper
+        if helper.tp_size > 1:  # each rank plans the pool of its KV-head shard, with the same options as the others
+            config, options = model.config.get_text_config(), self._cache_options
+            shards = kv_shards(config, helper)
+            _check_same_on_every_rank(helper, {k: v for k, v in options.items() if k != "salts"})
+            self.budget = PageBudget.plan(config, options["settings"], model.dtype, options["kv_memory"],
+                                          options["max_requests"], shards)  # fmt: skip
+        logger.info(self.budget.summary(generation_config.max_new_tokens or 0, self.max_batch_tokens))
 
     def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
         """The model runs the ``"kivi_paged"`` attention while the manager runs (restored by ``stop``)."""
@@ -84,6 +92,8 @@ class KiviBatchingManager(ContinuousBatchingManager):
         self.check_request(len(input_ids), max_new_tokens)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"`cache_salt` must be a string or None, got {type(cache_salt).__name__}")
+        if cache_salt is not None and self.distributed_helper.tp_size > 1:
+            raise ValueError("`cache_salt` is not supported under tensor parallelism: the other ranks would not see it")
         if cache_salt is not None and request_id is None:
             raise ValueError("a request with a `cache_salt` needs its `request_id`")
         if cache_salt is not None:
@@ -104,6 +114,16 @@ class KiviBatchingManager(ContinuousBatchingManager):
         """The running cache (``None`` before the first start)."""
         processor = self.batch_processor
         return None if processor is None else processor.cache
+
+
+def _check_same_on_every_rank(helper, options: dict) -> None:
+    """Raises on every rank, before any work, when the ranks of a tensor-parallel group were given different options
+    (their pools would differ, and so would their admissions)."""
+    every = [None] * helper.tp_size
+    torch.distributed.all_gather_object(every, repr(sorted(options.items())), group=helper.cpu_comm_group)
+    if len(set(every)) > 1:
+        listed = "; ".join(f"rank {rank}: {value}" for rank, value in enumerate(every))
+        raise ValueError(f"the ranks of a tensor-parallel group must get the same KIVI pages options: {listed}")
 
 
 def _exact_scheduling(config: ContinuousBatchingConfig) -> None:
