@@ -36,6 +36,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sycl-device", help="SYCL device filter for the KIVI kernels, e.g. opencl:cpu")
 
 
+def add_sharded_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` / ``--tiny [architecture]`` of the tensor-parallel examples (one of them is required)."""
+    parser.add_argument("--model", help="local model directory, or smollm2 (transformers' TP loads it)")
+    parser.add_argument(
+        "--tiny", nargs="?", const="llama", choices=tuple(TINY_ARCHITECTURES),
+        help="a tiny random model (default llama; 4 query, 2 KV heads) + byte tokenizer, offline",
+    )  # fmt: skip
+
+
 def cache_options(args) -> dict:
     """The KiviCache arguments the example flags choose (kernels)."""
     return {"backend": args.backend, "device": args.sycl_device}

@@ -23,11 +23,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import TINY_ARCHITECTURES, tiny_model
+from common import add_sharded_model_arguments, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
 from kivi_xpu import KiviCache, KiviLayer
 from kivi_xpu.assets import byte_tokenizer
+from kivi_xpu.tools.loading import resolve_model
 
 PROMPT = "Each rank keeps its heads:"  # short, so that the first generated tokens see only exact keys and values
 ATTENTIONS = ("sdpa", "kivi")  # dense keys/values to SDPA, and the fused KIVI attention
@@ -35,11 +36,7 @@ ATTENTIONS = ("sdpa", "kivi")  # dense keys/values to SDPA, and the fused KIVI a
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="local model directory (transformers' TP loads it with from_pretrained)")
-    p.add_argument(
-        "--tiny", nargs="?", const="llama", choices=tuple(TINY_ARCHITECTURES),
-        help="a tiny random model (default llama; 4 query, 2 KV heads) + byte tokenizer, offline",
-    )  # fmt: skip
+    add_sharded_model_arguments(p)
     p.add_argument("--backend", choices=("auto", "native", "sycl", "reference"), default=None)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--residual-length", type=int, default=32)
@@ -95,7 +92,8 @@ def main(argv=None):
             tiny_model(args.tiny).save_pretrained(scratch)
             result = run(scratch, byte_tokenizer(), args)
         else:
-            result = run(args.model, AutoTokenizer.from_pretrained(args.model), args)
+            path = str(resolve_model(args.model))
+            result = run(path, AutoTokenizer.from_pretrained(path), args)
     rank, world_size = result["rank"], result["world_size"]
     for attention in ATTENTIONS:
         r = result[attention]

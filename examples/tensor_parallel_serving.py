@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import TINY_ARCHITECTURES, tiny_model
+from common import add_sharded_model_arguments, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -35,11 +35,7 @@ from kivi_xpu.tools.loading import resolve_model
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="local model directory, or smollm2 (transformers' TP loads it)")
-    p.add_argument(
-        "--tiny", nargs="?", const="llama", choices=tuple(TINY_ARCHITECTURES),
-        help="a tiny random model (default llama; 4 query, 2 KV heads), offline",
-    )  # fmt: skip
+    add_sharded_model_arguments(p)
     p.add_argument("--lengths", type=int, nargs="+", default=[40, 7, 90, 23], help="prompt tokens per request")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--kv-memory", type=int, default=8, help="MiB of KV storage in all, split over the ranks (8)")
