@@ -26,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model id or local directory (default: SmolLM2-135M-Instruct via pip)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama + byte tokenizer (offline smoke test)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama + byte tokenizer (smoke test)")
     parser.add_argument(
         "--device", default="cpu", help="where the model runs: cpu (default), xpu (Intel GPU), cuda, ... (the cache "
         "follows it: native kernels on cpu, SYCL on xpu, pure PyTorch elsewhere)"

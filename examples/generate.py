@@ -5,7 +5,7 @@ python examples/generate.py                        # SmolLM2-135M-Instruct (thro
 python examples/generate.py --device xpu --dtype bfloat16   # on an Intel GPU (an XPU build of torch)
 python examples/generate.py --prompt "Why is the sky blue?" # a short chat instead of the long document
 python examples/generate.py --preset paper         # the KIVI authors' algorithm (no sinks, no rotation)
-python examples/generate.py --tiny                 # a tiny random Llama, fully offline (smoke test)
+python examples/generate.py --tiny                 # a tiny random Llama (smoke test; the document comes from pip)
 
 The KIVI cache is passed as ``generate(cache=KiviCache(config=model.config))`` and the model is loaded plainly, so
 this is the path a user gets by default: the fused attention reads the packed history in place.

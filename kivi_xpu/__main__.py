@@ -48,7 +48,7 @@ def _print_info(facts: dict) -> None:
         )
         print(f"  host memory access (usm_system_allocations): {d['usm_system_allocations']}")
     else:
-        print("  kernels compiled: no")
+        print("  SYCL kernels: not used by this backend (nothing to compile)")
     print(f"kernel cache: {facts['SYCL_CACHE_DIR']} (persistent={facts['SYCL_CACHE_PERSISTENT']})")
     cached = facts["cached_variants"]
     print(f"  {len(cached)} kernel variant(s) cached" + "".join(f"\n    {name}" for name in cached))

@@ -64,7 +64,8 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
         import gguf  # noqa: F401
     except ImportError as err:
         raise ImportError(
-            "Converting the GGUF model needs the `gguf` and `accelerate` packages: pip install 'kivi-xpu[bench]'"
+            "Converting the GGUF model needs the `gguf` and `accelerate` packages: pip install gguf accelerate "
+            '(in a clone: pip install -e ".[bench]")'
         ) from err
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

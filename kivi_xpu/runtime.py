@@ -172,7 +172,7 @@ def reinstall_command() -> str:
     if url.startswith("file://") and "dir_info" in origin:
         editable = "-e " if origin["dir_info"].get("editable") else ""
         return f"pip install --no-deps --force-reinstall {editable}{url[len('file://') :]}"
-    return "pip install --no-deps --force-reinstall --no-binary kivi-xpu kivi-xpu"
+    return "pip install --no-deps --force-reinstall <kivi-xpu's source directory>"  # (not published on PyPI)
 
 
 def build_mismatch(built: dict | None, torch_version: str, cxx11_abi: bool) -> str | None:

@@ -391,7 +391,7 @@ def test_missing_serving_dependencies(monkeypatch, capsys):
 
     monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
     assert main(["serve"]) == 2
-    assert 'pip install "kivi-xpu[serve]"' in capsys.readouterr().err
+    assert 'pip install "transformers[serving]"' in capsys.readouterr().err
 
 
 def test_transformers_options_are_parsed_by_transformers(capsys):

@@ -215,7 +215,7 @@ def test_plot_without_matplotlib_is_a_clear_error_before_running(assets, tmp_pat
     model_dir, _ = assets
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, _, err = run(["bench", "--model", model_dir, "--plot", tmp_path / "p.png"], capsys)
-    assert code == 2 and err == "error: --plot needs matplotlib: pip install 'kivi-xpu[bench]'\n"
+    assert code == 2 and err == "error: --plot needs matplotlib: pip install matplotlib\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------

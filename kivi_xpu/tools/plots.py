@@ -14,7 +14,7 @@ def check_matplotlib(option: str) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ToolError(f"{option} needs matplotlib: pip install 'kivi-xpu[bench]'") from None
+        raise ToolError(f"{option} needs matplotlib: pip install matplotlib") from None
 
 
 def _pyplot():

@@ -50,7 +50,7 @@ from ..overrides import settings_json
 from .cli import KIVI_FLAGS, add_kivi_arguments, nonnegative_int, positive_int
 from .options import ToolError
 
-EXTRA_INSTALL = 'pip install "kivi-xpu[serve]"  (or: pip install "transformers[serving]")'
+EXTRA_INSTALL = 'pip install "transformers[serving]"  (in a clone: pip install -e ".[serve]")'
 
 DEFAULT_KV_MEMORY_MIB = 1024  # --kv-memory of --continuous-batching
 DEFAULT_REUSE_MEMORY_MIB = 256  # --reuse-memory of the sequential server
