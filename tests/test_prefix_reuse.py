@@ -292,3 +292,25 @@ def test_a_running_requests_units_and_shared_pages_are_never_evicted():
     unit, freed = index.evict()
     assert unit == 7 and freed == []  # the pages stay with the request
     assert index.release_pages([100, 101]) == [100, 101]
+
+
+def test_a_decode_key_block_straddling_shared_pages_is_packed_into_its_private_pages():
+    """A key block leaves the window R tokens at a time; when its first pages are a cached prefix's, the rest must
+    still be packed (into the request's own pages), and only the rest."""
+    from kivi_xpu.paged.store import DecodePlan, Request, _Private
+
+    settings = KiviCache(group_size=8, residual_length=32).settings.for_model_dtype(torch.float32)
+    n = next(n for n in range(40, 400) if settings.split(n + 1).packed_keys > settings.split(n).packed_keys)
+    qk0, qk1 = settings.split(n).packed_keys, settings.split(n + 1).packed_keys
+    shared = qk0 // 8 + 1  # the block's first page is shared, its others are not
+
+    class Units:
+        @staticmethod
+        def value_base_for(split):
+            return split.packed_values - split.packed_values % 8
+
+    request = Request("r", 0, n, 0, 1, torch.arange(100), 0, None, settings.split(n), shared, False)
+    plan = DecodePlan.of([request], settings, Units(), "cpu")
+    assert [(r.request_id, start, count) for r, start, count in plan.key_blocks] == [("r", qk0, qk1 - qk0)]
+    start, rest = _Private(request.blocks, shared * 8).from_private(qk0, torch.zeros(1, 1, qk1 - qk0, 4))
+    assert start == shared * 8 and rest.shape[2] == qk1 - shared * 8

@@ -98,7 +98,7 @@ class DecodePlan(NamedTuple):
             if after.packed_values > qv0 >= shared:  # the oldest exact value token leaves
                 leaving.append((r.slot, s + qv0 - base, int(r.blocks[qv0 // t]), qv0 % t))
             qk1 = after.packed_keys
-            if qk1 > qk0 >= shared:  # the key window is full: its block leaves it
+            if qk1 > max(qk0, shared):  # the key window is full: its block leaves it (into its private pages)
                 key_blocks.append((r, qk0, qk1 - qk0))
         return cls(
             decode,
@@ -140,7 +140,8 @@ class PageWriter:
         if plan.leaving is not None:
             self._pack_leaving_values(pages, value_windows, plan.leaving)
         for r, qk0, count in plan.key_blocks:
-            self._pack_keys(pages, _Private(r.blocks, 0), qk0, key_windows[r.slot, :, s : s + count].unsqueeze(0))
+            private = _Private(r.blocks, r.shared_pages * self.settings.key_group_size)  # a block may straddle them
+            self._pack_keys(pages, private, qk0, key_windows[r.slot, :, s : s + count].unsqueeze(0))
         args = (
             key_windows,
             value_windows,
