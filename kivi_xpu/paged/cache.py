@@ -155,12 +155,8 @@ class KiviPagedCache(PagedAttentionCache):
     def drop_cached_prefixes(self) -> int:
         """Evicts every cached prefix; returns how many."""
         count = 0
-        while (evicted := self.holdings.prefixes.evict()) is not None:
-            unit, pages = evicted
-            self.units.give_back([unit])
-            self.pool.free_blocks(PAGES, pages)
+        while self.holdings.evict_one():
             count += 1
-        self.pool.try_to_free_sectors()
         return count
 
     @property
@@ -230,10 +226,9 @@ class KiviPagedCache(PagedAttentionCache):
         needs = needs._replace(pages=needs.pages - shared, units=needs.units - len(chain))
         if not self.holdings.fits(needs, keep=chain if tail is None else [*chain, tail]):
             return 0  # (admission from position 0 may still fit, evicting this prefix too)
-        self.holdings.take(request_id, needs, prompt, True, hashes, chain, tail,
-                           self._tail_key(hashes, salt, prompt_ids))  # fmt: skip
+        cached = self.holdings.take(request_id, needs, prompt, True, hashes, chain, tail,
+                                    self._tail_key(hashes, salt, prompt_ids))  # fmt: skip
         self._waiting_hashes.pop(request_id, None)
-        cached = len(chain) * rows + (0 if tail is None else tail.rows)
         self.cached_prompt_tokens[request_id] = cached
         while len(self.cached_prompt_tokens) > _CACHED_TOKENS_KEPT:
             self.cached_prompt_tokens.pop(next(iter(self.cached_prompt_tokens)))

@@ -66,15 +66,20 @@ class Holdings:
         """Whether the pool holds ``needs``; with ``evict``, after evicting cached prefixes (least recently used first,
         never ``keep``) until it does or none is left."""
         while not self._fits_now(needs):
-            if not evict:
+            if not evict or not self.evict_one(keep):
                 return False
-            evicted = self.prefixes.evict(keep)
-            if evicted is None:
-                return False
-            unit, pages = evicted
-            self.units.give_back([unit])
-            self.pool.free_blocks(PAGES, pages)
-            self.pool.try_to_free_sectors()
+        return True
+
+    def evict_one(self, keep: list[Entry] = ()) -> bool:
+        """Evicts the least recently used cached prefix not in ``keep`` (its unit, and its pages no one else holds)
+        back to the pool; ``False`` when there is none."""
+        evicted = self.prefixes.evict(keep)
+        if evicted is None:
+            return False
+        unit, pages = evicted
+        self.units.give_back([unit])
+        self.pool.free_blocks(PAGES, pages)
+        self.pool.try_to_free_sectors()
         return True
 
     def cached_pages(self) -> set[int]:
@@ -85,11 +90,12 @@ class Holdings:
     # ------------------------------------------------------------------ lending
 
     def take(self, request_id: str, needs: RequestNeeds, prompt_end: int, staged: bool, hashes: list[int],
-             chain: list[Entry], tail: Entry | None = None, tail_key: int | None = None) -> None:  # fmt: skip
+             chain: list[Entry], tail: Entry | None = None, tail_key: int | None = None) -> int:  # fmt: skip
         """Lends ``request_id`` everything ``needs`` says (it :meth:`fits`): its private pages after the ``chain``'s
         shared ones, its slot and, for a ``staged`` prompt, its staging units after the ``chain``'s (the first
         starting with a copy of the cached ``tail``'s rows). ``hashes``: its prompt's whole units, registered as they
-        fill; ``tail_key``: the hash of its prompt's tokens after them, registered when the prompt is stored."""
+        fill; ``tail_key``: the hash of its prompt's tokens after them, registered when the prompt is stored. Returns
+        the prompt tokens found cached."""
         allocator, pool, prefixes = self.allocator, self.pool, self.prefixes
         shared = prefixes.shared_pages(chain)
         for _ in range(self.budget.sectors(needs._replace(units=0), pool.count_free_blocks(PAGES))):
@@ -107,13 +113,14 @@ class Holdings:
             held.keep_prompt, held.tail_key = bool(hashes) or tail_key is not None, tail_key
             if tail is not None:
                 self.units.copy_rows(tail.unit, units[1], tail.rows)
-                prefixes.acquire([tail])
-                prefixes.release_units([tail])
+                prefixes.touch([tail])
             for key in hashes[len(chain) :]:
                 prefixes.pending.setdefault(key, request_id)
+        cached = len(chain) * self.budget.rows + (0 if tail is None else tail.rows)
         prefixes.prompt_tokens += prompt_end
-        prefixes.cached_tokens += len(chain) * self.budget.rows + (0 if tail is None else tail.rows)
+        prefixes.cached_tokens += cached
         self.held[request_id] = held
+        return cached
 
     def register_filled_units(self, request_id: str, staged_end: int) -> None:
         """After a forward that staged the request's prompt up to ``staged_end``: its newly filled whole units become

@@ -104,12 +104,17 @@ class PrefixIndex:
 
     # ------------------------------------------------------------- references
 
+    def touch(self, entries: list[Entry]) -> None:
+        """``entries`` are the most recently used."""
+        self.clock += 1
+        for entry in entries:
+            entry.last_used = self.clock
+
     def acquire(self, chain: list[Entry]) -> None:
         """A request prefills from ``chain``: its units are held, and it is the most recently used."""
-        self.clock += 1
+        self.touch(chain)
         for entry in chain:
             entry.unit_refs += 1
-            entry.last_used = self.clock
 
     def release_units(self, chain: list[Entry]) -> None:
         for entry in chain:
