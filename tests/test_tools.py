@@ -30,7 +30,7 @@ from kivi_xpu.integration import cache_argument
 from kivi_xpu.tools import calibrate, curve, machine, report, shapes, side_by_side, specs, workload
 from kivi_xpu.tools import eval_ppl as evaluate
 from kivi_xpu.tools.loading import load_model, resolve_text
-from kivi_xpu.tools.options import ToolError
+from kivi_xpu.tools.options import ToolError, ToolOptions
 from kivi_xpu.tools.timing import fused_op_timer, op_stats
 
 MAX_POSITIONS = 256
@@ -169,6 +169,18 @@ def test_bench_extra_kivi_options_reach_the_cache(assets, tmp_path, capsys):
     wide = run_json([*common, "--kivi-option", "key_bits=4"], tmp_path, capsys)["rows"][0]
     assert wide["cache"] == "kivi-dense 2-bit (key_bits=4)"
     assert wide["kv_bytes"] > plain["kv_bytes"]  # 4-bit key codes instead of 2-bit
+
+
+@pytest.mark.parametrize(("dtype", "metadata"), [(torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
+def test_the_tools_store_the_metadata_dtype_kivi_cache_chooses(dtype, metadata):
+    """No --meta-dtype: the tools' caches follow KiviCache's rule for the model's dtype (bfloat16 scales and zeros
+    for a bfloat16 model), as a KiviCache built without the tools would; --meta-dtype still chooses."""
+    model = tiny_llama().to(dtype)
+    spec = specs.CacheSpec("kivi-fused", 2)
+    for options, expected in ((ToolOptions(), metadata), (ToolOptions(meta_dtype="float32"), torch.float32)):
+        cache = specs.make_cache(spec, model.config, options)
+        model(torch.tensor([[1, 2, 3]]), **cache_argument(cache), use_cache=True)
+        assert cache.layers[0].settings.meta_dtype == expected
 
 
 def test_bench_without_dynamic_or_tqdm_runs_without_ratios_or_bars(assets, tmp_path, capsys, monkeypatch):

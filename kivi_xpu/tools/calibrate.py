@@ -281,7 +281,7 @@ def calibrate(options: CalibrateOptions) -> dict:
     except (ValueError, TypeError, RuntimeError) as err:
         shown = ", ".join(f"{k}={v!r}" for k, v in base_kwargs.items() if v is not None)
         raise ToolError(f"KiviCache({shown}): {err}") from None
-    base = base_cache.settings
+    base = base_cache.settings.for_model_dtype(model.dtype)  # the metadata dtype the cache will store, named
     decoder = model.config.get_text_config(decoder=True)
     kivi_layers = [i for i, layer in enumerate(base_cache.layers) if isinstance(layer, KiviLayer)]
     if not kivi_layers:

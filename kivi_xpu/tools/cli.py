@@ -166,8 +166,7 @@ def add_kivi_arguments(
         "--meta-dtype",
         choices=tuple(DTYPES),
         default=default(DEFAULTS.meta_dtype),
-        help="KIVI scales/zeros dtype"
-        + (" (float16)" if defaults else " (default: KiviCache's, bfloat16 for a bfloat16 model, else float16)"),
+        help="KIVI scales/zeros dtype (default: KiviCache's, bfloat16 for a bfloat16 model, else float16)",
     )
     p.add_argument(
         "--kivi-option",

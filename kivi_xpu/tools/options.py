@@ -29,7 +29,7 @@ class ToolOptions:
     bits: list[int] = field(default_factory=lambda: [2])
     group_size: int = 32
     residual_length: int = 128
-    meta_dtype: str = "float16"  # KIVI scales/zeros, a key of DTYPES
+    meta_dtype: str | None = None  # KIVI scales/zeros, a key of DTYPES; None: KiviCache's (the model's dtype rule)
     kivi_options: list[tuple[str, object]] = field(default_factory=list)  # extra KiviCache keyword arguments
     backend: str | None = None
     sycl_device: str | None = None  # SYCL device filter of the KIVI kernels (KiviCache's `device`), e.g. opencl:cpu

@@ -77,7 +77,7 @@ def kivi_kwargs(options: ToolOptions, bits: int) -> dict:
         "bits": bits,
         "group_size": options.group_size,
         "residual_length": options.residual_length,
-        "meta_dtype": DTYPES[options.meta_dtype],
+        "meta_dtype": None if options.meta_dtype is None else DTYPES[options.meta_dtype],
         "backend": options.backend,
         "device": options.sycl_device,  # KiviCache's device is the SYCL filter; the model's is options.device
     }
