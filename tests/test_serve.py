@@ -361,6 +361,23 @@ def test_compile_is_refused(model_dir, capsys):
     assert "--compile is not supported by kivi-xpu serve" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("batching", [True, False])
+def test_attn_implementation_with_continuous_batching_is_warned_about(batching, model_dir, monkeypatch, caplog):
+    """Continuous batching reads the pages with its own attention, so an --attn-implementation given with it is
+    ignored, with a warning; without it, the attention is the one asked for and nothing is said. The server is
+    stopped where it would start (the model manager installed)."""
+
+    def stop(*_args, **_kwargs):
+        raise serve_tool.ToolError("stopped before the server starts")
+
+    monkeypatch.setattr(serve_tool, "_kivi_model_manager_installed", stop)
+    args = ["serve", "--attn-implementation", "sdpa", *(["--continuous-batching"] if batching else []), str(model_dir)]
+    with caplog.at_level("WARNING", logger="kivi_xpu"):
+        assert main(args) == 2
+    warned = "--attn-implementation sdpa is ignored with --continuous-batching" in caplog.text
+    assert warned == batching
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

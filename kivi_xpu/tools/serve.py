@@ -25,7 +25,9 @@ through the same ``_load_model``. A request that sends its own ``generation_conf
 
 Attention: without ``--attn-implementation`` the models are loaded with ``attn_implementation="kivi"`` (the fused
 attention reading the packed history in place, kivi-xpu's fast path; prefill runs SDPA); ``--attn-implementation
-sdpa`` (or ``eager``, ...) gives the dense path (the history dequantized for the attention).
+sdpa`` (or ``eager``, ...) gives the dense path (the history dequantized for the attention). Under
+``--continuous-batching`` the pages are always read by their own attention (``kivi_paged``), so an
+``--attn-implementation`` given there is ignored, with a warning (:data:`IGNORED_ATTENTION_WARNING`).
 
 Without ``--continuous-batching`` generation is sequential (one ``generate`` at a time per model, requests queued),
 as in ``transformers serve``. With it, transformers' continuous batching runs on KIVI pages (:mod:`kivi_xpu.paged`):
@@ -50,10 +52,17 @@ from ..overrides import settings_json
 from .cli import KIVI_FLAGS, add_kivi_arguments, nonnegative_int, positive_int
 from .options import ToolError
 
+logger = logging.getLogger("kivi_xpu")
+
 EXTRA_INSTALL = 'pip install "transformers[serving]"  (in a clone: pip install -e ".[serve]")'
 
 DEFAULT_KV_MEMORY_MIB = 1024  # --kv-memory of --continuous-batching
 DEFAULT_REUSE_MEMORY_MIB = 256  # --reuse-memory of the sequential server
+
+IGNORED_ATTENTION_WARNING = (
+    "--attn-implementation %s is ignored with --continuous-batching: the KIVI pages are always read by their own "
+    "attention (kivi_paged: the fused 2-bit decode, exact prompt chunks through SDPA)"
+)
 
 COMPILE_ERROR = (
     "--compile is not supported by kivi-xpu serve: in transformers serve it only switches requests to a StaticCache "
@@ -259,6 +268,8 @@ def _transformers_serve_command(config: dict, paged: dict, reuse_bytes: int = 0)
                 check_transformers_version()
             except RuntimeError as err:
                 raise ToolError(str(err)) from None
+        if batching and params.get("attn_implementation") is not None:
+            logger.warning(IGNORED_ATTENTION_WARNING, params["attn_implementation"])
         if params.get("attn_implementation") is None:
             params["attn_implementation"] = ATTENTION_NAME
         with _kivi_model_manager_installed(config, paged if batching else None, reuse_bytes):
