@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from kivi_xpu import KiviCache, use_fused_attention
+from kivi_xpu.backend import select
 from kivi_xpu.integration import cache_argument
 from kivi_xpu.paged import SUPPORTED_TRANSFORMERS, check_transformers_version, generate_batch, init_continuous_batching
 from kivi_xpu.paged import manager as manager_module
@@ -407,3 +408,16 @@ def test_several_return_sequences_are_refused(model):
     config.do_sample = True
     with pytest.raises(ValueError, match="num_return_sequences"):
         init_continuous_batching(model, config, kv_memory=4 * MiB)
+
+
+def test_the_pages_kernels_follow_the_models_device_as_a_kivi_caches_do(model):
+    """One device rule for KiviCache and KIVI pages (Selection.for_device): the kernels of the model's device, the
+    native ones on the CPU and pure PyTorch on a device no compiled kernel reads (here ``meta``, standing in for
+    cuda or mps); a backend named for a device its kernels cannot read is refused by name."""
+    on_cpu, _ = manager_module._cache_options(model, 4 * MiB, None, None, {})
+    assert on_cpu["backend"] == select().for_device("cpu").name  # native where it was built
+    elsewhere = tiny_llama(0).to("meta")
+    options, _ = manager_module._cache_options(elsewhere, 4 * MiB, None, None, {})
+    assert options["backend"] == "reference"
+    with pytest.raises(ValueError, match="runs its kernels on cpu"):
+        manager_module._cache_options(elsewhere, 4 * MiB, None, "native", {})

@@ -154,7 +154,7 @@ def _cache_options(model, kv_memory, max_requests, backend, kivi_settings: dict)
         raise ValueError(f"`max_requests` must be None or a positive integer, got {max_requests!r}")
     settings = KiviSettings(**kivi_settings).for_model_dtype(model.dtype)
     budget = PageBudget.plan(model.config.get_text_config(), settings, model.dtype, kv_memory, max_requests)
-    backend = select(backend, None).name
+    backend = select(backend, None).for_device(model.device).name  # KiviCache's device rule, for the model's device
     return dict(kv_memory=kv_memory, settings=settings, backend=backend, max_requests=max_requests), budget
 
 
@@ -176,7 +176,8 @@ def init_continuous_batching(
         kv_memory: bytes of KV storage (pages and the requests' exact windows); more requests wait in the queue.
         max_requests: the most requests in flight; default: as many as ``kv_memory`` holds (admission reserves each
             request's pages, window and, while its prompt is split, its exact prompt).
-        backend: the kernels (``native``, ``sycl``, ``reference``; default as :class:`~kivi_xpu.KiviCache`).
+        backend: the kernels (``native``, ``sycl``, ``reference``; default as :class:`~kivi_xpu.KiviCache`: those of
+            the model's device, :meth:`kivi_xpu.backend.Selection.for_device`).
         **kivi_settings: :class:`~kivi_xpu.KiviSettings` fields (``bits``, ``group_size``, ``residual_length``,
             ``sink_tokens``, ``rotation``, ``preset``, ...), as for :class:`~kivi_xpu.KiviCache`.
     """
