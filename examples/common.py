@@ -37,12 +37,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sharded_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model`` / ``--tiny [architecture]`` of the tensor-parallel examples (one of them is required)."""
+    """``--model`` / ``--tiny [architecture]`` (one of them is required) and ``--dtype`` of the tensor-parallel
+    examples. They have no ``--device``: each rank runs on the device transformers' tensor parallelism gives it (the
+    CPU under gloo, one GPU per rank under xccl or nccl)."""
     parser.add_argument("--model", help="local model directory, or smollm2 (transformers' TP loads it)")
     parser.add_argument(
         "--tiny", nargs="?", const="llama", choices=tuple(TINY_ARCHITECTURES),
         help="a tiny random model (default llama; 4 query, 2 KV heads) + byte tokenizer, offline",
     )  # fmt: skip
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="model dtype (default float32)")
 
 
 def cache_options(args) -> dict:

@@ -3,6 +3,7 @@
 python examples/finetune_qat.py                    # tiny byte-level Llama on a built-in text, offline
 python examples/finetune_qat.py --text FILE        # the same on your own text (UTF-8)
 python examples/finetune_qat.py --smollm2 --text wikipedia --steps 20   # SmolLM2-135M (slow on a CPU)
+python examples/finetune_qat.py --smollm2 --device xpu --dtype bfloat16  # where and how the model runs (not measured)
 
 The tiny default: a byte-level Llama is first trained in full precision on the text (``--pretrain-steps``), then
 fine-tuned for ``--steps`` more steps in two ways from the same starting point: plain full-precision training, and
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import DTYPES, check_device
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kivi_xpu import KiviCache
@@ -72,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--text", help="UTF-8 text file to train and evaluate on (default: a built-in text); with "
                    "--smollm2 also 'wikipedia' (kivi_xpu.assets.wikipedia_text)")  # fmt: skip
     p.add_argument("--smollm2", action="store_true", help="fine-tune SmolLM2-135M-Instruct instead of a tiny model")
+    p.add_argument("--device", default="cpu", help="where the model trains and decodes: cpu (default), xpu, cuda, "
+                   "... (the evaluation caches use the pure-PyTorch kernels, which run on any device)")  # fmt: skip
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="model dtype (default float32)")
     p.add_argument("--pretrain-steps", type=int, default=250, help="tiny model: full-precision steps first (250)")
     p.add_argument("--steps", type=int, default=60, help="fine-tuning steps, QAT and full precision each (60)")
     p.add_argument("--lr", type=float, default=None, help="fine-tuning learning rate (tiny: 1e-3; SmolLM2: 1e-5)")
@@ -107,17 +112,19 @@ def tiny_model(seed: int) -> LlamaForCausalLM:
 
 
 def load(args):
-    """(model, token ids of the text as a 1-D tensor)."""
+    """(model on ``--device`` in ``--dtype``, token ids of the text as a 1-D tensor on the CPU)."""
+    device, dtype = check_device(args.device), DTYPES[args.dtype]
     if not args.smollm2:
         path = Path(args.text) if args.text else None
         text = path.read_text(encoding="utf-8") if path else BUILT_IN_TEXT
-        return tiny_model(args.seed), torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+        model = tiny_model(args.seed).to(device, dtype)
+        return model, torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kivi_xpu.assets import smollm2_checkpoint, wikipedia_text
 
     checkpoint = smollm2_checkpoint()
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, device_map=device)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     path = wikipedia_text() if args.text in (None, "wikipedia") else Path(args.text)
     text = path.read_text(encoding="utf-8")[:200_000]
@@ -143,7 +150,7 @@ def train(model, tokens: torch.Tensor, steps: int, lr: float, args, qat_options=
     model.train()
     for _ in range(steps):
         starts = torch.randint(0, len(tokens) - args.window, (args.batch,), generator=generator)
-        batch = torch.stack([tokens[s : s + args.window] for s in starts.tolist()])
+        batch = torch.stack([tokens[s : s + args.window] for s in starts.tolist()]).to(model.device)
         if qat_options is None:
             loss = model(batch, labels=batch, use_cache=False).loss
         else:
@@ -182,6 +189,7 @@ def main(argv=None) -> int:
                        sink_tokens=args.sink_tokens)  # fmt: skip
     model, tokens = load(args)
     train_tokens, eval_windows = split(tokens, args)
+    eval_windows = eval_windows.to(model.device)
     # Validates the options against the model (head_dim, sinks < R, ...) before any training.
     KiviCache(config=model.config, backend="reference", **qat_options)
 

@@ -22,8 +22,7 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
-from common import add_sharded_model_arguments, tiny_model
+from common import DTYPES, add_sharded_model_arguments, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
 from kivi_xpu import KiviCache, KiviLayer
@@ -47,10 +46,10 @@ def parse_args(argv=None):
     return args
 
 
-def load(path: str, world_size: int):
-    """The model, sharded over the ranks by transformers' own plan when there are several."""
+def load(path: str, world_size: int, dtype: str):
+    """The model in ``dtype``, sharded over the ranks by transformers' own plan when there are several."""
     sharding = {"distributed_config": DistributedConfig(tp_plan="auto")} if world_size > 1 else {}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sharding).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **sharding).eval()
 
 
 def generate(model, inputs: dict, attention: str, args) -> dict:
@@ -77,7 +76,7 @@ def generate(model, inputs: dict, attention: str, args) -> dict:
 
 def run(path: str, tokenizer, args) -> dict:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    model = load(path, world_size)
+    model = load(path, world_size, args.dtype)
     inputs = tokenizer(PROMPT, return_tensors="pt")
     result = {"rank": rank, "world_size": world_size, "prompt_tokens": inputs["input_ids"].shape[1]}
     result |= {attention: generate(model, inputs, attention, args) for attention in ATTENTIONS}

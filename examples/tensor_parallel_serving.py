@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_sharded_model_arguments, tiny_model
+from common import DTYPES, add_sharded_model_arguments, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -67,7 +67,7 @@ def serve(path: str, args) -> dict:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(1)  # one core per rank
     sharding = {"distributed_config": DistributedConfig(tp_plan="auto")} if world_size > 1 else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sharding).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype], **sharding).eval()
     requests = prompts(path, args.lengths, args.tiny is not None)
     greedy = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     mib = args.kv_memory / world_size
