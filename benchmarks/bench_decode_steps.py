@@ -16,11 +16,19 @@ what the int8 path gains in the model (the arithmetic is switched before each of
     python benchmarks/bench_decode_steps.py --ctx 4096 --batch 4 --contend 2
     python benchmarks/bench_decode_steps.py --ctx 1024 8192 --caches dynamic kivi kivi-paper
     python benchmarks/bench_decode_steps.py --ctx 4096 8192 --batch 4 --caches dynamic static kivi kivi-fp32
+    python benchmarks/bench_decode_steps.py --ctx 1024 8064 --threads 1 --json benchmarks/results/steps-b1.json
+
+``--json PATH`` writes the rows (context, batch, cache, ms/step, the KV bytes each cache holds) with the machine
+(``lscpu`` lines, CPU family and model), the kernels and the commit; ``benchmarks/make_figures.py`` draws the docs'
+pictures from such files.
 """
 
 import argparse
+import datetime
 import os
+import platform
 import statistics
+import subprocess
 import time
 
 import torch
@@ -28,7 +36,9 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from kivi_xpu import KiviCache, assets, backend
 from kivi_xpu.integration import cache_argument
-from kivi_xpu.tools.machine import lscpu_lines
+from kivi_xpu.tools.io import write_json
+from kivi_xpu.tools.machine import cpu_facts, lscpu_lines
+from kivi_xpu.tools.memory import kv_bytes
 from kivi_xpu.tools.timing import competitors
 
 p = argparse.ArgumentParser()
@@ -39,7 +49,11 @@ p.add_argument("--backend", default=None)
 p.add_argument("--caches", nargs="+", default=["dynamic", "static", "kivi"])
 p.add_argument("--profile", action="store_true")
 p.add_argument("--contend", type=int, default=0, help="also time every cache with N competitor processes")
+p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+p.add_argument("--json", default=None, metavar="PATH", help="write the rows and the machine as JSON")
 args = p.parse_args()
+if args.threads:
+    torch.set_num_threads(args.threads)
 try:
     from kivi_xpu import _cpu as native
 
@@ -88,6 +102,7 @@ def run(kinds, kv, ctx):
     tokens = {
         kind: torch.randint(0, 1000, (args.batch, 1), generator=torch.Generator().manual_seed(1)) for kind in kinds
     }
+    held = {kind: kv_bytes(cache).held for kind, cache in caches.items()}
     times = {kind: [] for kind in kinds}
     with torch.inference_mode():
         for s in range(args.steps):
@@ -96,7 +111,33 @@ def run(kinds, kv, ctx):
                 kind = kinds[(s + i) % len(kinds)]
                 seconds, tokens[kind] = step(kind, caches[kind], tokens[kind], pos)
                 times[kind].append(seconds)
-    return {kind: statistics.median(t[2:]) * 1e3 for kind, t in times.items()}
+    return {kind: statistics.median(t[2:]) * 1e3 for kind, t in times.items()}, held
+
+
+def machine() -> dict:
+    """The CPU (``lscpu`` lines, family and model), torch threads, kernels and commit, for ``--json``."""
+    info = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for line in lscpu_lines()}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        lscpu = ""
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout
+    except OSError:
+        commit = ""
+    return {
+        "cpu": cpu_facts() | {k: fields.get(k, "").strip() for k in ("CPU family", "Model", "CPU(s)")},
+        "lscpu_model_name": info.get("Model name"),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "kivi_kernels": backend.select(args.backend).describe(),
+        "python": platform.python_version(),
+        "commit": commit.strip(),
+    }
+
+
+rows = []
 
 
 for ctx in args.ctx:
@@ -107,10 +148,13 @@ for ctx in args.ctx:
         model(input_ids=ids, **cache_argument(dc), use_cache=True)
         kv = [(layer.keys[:, :, :ctx].clone(), layer.values[:, :, :ctx].clone()) for layer in dc.layers]
         del dc
-    res = run(args.caches, kv, ctx)
+    res, held = run(args.caches, kv, ctx)
+    rows += [
+        {"context": ctx, "batch": args.batch, "cache": k, "ms_per_step": v, "kv_bytes": held[k]} for k, v in res.items()
+    ]
     if args.contend:
         with competitors(args.contend):
-            loaded = run(args.caches, kv, ctx)
+            loaded, _ = run(args.caches, kv, ctx)
     if args.profile and "kivi" in args.caches:
         with torch.profiler.profile() as prof:
             run(["kivi"], kv, ctx)
@@ -129,3 +173,16 @@ for ctx in args.ctx:
         if "kivi" in slowdown and "dynamic" in slowdown:
             line += f"  | KIVI slowdown / Dynamic slowdown {slowdown['kivi'] / slowdown['dynamic']:.2f}"
         print(line, flush=True)
+
+if args.json:
+    settings = {"ctx": args.ctx, "batch": args.batch, "steps": args.steps, "caches": args.caches}
+    payload = {
+        "tool": "benchmarks/bench_decode_steps.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": "SmolLM2-135M-Instruct (fp32)",
+        "settings": settings | {"threads": args.threads, "contend": args.contend, "backend": args.backend},
+        "environment": machine(),
+        "rows": rows,
+    }
+    write_json(args.json, payload)
+    print("wrote", args.json)
