@@ -18,9 +18,12 @@ what the int8 path gains in the model (the arithmetic is switched before each of
     python benchmarks/bench_decode_steps.py --ctx 4096 8192 --batch 4 --caches dynamic static kivi kivi-fp32
     python benchmarks/bench_decode_steps.py --ctx 1024 8064 --threads 1 --json benchmarks/results/steps-b1.json
 
-``--json PATH`` writes the rows (context, batch, cache, ms/step, the KV bytes each cache holds) with the machine
-(``lscpu`` lines, CPU family and model), the kernels and the commit; ``benchmarks/make_figures.py`` draws the docs'
-pictures from such files.
+``--json PATH`` writes the rows (round, context, batch, cache, ms/step, the KV bytes each cache holds) with the
+machine (``lscpu`` lines, CPU family and model), the kernels and the commit; ``benchmarks/make_figures.py`` draws the
+docs' pictures from such files. On a machine shared with other jobs, ``--rounds N`` measures every context N times, one
+pass over the contexts after another, so that each context has rounds at different moments (the figures take, per
+context, the round whose steps were fastest: the least disturbed). ``--shared-prompt`` prefills one sequence and gives
+its keys/values to every row of the batch (the decode work is the same; the prefill costs a batch-1 prefill).
 """
 
 import argparse
@@ -34,6 +37,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
+import kivi_xpu
 from kivi_xpu import KiviCache, assets, backend
 from kivi_xpu.integration import cache_argument
 from kivi_xpu.tools.io import write_json
@@ -51,6 +55,9 @@ p.add_argument("--profile", action="store_true")
 p.add_argument("--contend", type=int, default=0, help="also time every cache with N competitor processes")
 p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 p.add_argument("--json", default=None, metavar="PATH", help="write the rows and the machine as JSON")
+p.add_argument("--rounds", type=int, default=1, help="passes over all the contexts (default 1)")
+p.add_argument("--shared-prompt", action="store_true", help="every row of the batch holds one prefilled prompt")
+p.add_argument("--note", default=None, help="a line stored in the JSON, e.g. which build ran")
 args = p.parse_args()
 if args.threads:
     torch.set_num_threads(args.threads)
@@ -115,7 +122,8 @@ def run(kinds, kv, ctx):
 
 
 def machine() -> dict:
-    """The CPU (``lscpu`` lines, family and model), torch threads, kernels and commit, for ``--json``."""
+    """The CPU (``lscpu`` lines, family and model), torch threads, kernels and the commit of the kivi_xpu imported
+    (``git describe`` in its directory), for ``--json``."""
     info = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for line in lscpu_lines()}
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -123,7 +131,9 @@ def machine() -> dict:
         lscpu = ""
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout
+        package = os.path.dirname(os.path.abspath(kivi_xpu.__file__))
+        describe = ["git", "-C", package, "describe", "--always", "--dirty"]
+        commit = subprocess.run(describe, capture_output=True, text=True).stdout or f"not a git checkout: {package}"
     except OSError:
         commit = ""
     return {
@@ -140,17 +150,22 @@ def machine() -> dict:
 rows = []
 
 
-for ctx in args.ctx:
+for round_, ctx in ((r, c) for r in range(args.rounds) for c in args.ctx):
     with torch.inference_mode():
-        ids = torch.randint(0, 30000, (args.batch, ctx))
+        ids = torch.randint(0, 30000, (1 if args.shared_prompt else args.batch, ctx))
         dc = DynamicCache(config=cfg)
         model.set_attn_implementation("sdpa")
         model(input_ids=ids, **cache_argument(dc), use_cache=True)
-        kv = [(layer.keys[:, :, :ctx].clone(), layer.values[:, :, :ctx].clone()) for layer in dc.layers]
+        rows_kv = (args.batch, -1, -1, -1)
+        kv = [
+            (lay.keys[:, :, :ctx].expand(rows_kv).clone(), lay.values[:, :, :ctx].expand(rows_kv).clone())
+            for lay in dc.layers
+        ]
         del dc
     res, held = run(args.caches, kv, ctx)
     rows += [
-        {"context": ctx, "batch": args.batch, "cache": k, "ms_per_step": v, "kv_bytes": held[k]} for k, v in res.items()
+        {"round": round_, "context": ctx, "batch": args.batch, "cache": k, "ms_per_step": v, "kv_bytes": held[k]}
+        for k, v in res.items()
     ]
     if args.contend:
         with competitors(args.contend):
@@ -159,7 +174,9 @@ for ctx in args.ctx:
         with torch.profiler.profile() as prof:
             run(["kivi"], kv, ctx)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("ROWS", 25))))
-    line = f"ctx {ctx} b{args.batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items())
+    line = f"{f'round {round_} ' if args.rounds > 1 else ''}ctx {ctx} b{args.batch}: " + ", ".join(
+        f"{k} {v:.1f} ms" for k, v in res.items()
+    )
     if "kivi" in res:
         for base in ("dynamic", "static", "kivi-paper", "kivi-fp32"):
             if base in res:
@@ -180,7 +197,9 @@ if args.json:
         "tool": "benchmarks/bench_decode_steps.py",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": "SmolLM2-135M-Instruct (fp32)",
-        "settings": settings | {"threads": args.threads, "contend": args.contend, "backend": args.backend},
+        "settings": settings
+        | {"threads": args.threads, "contend": args.contend, "backend": args.backend, "rounds": args.rounds}
+        | {"shared_prompt": args.shared_prompt, "note": args.note},
         "environment": machine(),
         "rows": rows,
     }
