@@ -112,3 +112,127 @@ def budget_plot(payload: dict, path: str) -> None:
     fig.suptitle(f"{Path(payload['model']).name}: {payload['date'][:10]} ({payload['environment']['cpu']['model']})")
     fig.tight_layout()
     write_png(path, fig)
+
+
+# The docs' pictures (benchmarks/make_figures.py): README width is ~800 px, so 7.6 in at write_png's 110 dpi, with
+# the machine and the command's settings in a caption under the axes.
+DOCS_WIDTH_INCHES = 7.6
+CAPTION_CHARACTERS = 128  # a caption line at 7 pt across the figure's width
+
+
+def _docs_figure(panels: int, height: float = 3.6):
+    plt = _pyplot()
+    plt.rcParams.update({"font.size": 9, "axes.titlesize": 10, "legend.fontsize": 8})
+    fig, axes = plt.subplots(1, panels, figsize=(DOCS_WIDTH_INCHES, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def _finish(fig, title: str, caption: str, path: str, top: float = 1.0) -> None:
+    """The title above, the caption (machine, settings, source JSON) below the axes, then the PNG."""
+    import textwrap
+
+    fig.suptitle(title, fontsize=11)
+    caption = "\n".join(textwrap.fill(line, CAPTION_CHARACTERS) for line in caption.splitlines())
+    below = (caption.count("\n") + 1) * 0.13 + 0.1  # inches the caption takes, added to the figure's height
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width, height + below)
+    fig.text(0.01, 0.01, caption, fontsize=7, ha="left", va="bottom", color="0.25")
+    fig.tight_layout(rect=(0, below / (height + below), 1, top))
+    write_png(path, fig)
+
+
+def lines_plot(
+    panels: list[tuple[str, dict[str, list[tuple[float, float]]]]],
+    path: str,
+    *,
+    title: str,
+    ylabel: str,
+    caption: str,
+    xlabel: str = "context (tokens)",
+    styles: dict[str, dict] | None = None,
+    annotate_last: bool = False,
+    legend_loc: str = "best",
+    notes: list[str] | None = None,
+) -> None:
+    """One panel per ``(panel title, {series label: [(x, y), ...]})``, x on a log-2 axis with the measured points as
+    ticks, y from zero; ``styles`` maps a label to matplotlib line keywords; ``annotate_last`` writes each series'
+    last value beside its last point; ``notes`` holds a line of text per panel, written at its lower right; the
+    legend goes in the first panel."""
+    fig, axes = _docs_figure(len(panels))
+    for i, (ax, (panel_title, series)) in enumerate(zip(axes, panels, strict=True)):
+        if notes and notes[i]:
+            ax.text(0.97, 0.45, notes[i], transform=ax.transAxes, ha="right", va="center", fontsize=8)
+        xs = sorted({x for points in series.values() for x, _ in points})
+        for label, points in series.items():
+            points = sorted(points)
+            ax.plot(
+                [x for x, _ in points], [y for _, y in points], marker="o", label=label, **(styles or {}).get(label, {})
+            )
+            if annotate_last and points:
+                x, y = points[-1]
+                ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(4, 0), va="center", fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel_title)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(loc=legend_loc)
+    _finish(fig, title, caption, path)
+
+
+def grouped_bars_plot(
+    panels: list[tuple[str, str, dict[str, list[float]]]],
+    groups: list[str],
+    path: str,
+    *,
+    title: str,
+    caption: str,
+    value_format: str = "{:.0f}",
+) -> None:
+    """One panel per ``(panel title, y label, {series label: [value per group]})``: a group of bars per entry of
+    ``groups`` (its x label), each bar labelled with its value."""
+    fig, axes = _docs_figure(len(panels))
+    for ax, (panel_title, ylabel, series) in zip(axes, panels, strict=True):
+        width = 0.8 / len(series)
+        for i, (label, values) in enumerate(series.items()):
+            bars = ax.bar(
+                [j + (i - (len(series) - 1) / 2) * width for j in range(len(groups))], values, width, label=label
+            )
+            ax.bar_label(bars, [value_format.format(v) for v in values], fontsize=7)
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel_title)
+        ax.margins(y=0.12)
+        ax.grid(True, axis="y", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncols=len(labels), bbox_to_anchor=(0.5, 0.93), frameon=False)
+    _finish(fig, title, caption, path, top=0.9)
+
+
+def quality_plot(points: list[dict], path: str, *, title: str, caption: str) -> None:
+    """Perplexity increase (%) against bits per element: one marker per ``{"label", "bits", "delta", "error"}``
+    (``error``: the spread of the per-window increases, drawn as an error bar; ``series``: points of one series share
+    a colour), 0 % being the full-precision cache."""
+    fig, (ax,) = _docs_figure(1, height=3.9)
+    colours = {}
+    for p in points:
+        series = p.get("series", p["label"])
+        colour = colours.setdefault(series, f"C{len(colours)}")
+        ax.errorbar(p["bits"], p["delta"], yerr=p.get("error"), fmt=p.get("marker", "o"), color=colour, capsize=3)
+        ax.annotate(
+            p["label"],
+            (p["bits"], p["delta"]),
+            textcoords="offset points",
+            xytext=(7, p.get("dy", 0)),
+            fontsize=8,
+            va="center",
+        )
+    ax.axhline(0, color="0.4", lw=0.8)
+    ax.set_xlabel("bits per stored KV element (codes + their share of scales and zeros)")
+    ax.set_ylabel("perplexity increase over fp32 DynamicCache (%)")
+    ax.set_xlim(2.4, 6.2)
+    ax.grid(True, alpha=0.3)
+    _finish(fig, title, caption, path)

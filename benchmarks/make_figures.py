@@ -1,0 +1,274 @@
+"""Draws the docs' pictures (docs/images/*.png) from the committed JSON of the measurements; never measures.
+
+    python benchmarks/make_figures.py            # all four
+    python benchmarks/make_figures.py quality    # one of decode_speed, kv_memory, serving, quality
+
+Each picture names its machine, settings and source JSON in its caption. The sources, and the commands that wrote
+them (docs/measurements/ gives the tables):
+
+- decode_speed.png, kv_memory.png: ``benchmarks/results/steps-smollm2-b{1,4}.json``, written by
+  ``python benchmarks/bench_decode_steps.py --ctx 1024 2048 4096 8064 --threads 1 --rounds 3 --json ...`` with
+  ``--batch 1 --steps 24`` and ``--batch 4 --steps 16 --shared-prompt`` (SmolLM2-135M fp32, one prefill fills the
+  three caches, then the decode steps of DynamicCache, StaticCache and the default KiviCache interleaved; median
+  ms/step, and the KV bytes each cache holds after the prompt; per context the least disturbed round is drawn).
+- serving.png: ``benchmarks/results/serve-cb-smollm2-short.json`` and ``serve-cb-smollm2-4k-second-run.json``,
+  written by ``benchmarks/bench_serve.py --servers dynamic-cb kivi-cb`` (requests held at once at the KV budget, and
+  completion tokens/s of 16 concurrent requests). Those files do not record the CPU; the caption's machine is the
+  one docs/measurements/serving.md names for them.
+- quality.png: ``benchmarks/results/quality/ppl-wikipedia-xeon-{default,paper}.json``, written by
+  ``kivi-xpu eval-ppl --text wikipedia --eval-mode decode --prefill 512 --decode-steps 256 --windows 8 --threads 1
+  --caches dynamic kivi-fused --bits 2 4 [--kivi-option preset=paper]``; bits per element from
+  ``KiviSettings.bits_per_element()``.
+
+Needs matplotlib (``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from kivi_xpu.algorithm import KiviSettings
+from kivi_xpu.tools.memory import MIB
+from kivi_xpu.tools.plots import grouped_bars_plot, lines_plot, quality_plot
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+IMAGES = ROOT / "docs" / "images"
+
+CACHE_LABELS = {"dynamic": "DynamicCache (fp32)", "static": "StaticCache (fp32)", "kivi": "KiviCache 2-bit (default)"}
+CACHE_STYLES = {
+    CACHE_LABELS["dynamic"]: {"color": "C3"},
+    CACHE_LABELS["static"]: {"color": "C1"},
+    CACHE_LABELS["kivi"]: {"color": "C0", "linewidth": 2.2},
+}
+# serve-cb-*.json hold no machine facts: the machine docs/measurements/serving.md names for them.
+# eval-ppl's JSON records the CPU's model name and flags, not lscpu's family and model: those of the quality runs,
+# printed by lscpu on that machine at the time.
+QUALITY_CPU_FAMILY = "family 6 model 207"
+SERVE_MACHINE = "2-core AMD EPYC VM, lscpu family 25 model 17 (Zen 4, AVX-512), 2 torch threads, 2026-11-25"
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def machine_line(payload: dict) -> str:
+    """ "2-core Intel(R) Xeon(R) Processor, family 6 model 207 (AVX-512, AMX), 1 torch thread" from a JSON's
+    environment (bench_decode_steps.py's or the kivi-xpu tools')."""
+    env = payload["environment"]
+    cpu = env.get("cpu", {})
+    isa = cpu.get("isa", [])
+    features = ["AVX-512" if "avx512f" in isa else "AVX2"] + (["AMX"] if any(f.startswith("amx") for f in isa) else [])
+    family = f", family {cpu['CPU family']} model {cpu['Model']}" if cpu.get("CPU family") else ""
+    cores = f"{cpu['CPU(s)']}-core " if cpu.get("CPU(s)") else f"{env['cpu_count']}-core " if "cpu_count" in env else ""
+    threads = env.get("torch_threads")
+    return f"{cores}{cpu.get('model')}{family} ({', '.join(features)}), {threads} torch thread{'s' * (threads != 1)}"
+
+
+def least_disturbed(payload: dict) -> dict:
+    """The payload with, for each context, only the rows of its least disturbed round (``--rounds``): the round whose
+    caches' ms/step sum to the least. The caches' steps of one round are interleaved, so their ratios hold in any
+    round; the least disturbed round is the one whose absolute times other jobs on the machine inflated the least."""
+    totals: dict[tuple[int, int], float] = {}
+    for row in payload["rows"]:
+        key = (row["context"], row.get("round", 0))
+        totals[key] = totals.get(key, 0.0) + row["ms_per_step"]
+    best = {}
+    for (context, round_), total in sorted(totals.items()):
+        if context not in best or total < totals[context, best[context]]:
+            best[context] = round_
+    rows = [r for r in payload["rows"] if r.get("round", 0) == best[r["context"]]]
+    return payload | {"rows": rows}
+
+
+def steps_payloads() -> list[dict]:
+    return [least_disturbed(load(RESULTS / f"steps-smollm2-b{batch}.json")) for batch in (1, 4)]
+
+
+def steps_caption(payloads: list[dict], what: str) -> str:
+    first = payloads[0]
+    kernels = (
+        first["environment"]["kivi_kernels"].split(" (")[0]
+        + " ("
+        + first["environment"]["kivi_kernels"].split(" (")[1].split(",")[0]
+        + ")"
+    )
+    build = first["settings"].get("note") or f"commit {first['environment']['commit']}"
+    rounds = first["settings"].get("rounds", 1)
+    shared = " with other jobs" if rounds > 1 else ""
+    return (
+        f"{machine_line(first)}, the machine shared{shared}; {kernels}; {first['date'][:10]}; {build}.\n"
+        f"{what} Per context the least disturbed of {rounds} rounds. Source: benchmarks/results/steps-smollm2-b1.json,"
+        " -b4.json (benchmarks/bench_decode_steps.py)."
+    )
+
+
+def decode_speed(path: Path) -> None:
+    payloads = steps_payloads()
+    panels = []
+    for payload in payloads:
+        series: dict[str, list[tuple[float, float]]] = {}
+        for row in payload["rows"]:
+            series.setdefault(CACHE_LABELS[row["cache"]], []).append((row["context"], row["ms_per_step"]))
+        panels.append((f"batch {payload['settings']['batch']}", series))
+    lines_plot(
+        panels,
+        str(path),
+        title="SmolLM2-135M fp32: decode time per step against context",
+        ylabel="decode ms/step (median)",
+        caption=steps_caption(
+            payloads,
+            f"Steps of the three caches interleaved after one shared prefill, median of "
+            f"{payloads[0]['settings']['steps'] - 2} timed steps.",
+        ),
+        styles=CACHE_STYLES,
+        annotate_last=True,
+    )
+
+
+def kv_memory(path: Path) -> None:
+    payloads = steps_payloads()
+    panels, notes = [], []
+    for payload in payloads:
+        series: dict[str, list[tuple[float, float]]] = {}
+        for row in payload["rows"]:
+            if row["cache"] != "static":  # StaticCache holds DynamicCache's bytes and room for the steps
+                series.setdefault(CACHE_LABELS[row["cache"]], []).append((row["context"], row["kv_bytes"] / MIB))
+        panels.append((f"batch {payload['settings']['batch']}", series))
+        last = max(r["context"] for r in payload["rows"])
+        held = {r["cache"]: r["kv_bytes"] for r in payload["rows"] if r["context"] == last}
+        notes.append(f"KIVI at {last} tokens:\n{held['dynamic'] / held['kivi']:.1f}x smaller")
+    dynamic = {
+        (p["settings"]["batch"], r["context"]): r["kv_bytes"]
+        for p in payloads
+        for r in p["rows"]
+        if r["cache"] == "dynamic"
+    }
+    static_extra = max(
+        100 * (r["kv_bytes"] / dynamic[p["settings"]["batch"], r["context"]] - 1)
+        for p in payloads
+        for r in p["rows"]
+        if r["cache"] == "static"
+    )
+    lines_plot(
+        panels,
+        str(path),
+        title="SmolLM2-135M fp32: KV cache memory against context",
+        ylabel="KV cache MiB held",
+        caption=steps_caption(payloads, "Bytes each cache holds after the prompt (kivi_xpu.tools.memory.kv_bytes);")
+        + f" StaticCache holds DynamicCache's bytes and room for the steps (+{static_extra:.1f} % at most)."
+        " KiviCache default: 2-bit codes, G=32, R=128 exact tokens, 4 exact sinks, fp16 scales and zeros.",
+        styles=CACHE_STYLES,
+        annotate_last=True,
+        notes=notes,
+    )
+
+
+def serving(path: Path) -> None:
+    payloads = [load(RESULTS / name) for name in ("serve-cb-smollm2-short.json", "serve-cb-smollm2-4k-second-run.json")]
+    groups = [
+        f"{p['kv']['prompt_tokens']} + {p['kv']['new_tokens']} tokens\nKV budget {p['settings']['kv_memory']} MiB"
+        for p in payloads
+    ]
+    pool, kivi = "transformers' paged pool (fp32)", "KIVI pages (2-bit default)"
+    held = {
+        pool: [p["capacity"]["fp32_requests"] for p in payloads],
+        kivi: [p["capacity"]["kivi_requests"] for p in payloads],
+    }
+    speed = {
+        pool: [p["runs"]["dynamic-cb"]["completion_tokens_per_s"] for p in payloads],
+        kivi: [p["runs"]["kivi-cb"]["completion_tokens_per_s"] for p in payloads],
+    }
+    grouped_bars_plot(
+        [("requests held at once", "requests", held), ("16 concurrent requests", "completion tokens/s", speed)],
+        groups,
+        str(path),
+        title="Continuous batching at equal KV memory (SmolLM2-135M fp32)",
+        caption=(
+            f"{SERVE_MACHINE}. benchmarks/bench_serve.py --servers dynamic-cb kivi-cb --requests 16 --concurrency 16;\n"
+            "transformers serve --continuous-batching vs kivi-xpu serve --continuous-batching, one run each. "
+            "Source: benchmarks/results/serve-cb-smollm2-short.json, serve-cb-smollm2-4k-second-run.json."
+        ),
+    )
+
+
+def quality_points(payload: dict, dynamic: dict, series: str, names: dict[int, str]) -> list[dict]:
+    """A point per KIVI row: bits per element, the perplexity increase over ``dynamic`` (%) and the standard
+    deviation of the per-window increases (% of each window's full-precision perplexity)."""
+    settings = payload["settings"]
+    meta = getattr(torch, settings["meta_dtype"]) if settings.get("meta_dtype") else None
+    points = []
+    for row in payload["rows"]:
+        if row["name"] == "dynamic":
+            continue
+        kivi = KiviSettings(
+            bits=row["bits"],
+            group_size=settings["group_size"],
+            residual_length=settings["residual_length"],
+            meta_dtype=meta,
+            **settings.get("kivi_options", {}),
+        )
+        points.append(
+            {
+                "label": names[row["bits"]],
+                "series": series,
+                "bits": kivi.bits_per_element(),
+                "delta": 100 * row["relative_delta_vs_dynamic"],
+                "error": 100
+                * statistics.pstdev(
+                    d / ppl
+                    for d, ppl in zip(row["window_deltas_vs_dynamic"], dynamic["window_perplexities"], strict=True)
+                ),
+            }
+        )
+    return points
+
+
+def quality(path: Path) -> None:
+    default = load(RESULTS / "quality" / "ppl-wikipedia-xeon-default.json")
+    paper = load(RESULTS / "quality" / "ppl-wikipedia-xeon-paper.json")
+    dynamic = next(r for r in default["rows"] if r["name"] == "dynamic")
+    points = quality_points(default, dynamic, "default", {2: "KIVI 2-bit, default", 4: "KIVI 4-bit, default"})
+    points += quality_points(paper, dynamic, "paper", {2: "KIVI 2-bit, paper preset", 4: "KIVI 4-bit, paper preset"})
+    for p in points:  # the two presets at the same bits: their labels above and below the marker
+        p["dy"] = 8 if "paper" in p["label"] else -8
+    evaluated = default["evaluated"]
+    machine = machine_line(default).replace(" (", f", {QUALITY_CPU_FAMILY} (", 1)
+    quality_plot(
+        points,
+        str(path),
+        title="Perplexity cost of the KV cache against its size (SmolLM2-135M fp32, Wikipedia)",
+        caption=(
+            f"{machine}; {default['date'][:10]}. kivi-xpu eval-ppl --eval-mode decode: "
+            f"{evaluated['windows']} windows x ({evaluated['prefill']} prefilled + {evaluated['decode_steps']} scored "
+            f"decode steps);\nfp32 DynamicCache perplexity {dynamic['perplexity']:.3f} = 0 %. Bars: ± the standard "
+            "deviation of the per-window increases. quanto and HQQ: not installed on this machine, not drawn.\n"
+            "Source: benchmarks/results/quality/ppl-wikipedia-xeon-default.json, ppl-wikipedia-xeon-paper.json."
+        ),
+    )
+
+
+FIGURES = {"decode_speed": decode_speed, "kv_memory": kv_memory, "serving": serving, "quality": quality}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("figures", nargs="*", help=f"which pictures, from {', '.join(FIGURES)} (default: all)")
+    args = parser.parse_args()
+    unknown = [name for name in args.figures if name not in FIGURES]
+    if unknown:
+        parser.error(f"unknown picture {unknown[0]!r}; choose from {', '.join(FIGURES)}")
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    for name in args.figures or FIGURES:
+        path = IMAGES / f"{name}.png"
+        FIGURES[name](path)
+        print(f"{path.relative_to(ROOT)}: {path.stat().st_size / 1024:.0f} KiB")
+
+
+if __name__ == "__main__":
+    main()
