@@ -56,7 +56,7 @@ $(VENV)/.torch-installed: $(VENV)/torch-requirement | $(PY)
 	$(PIP) install -q $(TORCH)
 	@touch $@
 
-# The install of README.md "Install by hand": torch first, then the build tools, then the project without build
+# The install of docs/install.md "By hand": torch first, then the build tools, then the project without build
 # isolation, so that the extensions are compiled against this torch. The extras: test (pytest, ruff, matplotlib),
 # bench (gguf and accelerate convert the SmolLM2 GGUF file that examples/generate.py runs) and serve (transformers'
 # server for kivi-xpu serve: fastapi, uvicorn, pydantic, openai; tests/test_serve.py talks to it with openai).
