@@ -90,7 +90,7 @@ def steps_payloads() -> list[dict]:
     return [least_disturbed(load(RESULTS / f"steps-smollm2-b{batch}.json")) for batch in (1, 4)]
 
 
-def steps_caption(payloads: list[dict], what: str) -> str:
+def steps_caption(payloads: list[dict], what: str, timed: bool = True) -> str:
     first = payloads[0]
     kernels = (
         first["environment"]["kivi_kernels"].split(" (")[0]
@@ -103,7 +103,8 @@ def steps_caption(payloads: list[dict], what: str) -> str:
     shared = " with other jobs" if rounds > 1 else ""
     return (
         f"{machine_line(first)}, the machine shared{shared}; {kernels}; {first['date'][:10]}; {build}.\n"
-        f"{what} Per context the least disturbed of {rounds} rounds. Source: benchmarks/results/steps-smollm2-b1.json,"
+        f"{what}{f' Per context the least disturbed of {rounds} rounds.' if timed and rounds > 1 else ''} Source: "
+        "benchmarks/results/steps-smollm2-b1.json,"
         " -b4.json (benchmarks/bench_decode_steps.py)."
     )
 
@@ -123,8 +124,9 @@ def decode_speed(path: Path) -> None:
         ylabel="decode ms/step (median)",
         caption=steps_caption(
             payloads,
-            f"Steps of the three caches interleaved after one shared prefill, median of "
-            f"{payloads[0]['settings']['steps'] - 2} timed steps.",
+            "Steps of the three caches interleaved after one shared prefill, median of all but the first 2 steps ("
+            + ", ".join(f"{p['settings']['steps']} at batch {p['settings']['batch']}" for p in payloads)
+            + ").",
         ),
         styles=CACHE_STYLES,
         annotate_last=True,
@@ -160,9 +162,13 @@ def kv_memory(path: Path) -> None:
         str(path),
         title="SmolLM2-135M fp32: KV cache memory against context",
         ylabel="KV cache MiB held",
-        caption=steps_caption(payloads, "Bytes each cache holds after the prompt (kivi_xpu.tools.memory.kv_bytes);")
-        + f" StaticCache holds DynamicCache's bytes and room for the steps (+{static_extra:.1f} % at most)."
-        " KiviCache default: 2-bit codes, G=32, R=128 exact tokens, 4 exact sinks, fp16 scales and zeros.",
+        caption=steps_caption(
+            payloads,
+            "Bytes each cache holds after the prompt (kivi_xpu.tools.memory.kv_bytes); StaticCache holds "
+            f"DynamicCache's and room for the steps (+{static_extra:.1f} % at most). KiviCache default: 2-bit codes, "
+            "G=32, R=128 exact tokens, 4 exact sinks, fp16 scales and zeros.",
+            timed=False,
+        ),
         styles=CACHE_STYLES,
         annotate_last=True,
         notes=notes,

@@ -156,12 +156,12 @@ def lines_plot(
 ) -> None:
     """One panel per ``(panel title, {series label: [(x, y), ...]})``, x on a log-2 axis with the measured points as
     ticks, y from zero; ``styles`` maps a label to matplotlib line keywords; ``annotate_last`` writes each series'
-    last value beside its last point; ``notes`` holds a line of text per panel, written at its lower right; the
-    legend goes in the first panel."""
+    last value beside its last point; ``notes`` holds a text per panel, written at its left above the middle; the legend
+    goes in the first panel."""
     fig, axes = _docs_figure(len(panels))
     for i, (ax, (panel_title, series)) in enumerate(zip(axes, panels, strict=True)):
         if notes and notes[i]:
-            ax.text(0.97, 0.45, notes[i], transform=ax.transAxes, ha="right", va="center", fontsize=8)
+            ax.text(0.04, 0.6, notes[i], transform=ax.transAxes, ha="left", va="center", fontsize=8)
         xs = sorted({x for points in series.values() for x, _ in points})
         for label, points in series.items():
             points = sorted(points)
