@@ -12,10 +12,10 @@
 //   variant_names() -> list[str]; compile(filter, name) -> float (build seconds; compiles it now unless it is);
 //   compiled(filter) -> {name: build seconds} of this process;
 //   set_compile_hook(hook) -> None: hook(filter, names, seconds) runs after every build (kernel cache bookkeeping).
-//   quantize_keys(device: str, x, codes, scales, zeros, group_size: int, bits: int) -> None
+//   quantize_keys(device: str, x, codes, scales, zeros, group_size: int, bits: int, refit: bool) -> None
 //       x [B,H,T,D] float32/float16/bfloat16 -> codes uint8 [B,H,D,T*bits/8], scales/zeros [B,H,D,T/G]
 //       (keys are channel-major: byte j of channel d holds tokens P*j .. P*j+P-1, P = 8/bits)
-//   quantize_values(device: str, x, codes, scales, zeros, group_size: int, bits: int) -> None
+//   quantize_values(device: str, x, codes, scales, zeros, group_size: int, bits: int, refit: bool) -> None
 //       x [B,H,T,D] -> codes uint8 [B,H,T,D*bits/8], scales/zeros [B,H,T,D/G]
 //   dequantize_keys(device: str, codes, scales, zeros, out, num_tokens: int, group_size: int, bits: int) -> None
 //       codes [B,H,D,R] (R >= N*bits/8), scales/zeros [B,H,D,M] (M >= N/G) -> out [B,H,N,D]
@@ -93,9 +93,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled", &compiled, py::arg("filter"), "{template-id: build seconds} of the variants compiled so far");
   m.def("set_compile_hook", &set_compile_hook, py::arg("hook"), "hook(filter, names, seconds) after every build");
   def_op<&check_quantize<Layout::kKeys>, &launch_quantize_keys>(m, "quantize_keys", "x", "codes", "scales", "zeros",
-                                                                 "group_size", "bits");
+                                                                 "group_size", "bits", "refit");
   def_op<&check_quantize<Layout::kValues>, &launch_quantize_values>(m, "quantize_values", "x", "codes", "scales",
-                                                                     "zeros", "group_size", "bits");
+                                                                     "zeros", "group_size", "bits", "refit");
   def_op<&check_dequantize<Layout::kKeys>, &launch_dequantize_keys>(m, "dequantize_keys", "codes", "scales", "zeros",
                                                                      "out", "num_tokens", "group_size", "bits");
   def_op<&check_dequantize<Layout::kValues>, &launch_dequantize_values>(m, "dequantize_values", "codes", "scales",

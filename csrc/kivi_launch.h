@@ -73,7 +73,7 @@ inline void launch_quantize_keys(DeviceRuntime& rt, const OpParams& p) {
   const DenseParams& x = p.dense;  // [B,H,T,D]
   launch_3d(rt, kQuantizeKeys, {x.dtype, q.meta}, size_t(x.batch * x.heads), size_t(x.rows / q.group_size),
             size_t(x.cols), x.data, q.codes, q.scales, q.zeros, size_t(x.rows), size_t(x.cols), size_t(q.group_size),
-            q.bits, key_code_words(q));
+            q.bits, key_code_words(q), int(p.refit));
 }
 
 // One work-item per group of G consecutive channels: a flat 1-D range over B*H*T*(D/G) groups.
@@ -85,7 +85,7 @@ inline void launch_quantize_values(DeviceRuntime& rt, const OpParams& p) {
   const Kernel& k = rt.kernel(kQuantizeValues, {x.dtype, q.meta});
   const size_t local = local_for(k, groups);
   launch(rt, kQuantizeValues, k, sycl::nd_range<1>(round_up(groups, local), local), x.data, q.codes, q.scales,
-         q.zeros, groups, size_t(q.group_size), q.bits);
+         q.zeros, groups, size_t(q.group_size), q.bits, int(p.refit));
 }
 
 inline void launch_dequantize_keys(DeviceRuntime& rt, const OpParams& p) {

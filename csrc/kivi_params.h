@@ -46,6 +46,7 @@ struct OpParams {
   DenseParams dense;        // the float side: x (quantize), out (dequantize), query or probs (attention)
   float* result = nullptr;  // attention output: scores [B,Hq,L,N] or partial sums [B,Hq,L,chunks,D]
   int64_t chunk_tokens = 0, chunks = 0;  // value combine: tokens per partial sum, and their number
+  bool refit = false;                    // quantize: fit="least_squares" (kivi_xpu/ops/reference.py)
 };
 
 // The fused decode attention over the packed history (kivi_packed_attention): both packed operands, the query, the
@@ -194,8 +195,10 @@ inline PackedParams check_packed(Layout layout, const at::Tensor& codes, const a
 // quantize_keys / quantize_values: x [B,H,T,D] and the packed operand it fills, of exactly T tokens.
 template <Layout layout>
 inline OpParams check_quantize(const DeviceRuntime& rt, const at::Tensor& x, const at::Tensor& codes,
-                               const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size, int64_t bits) {
+                               const at::Tensor& scales, const at::Tensor& zeros, int64_t group_size, int64_t bits,
+                               bool refit) {
   OpParams p;
+  p.refit = refit;
   p.dense = check_dense(x, "x", false);
   const int per = per_byte_checked(group_size, bits);
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);

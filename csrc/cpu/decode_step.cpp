@@ -62,7 +62,8 @@ std::tuple<at::Tensor, at::Tensor> append_decode_step(
     int64_t key_end, const at::Tensor& value_window, int64_t value_start, int64_t value_end,
     const at::Tensor& value_codes, const at::Tensor& value_scales, const at::Tensor& value_zeros,
     int64_t value_offset, int64_t value_leaving, int64_t value_group, int64_t value_bits,
-    const c10::optional<at::Tensor>& value_rotation) {
+    const c10::optional<at::Tensor>& value_rotation, const std::string& value_fit) {
+  least_squares_fit(value_fit, "value_fit");  // checked even when no token leaves
   const int64_t m = check_window(key_states, key_window, key_start, key_end, "key_states", "key_window");
   TORCH_CHECK_VALUE(value_states.defined() && value_states.dim() == 4 && value_states.size(2) == m,
                     "`value_states` must hold as many tokens as `key_states` (", m, ")");
@@ -74,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> append_decode_step(
   copy_rows(value_states, value_window, value_end);
   if (value_leaving > 0) {  // oldest first: rows [start, start + leaving), already in place
     quantize_values_into(value_window.narrow(2, value_start, value_leaving), value_codes, value_scales, value_zeros,
-                         value_offset, value_group, value_bits, value_rotation);
+                         value_offset, value_group, value_bits, value_rotation, value_fit);
   }
   return {key_window.narrow(2, key_start, key_end + m - key_start),
           value_window.narrow(2, value_start, value_end + m - value_start)};
@@ -91,7 +92,8 @@ void register_decode_step(pybind11::module& m) {
         py::arg("key_states"), py::arg("value_states"), py::arg("key_window"), py::arg("key_start"),
         py::arg("key_end"), py::arg("value_window"), py::arg("value_start"), py::arg("value_end"),
         py::arg("value_codes"), py::arg("value_scales"), py::arg("value_zeros"), py::arg("value_offset"),
-        py::arg("value_leaving"), py::arg("value_group"), py::arg("value_bits"), py::arg("value_rotation") = py::none());
+        py::arg("value_leaving"), py::arg("value_group"), py::arg("value_bits"), py::arg("value_rotation") = py::none(),
+        py::arg("value_fit") = "minmax");
 }
 
 }  // namespace kivi::cpu

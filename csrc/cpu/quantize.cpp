@@ -47,10 +47,11 @@ void run(int64_t tasks, int64_t elements_per_task, const std::function<void(int6
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& input, int64_t group_size, int64_t bits,
-                                                         at::ScalarType meta_dtype, bool keys) {
+                                                         at::ScalarType meta_dtype, const std::string& fit, bool keys) {
   check_tensor(input, "x");
   check_bits_and_group(group_size, bits);
   QuantizeJob job{};
+  job.refit = least_squares_fit(fit, "fit");
   job.x_dtype = float_dtype(input.scalar_type(), "x");
   job.meta_dtype = float_dtype(meta_dtype, "meta_dtype");
   const at::Tensor x = input.contiguous();
@@ -138,6 +139,12 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const a
 
 }  // namespace
 
+bool least_squares_fit(const std::string& fit, const char* name) {
+  TORCH_CHECK_VALUE(fit == "minmax" || fit == "least_squares", "`", name,
+                    "` must be one of ('minmax', 'least_squares'), got '", fit, "'");
+  return fit == "least_squares";
+}
+
 // Floats of the stack buffer that holds a block of rotated rows (kRotatedFloats / D rows at a time).
 constexpr int64_t kRotatedFloats = 4096;
 
@@ -148,13 +155,14 @@ constexpr int64_t kRotatedFloats = 4096;
 // buffer (a decode step's token costs no torch call for its rotation).
 void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scales,
                           const at::Tensor& zeros, int64_t offset, int64_t group_size, int64_t bits,
-                          const c10::optional<at::Tensor>& rotation) {
+                          const c10::optional<at::Tensor>& rotation, const std::string& fit) {
   check_tensor(input, "x");
   check_tensor(codes, "codes");
   check_tensor(scales, "scales");
   check_tensor(zeros, "zeros");
   check_bits_and_group(group_size, bits);
   QuantizeJob job{};
+  job.refit = least_squares_fit(fit, "fit");
   job.x_dtype = float_dtype(input.scalar_type(), "x");
   job.meta_dtype = float_dtype(scales.scalar_type(), "scales");
   // Rows of one (batch, head) must be contiguous; batch and head may be strided (a window's rows in place).
@@ -185,7 +193,7 @@ void quantize_values_into(const at::Tensor& input, const at::Tensor& codes, cons
                       q.sizes(), " on ", q.device());
     if (d > decode::kMaxDim) {  // wider than the kernels' row buffers: rotate with torch, then as without rotation
       return quantize_values_into(at::matmul(x.to(at::kFloat), q), codes, scales, zeros, offset, group_size, bits,
-                                  c10::nullopt);
+                                  c10::nullopt, fit);
     }
   }
   if (n == 0 || b * h == 0) return;
@@ -229,23 +237,23 @@ void register_quantize(pybind11::module& m) {
   namespace py = pybind11;
   m.def(
       "quantize_keys",
-      [](const at::Tensor& x, int64_t group_size, int64_t bits, at::ScalarType meta_dtype) {
-        return quantize(x, group_size, bits, meta_dtype, true);
+      [](const at::Tensor& x, int64_t group_size, int64_t bits, at::ScalarType meta_dtype, const std::string& fit) {
+        return quantize(x, group_size, bits, meta_dtype, fit, true);
       },
       "x [B,H,T,D] -> codes uint8 [B,H,D,T*bits/8], scales, zeros [B,H,D,T/G] (per-channel keys).", py::arg("x"),
-      py::arg("group_size"), py::arg("bits"), py::arg("meta_dtype") = at::kHalf);
+      py::arg("group_size"), py::arg("bits"), py::arg("meta_dtype") = at::kHalf, py::arg("fit") = "minmax");
   m.def(
       "quantize_values",
-      [](const at::Tensor& x, int64_t group_size, int64_t bits, at::ScalarType meta_dtype) {
-        return quantize(x, group_size, bits, meta_dtype, false);
+      [](const at::Tensor& x, int64_t group_size, int64_t bits, at::ScalarType meta_dtype, const std::string& fit) {
+        return quantize(x, group_size, bits, meta_dtype, fit, false);
       },
       "x [B,H,T,D] -> codes uint8 [B,H,T,D*bits/8], scales, zeros [B,H,T,D/G] (per-token values).", py::arg("x"),
-      py::arg("group_size"), py::arg("bits"), py::arg("meta_dtype") = at::kHalf);
+      py::arg("group_size"), py::arg("bits"), py::arg("meta_dtype") = at::kHalf, py::arg("fit") = "minmax");
   m.def("quantize_values_into", &quantize_values_into,
         "x [B,H,n,D] quantized per token into rows [offset, offset+n) of value storage codes [B,H,capacity,D*bits/8] "
         "and scales, zeros [B,H,capacity,D/G] (metadata in their dtype); with a rotation Q [D,D] fp32, x @ Q is stored.",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("offset"), py::arg("group_size"),
-        py::arg("bits"), py::arg("rotation") = py::none());
+        py::arg("bits"), py::arg("rotation") = py::none(), py::arg("fit") = "minmax");
   m.def(
       "dequantize_keys",
       [](const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t num_tokens,

@@ -5,6 +5,7 @@
 //   q     = clamp(rint((x - zero) / scale), 0, qmax)        (a real division; q = 0 where scale == 0)
 //   a group with a non-finite element, scale or zero: codes 0, scale = zero = NaN
 //   x'    = q * scale + zero                                 (two roundings: the TU is built with fp-contract=off)
+//   fit="least_squares" (job.refit): the line refit to the min-max codes, then quantized again (refit_params)
 // Keys put SIMD lanes on channels (a group runs along tokens, i.e. down a column of x); values put lanes along the
 // group's channels (a group is a contiguous piece of a row).
 
@@ -60,6 +61,38 @@ inline Params<V> group_params(const Range<V>& r, float qmax) {
   p.zero = V::select(valid, zero, nan);
   p.qmax = V::set1(qmax);
   return p;
+}
+
+// Sums of a group's min-max codes q and elements x for the least-squares refit: added in element order, each product
+// rounded, as reference.py adds them.
+template <class V>
+struct FitSums {
+  typename V::F q, qq, x, qx;
+  void start(typename V::F x0, typename V::F q0) {
+    q = q0, qq = V::mul(q0, q0), x = x0, qx = V::mul(q0, x0);
+  }
+  void add(typename V::F xi, typename V::F qi) {
+    q = V::add(q, qi), qq = V::add(qq, V::mul(qi, qi)), x = V::add(x, xi), qx = V::add(qx, V::mul(qi, xi));
+  }
+};
+
+// fit="least_squares": the group's line becomes the least-squares line through (q_i, x_i) of its min-max codes, where
+// that line is usable (reference.py's _refit, operation for operation); `count` is the group's size.
+template <class V, class M>
+inline void refit_params(Params<V>& p, const FitSums<V>& s, float count) {
+  using F = typename V::F;
+  const F n = V::set1(count), zero_f = V::set1(0.0f);
+  const F det = V::sub(V::mul(n, s.qq), V::mul(s.q, s.q));
+  const typename V::M solvable = V::gt(det, zero_f);
+  const F slope = V::div(V::sub(V::mul(n, s.qx), V::mul(s.q, s.x)), V::select(solvable, det, V::set1(1.0f)));
+  const F scale = round_to<V, M>(slope);
+  const F zero = round_to<V, M>(V::div(V::sub(s.x, V::mul(slope, s.q)), n));
+  const typename V::M finite = V::both(V::eq(V::sub(scale, scale), zero_f), V::eq(V::sub(zero, zero), zero_f));
+  const typename V::M usable = V::both(V::both(solvable, V::gt(scale, zero_f)), finite);
+  p.scale = V::select(usable, scale, p.scale);
+  p.zero = V::select(usable, zero, p.zero);
+  p.divisor = V::select(usable, scale, p.divisor);
+  p.inverse = V::div(V::set1(1.0f), p.divisor);
 }
 
 // A division per element is the most expensive step of quantization. The product with the reciprocal differs from
@@ -120,6 +153,20 @@ inline void quantize_key_tile(const QuantizeJob& j, int64_t head, int64_t group,
     for (int v = 0; v < vectors; ++v) r[v].add(load_as_float<V, X>(x + t * d + v * W));
   Params<V> p[kTileVectors];
   for (int v = 0; v < vectors; ++v) p[v] = group_params<V, M>(r[v], (float)((1 << bits) - 1));
+  if (j.refit) {
+    FitSums<V> sums[kTileVectors];
+    for (int64_t t = 0; t < g; ++t)
+      for (int v = 0; v < vectors; ++v) {
+        const typename V::F xt = load_as_float<V, X>(x + t * d + v * W);
+        const typename V::F qt = V::to_float(quantize_lanes<V>(xt, p[v]));
+        if (t == 0) {
+          sums[v].start(xt, qt);
+        } else {
+          sums[v].add(xt, qt);
+        }
+      }
+    for (int v = 0; v < vectors; ++v) refit_params<V, M>(p[v], sums[v], (float)g);
+  }
 
   // Metadata [heads, D, groups]: lanes are `groups` elements apart.
   const int64_t groups = j.tokens / g, meta0 = (head * d + c0) * groups + group;
@@ -269,16 +316,35 @@ inline void quantize_value_block(const QuantizeJob& j, int64_t first, int64_t co
   Range<Vec> block;
   block.lo = Vec::load(lo), block.hi = Vec::load(hi), block.check = Vec::load(check);
   const Params<Vec> p = group_params<Vec, M>(block, (float)((1 << bits) - 1));
-  alignas(64) typename M::T meta[W];
-  store_from_float<Vec, M>(meta, p.scale);
-  __builtin_memcpy(static_cast<typename M::T*>(j.scales) + first, meta, (size_t)count * sizeof(meta[0]));
-  store_from_float<Vec, M>(meta, p.zero);
-  __builtin_memcpy(static_cast<typename M::T*>(j.zeros) + first, meta, (size_t)count * sizeof(meta[0]));
-  alignas(64) float zero[W], divisor[W], inverse[W], use[W];
+  alignas(64) float scale[W], zero[W], divisor[W], inverse[W], use[W];
+  Vec::store(scale, p.scale);
   Vec::store(zero, p.zero);
   Vec::store(divisor, p.divisor);
   Vec::store(inverse, p.inverse);
   Vec::store(use, Vec::select(p.use, Vec::set1(1.0f), Vec::set1(0.0f)));
+  if (j.refit) {
+    // Group by group, element by element: the sums' order is the reference's.
+    for (int64_t k = 0; k < count; ++k) {
+      Params<Scalar> pk{scale[k], zero[k], divisor[k], inverse[k], (float)((1 << bits) - 1), use[k] > 0.0f};
+      FitSums<Scalar> sums;
+      for (int64_t i = 0; i < g; ++i) {
+        const float xi = load_as_float<Scalar, X>(x + k * g + i);
+        const float qi = Scalar::to_float(quantize_lanes<Scalar>(xi, pk));
+        if (i == 0) {
+          sums.start(xi, qi);
+        } else {
+          sums.add(xi, qi);
+        }
+      }
+      refit_params<Scalar, M>(pk, sums, (float)g);
+      scale[k] = pk.scale, zero[k] = pk.zero, divisor[k] = pk.divisor, inverse[k] = pk.inverse;
+    }
+  }
+  alignas(64) typename M::T meta[W];
+  store_from_float<Vec, M>(meta, Vec::load(scale));
+  __builtin_memcpy(static_cast<typename M::T*>(j.scales) + first, meta, (size_t)count * sizeof(meta[0]));
+  store_from_float<Vec, M>(meta, Vec::load(zero));
+  __builtin_memcpy(static_cast<typename M::T*>(j.zeros) + first, meta, (size_t)count * sizeof(meta[0]));
 
   uint8_t* codes = j.codes + first * g * bits / 8;
   alignas(64) uint8_t q[kPiece];

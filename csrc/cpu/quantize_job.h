@@ -18,6 +18,7 @@ struct QuantizeJob {
   void* scales;
   void* zeros;
   int64_t heads, tokens, head_dim, group, bits;
+  bool refit;  // fit="least_squares" (reference.py)
 };
 
 // Packed (possibly over-allocated, contiguous) -> out [heads, num_tokens, head_dim] (contiguous):

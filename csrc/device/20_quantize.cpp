@@ -6,6 +6,7 @@
 //   q     = clamp(rint((x - zero32) / scale32), 0, qmax), q = 0 where scale32 == 0
 //   a group with a non-finite input, scale or zero gets codes 0 and scale = zero = NaN
 //   x'    = q * scale32 + zero32 (two roundings, no fma), cast to the output dtype
+//   refit (fit="least_squares"): the line refit to the min-max codes, then quantized again (refit_group)
 
 namespace {
 
@@ -56,6 +57,29 @@ inline unsigned quantize_one(float v, const GroupParams& p, float qmax) {
   return (unsigned)q;
 }
 
+// fit="least_squares" (kivi_xpu/ops/reference.py): the least-squares line through the group's min-max codes where it
+// is usable, else `p`. The sums are added in element order and each product rounded, as the reference adds them.
+template <typename X, typename M>
+inline GroupParams refit_group(const typename X::T* x, size_t stride, size_t count, const GroupParams& p, float qmax) {
+  float sq = 0.0f, sqq = 0.0f, sx = 0.0f, sqx = 0.0f;
+  for (size_t i = 0; i < count; ++i) {
+    const float v = X::load(x[i * stride]);
+    const float q = (float)quantize_one(v, p, qmax);
+    if (i == 0) {
+      sq = q, sqq = q * q, sx = v, sqx = q * v;
+    } else {
+      sq = sq + q, sqq = sqq + q * q, sx = sx + v, sqx = sqx + q * v;
+    }
+  }
+  const float n = (float)count;
+  const float det = n * sqq - sq * sq;
+  if (!(det > 0.0f)) return p;
+  const float slope = (n * sqx - sq * sx) / det;
+  const float scale = round_to<M>(slope), zero = round_to<M>((sx - slope * sq) / n);
+  if (!(scale > 0.0f) || !is_finite(scale) || !is_finite(zero)) return p;
+  return GroupParams{scale, zero, p.valid};
+}
+
 template <typename M>
 inline void store_params(unsigned char* scales, unsigned char* zeros, size_t index, const GroupParams& p) {
   const float nan = bits_float(0x7FC00000u);
@@ -80,7 +104,7 @@ inline float dequantize_one(unsigned q, float scale, float zero) {
 template <typename X, typename M>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_quantize_keys(
     const unsigned char* x_bytes, unsigned char* codes, unsigned char* scales, unsigned char* zeros, size_t tokens,
-    size_t head_dim, size_t group_size, int bits, int words) {
+    size_t head_dim, size_t group_size, int bits, int words, int refit) {
   const sycl::nd_item<3> it = syclext::this_work_item::get_nd_item<3>();
   const size_t d = it.get_global_id(2);
   if (d >= head_dim) return;  // padding of the last dimension
@@ -89,7 +113,8 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_quant
       reinterpret_cast<const typename X::T*>(x_bytes) + (head * tokens + group * group_size) * head_dim + d;
 
   const float qmax = (float)((1 << bits) - 1);
-  const GroupParams p = group_params<M>(group_range<X>(x, head_dim, group_size), qmax);
+  GroupParams p = group_params<M>(group_range<X>(x, head_dim, group_size), qmax);
+  if (refit) p = refit_group<X, M>(x, head_dim, group_size, p, qmax);
   const size_t groups = tokens / group_size;
   store_params<M>(scales, zeros, (head * head_dim + d) * groups + group, p);
 
@@ -121,13 +146,14 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_quant
 template <typename X, typename M>
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>)) void kivi_quantize_values(
     const unsigned char* x_bytes, unsigned char* codes, unsigned char* scales, unsigned char* zeros, size_t groups,
-    size_t group_size, int bits) {
+    size_t group_size, int bits, int refit) {
   const size_t item = syclext::this_work_item::get_nd_item<1>().get_global_id(0);
   if (item >= groups) return;
   const typename X::T* x = reinterpret_cast<const typename X::T*>(x_bytes) + item * group_size;
 
   const float qmax = (float)((1 << bits) - 1);
-  const GroupParams p = group_params<M>(group_range<X>(x, 1, group_size), qmax);
+  GroupParams p = group_params<M>(group_range<X>(x, 1, group_size), qmax);
+  if (refit) p = refit_group<X, M>(x, 1, group_size, p, qmax);
   store_params<M>(scales, zeros, item, p);
 
   const int per_byte = 8 / bits;

@@ -69,12 +69,22 @@ def check_meta_dtype(meta_dtype, name: str = "meta_dtype") -> None:
         raise ValueError(f"`{name}` must be one of ({_names(META_DTYPES)}), got {meta_dtype!r}")
 
 
-def check_quantize_args(x: torch.Tensor, group_size: int, bits: int, meta_dtype, axis: str) -> None:
+FITS = ("minmax", "least_squares")  # how a group's line is fitted (kivi_xpu/ops/reference.py)
+
+
+def check_fit(fit, name: str = "fit") -> str:
+    if fit not in FITS:
+        raise ValueError(f"`{name}` must be one of {FITS}, got {fit!r}")
+    return fit
+
+
+def check_quantize_args(x: torch.Tensor, group_size: int, bits: int, meta_dtype, axis: str, fit="minmax") -> None:
     """Checks for ``quantize_keys`` (axis='tokens') and ``quantize_values`` (axis='channels')."""
     check_float_tensor(x, "x")
     check_bits(bits)
     check_group_size(group_size, bits)
     check_meta_dtype(meta_dtype)
+    check_fit(fit)
     dim = 2 if axis == "tokens" else 3
     if x.shape[dim] % group_size != 0:
         what = "number of tokens x.shape[2]" if axis == "tokens" else "head_dim x.shape[3]"
@@ -158,7 +168,8 @@ def check_quantize_into_args(a) -> None:
     ``[D, D]`` on ``x``'s device) goes to token rows ``[offset, offset + n)`` of packed value storage ``codes [B, H,
     capacity, D/P]``, ``scales``/``zeros [B, H, capacity, D/G]`` (their dtype is the metadata dtype)."""
     x, codes, scales, bits = a.x, a.codes, a.scales, a.bits
-    check_quantize_args(x, a.group_size, bits, scales.dtype if isinstance(scales, torch.Tensor) else None, "channels")
+    meta_dtype = scales.dtype if isinstance(scales, torch.Tensor) else None
+    check_quantize_args(x, a.group_size, bits, meta_dtype, "channels", a.fit)
     offset = a.offset
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"`offset` must be a non-negative integer, got {offset!r}")
@@ -219,4 +230,14 @@ def check_decode_step_args(a) -> None:
         rows = torch.empty_like(rows, device=a.value_codes.device)  # (the op moves the leaving rows to the storage)
     storage = (a.value_codes, a.value_scales, a.value_zeros)
     into = OPS["quantize_values_into"].arguments
-    check_quantize_into_args(into(rows, *storage, a.value_offset, a.value_group, a.value_bits, a.value_rotation))
+    check_quantize_into_args(
+        into(
+            rows,
+            *storage,
+            a.value_offset,
+            a.value_group,
+            a.value_bits,
+            a.value_rotation,
+            check_fit(a.value_fit, "value_fit"),
+        )
+    )

@@ -80,7 +80,7 @@ for _axis, _kind in (("tokens", "keys"), ("channels", "values")):
     define(
         f"quantize_{_kind}",
         getattr(reference, f"quantize_{_kind}"),
-        lambda a, axis=_axis: check_quantize_args(*a, axis),
+        lambda a, axis=_axis: check_quantize_args(a.x, a.group_size, a.bits, a.meta_dtype, axis, a.fit),
         _quantized_outputs(_axis),
     )
     define(

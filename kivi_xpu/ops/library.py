@@ -244,6 +244,7 @@ _SCHEMA_TYPES = {
     int: "int",
     float: "float",
     bool: "bool",
+    str: "str",
     torch.dtype: "ScalarType",
 }
 
@@ -252,17 +253,18 @@ def schema_of(signature: inspect.Signature, mutates: tuple[str, ...] = (), views
     """The op schema of an annotated reference ``signature`` (its annotations evaluated). ``mutates``: the tensor
     arguments written in place (aliases ``a!``, ``b!``, ... in order); ``views``: for an op returning views of
     mutated arguments, the argument each returned tensor is a view of. The optional tensors that end the argument
-    list keep their ``None`` default (a call of the op may leave them out); the reference's other defaults are
-    conveniences of its Python callers (:func:`call`), not of the op."""
+    list keep their ``None`` default, and so do the strings among them (a call of the op may leave them out); the
+    reference's other defaults are conveniences of its Python callers (:func:`call`), not of the op."""
     aliases = {name: chr(ord("a") + i) for i, name in enumerate(mutates)}
     parameters = list(signature.parameters.values())
     optional = len(parameters)
-    while optional and parameters[optional - 1].default is None:
+    while optional and (parameters[optional - 1].default is None or isinstance(parameters[optional - 1].default, str)):
         optional -= 1
     arguments = []
     for i, p in enumerate(parameters):
         kind = _SCHEMA_TYPES[p.annotation] + (f"({aliases[p.name]}!)" if p.name in aliases else "")
-        arguments.append(f"{kind} {p.name}" + ("=None" if i >= optional else ""))
+        default = "" if i < optional else "=None" if p.default is None else f'="{p.default}"'
+        arguments.append(f"{kind} {p.name}{default}")
     returns = signature.return_annotation
     if views:
         out = "(" + ", ".join(f"Tensor({aliases[name]})" for name in views) + ")"

@@ -12,6 +12,20 @@ Quantization (asymmetric min-max, per group of ``G`` elements, in float32 arithm
 The codes are computed from the *stored* (metadata-dtype) scale and zero, so that dequantization is
 consistent with what is kept. Rounding is round-half-to-even (``torch.round``; ``sycl::rint`` in the kernels).
 
+``fit="least_squares"`` (the default preset's; ``"minmax"`` is the authors') refits each valid group's line once to
+its min-max codes ``q`` (the least-squares line through the points ``(q_i, x_i)``), then quantizes again::
+
+    Sq, Sqq, Sx, Sqx = sum(q), sum(q * q), sum(x), sum(q * x)   # float32, added in group order from element 0
+    det = n * Sqq - Sq * Sq                                     # n = G as float32
+    s   = (n * Sqx - Sq * Sx) / det,   z = (Sx - s * Sq) / n    # each product, difference and quotient rounded
+    scale, zero = meta(s), meta(z)   if det > 0 and meta(s) > 0 and both finite, else the min-max ones
+    q   = clamp(round_half_even((x - zero) / scale), 0, 2**bits - 1)
+
+The refit line minimises the squared error of the min-max codes; quantizing again to the nearest level cannot undo
+that, so a group's error only grows by the rounding of the metadata. It keeps the bytes and the dequantization (a
+line per group), so every reader of the codes is unchanged. Every sum is a sequence of float32 additions in element
+order, so that the kernels reproduce it bit for bit.
+
 Defined behaviour for edge cases:
 
 * constant group (``mx == mn``, or a scale that underflows the metadata dtype to 0): every code is 0 and
@@ -44,7 +58,38 @@ from .library import register_kernel
 from .operands import KindOperands, RequestColumns, decode_args
 
 
-def _quantize_groups(x: torch.Tensor, dim: int, bits: int, meta_dtype: torch.dtype):
+def _codes(x: torch.Tensor, scale32: torch.Tensor, zero32: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Float codes of ``x`` on the line ``(scale32, zero32)`` (0 where the scale is not positive)."""
+    positive = scale32 > 0
+    q = torch.where(positive, (x - zero32) / torch.where(positive, scale32, 1.0), 0.0)
+    return torch.round(q).clamp_(0, qmax)
+
+
+def _in_order_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum along ``dim`` (keepdim) as float32 additions in element order, the order the kernels add in."""
+    total = x.narrow(dim, 0, 1)
+    for i in range(1, x.shape[dim]):
+        total = total + x.narrow(dim, i, 1)
+    return total
+
+
+def _refit(x, q, dim: int, scale, zero, meta_dtype: torch.dtype):
+    """The least-squares line of groups ``x`` through their codes ``q`` (module docstring), in ``meta_dtype``;
+    the given ``scale``/``zero`` where that line is not usable."""
+    n = torch.tensor(float(x.shape[dim]), device=x.device)
+    sq, sqq = _in_order_sum(q, dim), _in_order_sum(q * q, dim)
+    sx, sqx = _in_order_sum(x, dim), _in_order_sum(q * x, dim)
+    det = n * sqq - sq * sq
+    usable = det > 0
+    s = (n * sqx - sq * sx) / torch.where(usable, det, 1.0)
+    z = (sx - s * sq) / n
+    s, z = s.to(meta_dtype), z.to(meta_dtype)
+    s32, z32 = s.float(), z.float()
+    usable &= (s32 > 0) & torch.isfinite(s32) & torch.isfinite(z32)
+    return torch.where(usable, s, scale), torch.where(usable, z, zero)
+
+
+def _quantize_groups(x: torch.Tensor, dim: int, bits: int, meta_dtype: torch.dtype, fit: str = "minmax"):
     """Quantizes groups lying along ``dim`` of float32 ``x``. Returns (codes int32 like x, scale, zero)
     with ``scale``/``zero`` in ``meta_dtype`` and size 1 along ``dim``."""
     qmax = (1 << bits) - 1
@@ -54,9 +99,10 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int, meta_dtype: torch.dty
     zero = mn.to(meta_dtype)
     scale32, zero32 = scale.float(), zero.float()
     bad = ~(torch.isfinite(scale32) & torch.isfinite(zero32))
-    positive = scale32 > 0
-    q = torch.where(positive, (x - zero32) / torch.where(positive, scale32, 1.0), 0.0)
-    q = torch.round(q).clamp_(0, qmax)
+    q = _codes(x, scale32, zero32, qmax)
+    if fit == "least_squares":
+        scale, zero = _refit(x, torch.where(bad, 0.0, q), dim, scale, zero, meta_dtype)
+        q = _codes(x, scale.float(), zero.float(), qmax)
     q = torch.where(bad, 0.0, q).to(torch.int32)
     nan = torch.tensor(float("nan"), dtype=meta_dtype, device=x.device)
     return q, torch.where(bad, nan, scale), torch.where(bad, nan, zero)
@@ -84,30 +130,32 @@ def unpack(codes: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     return q.reshape(shape[:dim] + [shape[dim] * per] + shape[dim + 1 :])
 
 
-def _quantize_rows(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype):
+def _quantize_rows(x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype, fit: str):
     """Quantizes float32 ``x [B, H, R, C]`` in groups of ``group_size`` along its last axis, codes packed along it:
     ``codes [B, H, R, C / P]``, ``scales``/``zeros [B, H, R, C / G]``."""
     b, h, r, c = x.shape
-    q, scale, zero = _quantize_groups(x.reshape(b, h, r, c // group_size, group_size), 4, bits, meta_dtype)
+    q, scale, zero = _quantize_groups(x.reshape(b, h, r, c // group_size, group_size), 4, bits, meta_dtype, fit)
     return pack(q.reshape(b, h, r, c), 3, bits), scale.squeeze(4).contiguous(), zero.squeeze(4).contiguous()
 
 
 @register_kernel("quantize_keys", "reference")
 def quantize_keys(
-    x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16
+    x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16, fit: str = "minmax"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel key quantization of ``x [B, H, T, D]`` (float32/float16/bfloat16, ``T`` a multiple of
-    ``group_size``) -> ``codes`` uint8 ``[B, H, D, T * bits / 8]``, ``scales``/``zeros [B, H, D, T / G]``."""
-    return _quantize_rows(x.float().transpose(2, 3), group_size, bits, meta_dtype)  # channel-major
+    ``group_size``) -> ``codes`` uint8 ``[B, H, D, T * bits / 8]``, ``scales``/``zeros [B, H, D, T / G]``; ``fit``
+    one of :data:`~kivi_xpu.ops.checks.FITS`."""
+    return _quantize_rows(x.float().transpose(2, 3), group_size, bits, meta_dtype, fit)  # channel-major
 
 
 @register_kernel("quantize_values", "reference")
 def quantize_values(
-    x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16
+    x: torch.Tensor, group_size: int, bits: int, meta_dtype: torch.dtype = torch.float16, fit: str = "minmax"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token value quantization of ``x [B, H, T, D]`` (float32/float16/bfloat16, ``D`` a multiple of
-    ``group_size``) -> ``codes`` uint8 ``[B, H, T, D * bits / 8]``, ``scales``/``zeros [B, H, T, D / G]``."""
-    return _quantize_rows(x.float(), group_size, bits, meta_dtype)
+    ``group_size``) -> ``codes`` uint8 ``[B, H, T, D * bits / 8]``, ``scales``/``zeros [B, H, T, D / G]``; ``fit``
+    one of :data:`~kivi_xpu.ops.checks.FITS`."""
+    return _quantize_rows(x.float(), group_size, bits, meta_dtype, fit)
 
 
 @register_kernel("quantize_values_into", "reference")
@@ -120,13 +168,14 @@ def quantize_values_into(
     group_size: int,
     bits: int,
     rotation: torch.Tensor | None = None,
+    fit: str = "minmax",
 ) -> None:
-    """:func:`quantize_values` of ``x [B, H, n, D]``, or of ``x @ rotation`` in float32 (``rotation`` ``[D, D]``
-    float32, see :mod:`kivi_xpu.rotation`), written into token rows ``[offset, offset + n)`` of packed value storage
-    ``codes [B, H, capacity, D * bits / 8]``, ``scales``/``zeros [B, H, capacity, D / G]`` (metadata in their dtype):
-    how a decode step stores the token leaving the window, without temporaries in the fast kernels."""
+    """:func:`quantize_values` (with ``fit``) of ``x [B, H, n, D]``, or of ``x @ rotation`` in float32 (``rotation``
+    ``[D, D]`` float32, see :mod:`kivi_xpu.rotation`), written into token rows ``[offset, offset + n)`` of packed value
+    storage ``codes [B, H, capacity, D * bits / 8]``, ``scales``/``zeros [B, H, capacity, D / G]`` (metadata in their
+    dtype): how a decode step stores the token leaving the window, without temporaries in the fast kernels."""
     x = rotate(x, rotation)
-    store_value_rows(quantize_values(x, group_size, bits, scales.dtype), (codes, scales, zeros), offset)
+    store_value_rows(quantize_values(x, group_size, bits, scales.dtype, fit), (codes, scales, zeros), offset)
 
 
 def store_value_rows(parts, storage, offset: int) -> None:
@@ -157,22 +206,23 @@ def composed_decode_step(quantize_into):
         value_group: int,
         value_bits: int,
         value_rotation: torch.Tensor | None = None,
+        value_fit: str = "minmax",
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's cache work of one decode step, in place: ``key_states``/``value_states [B, H, m, D]`` are
-        copied into rows ``[end, end + m)`` of their full-precision windows ``[B, H, capacity, D]``; value window
-        rows ``[value_start, value_start + value_leaving)`` (the oldest, leaving the window) are quantized as
-        :func:`quantize_values_into` (rotated by ``value_rotation``, on the storage's device) into token rows
-        ``[value_offset, value_offset + value_leaving)`` of the value storage ``value_codes``/``value_scales``/
-        ``value_zeros``. Returns the tails attention reads, views ``key_window[:, :, key_start:key_end + m]`` and
-        ``value_window[:, :, value_start:value_end + m]`` (the leaving rows included: attention still reads them
-        exact)."""
+        """A layer's cache work of one decode step, in place: ``key_states``/``value_states [B, H, m, D]`` are copied
+        into rows ``[end, end + m)`` of their full-precision windows ``[B, H, capacity, D]``; value window rows
+        ``[value_start, value_start + value_leaving)`` (the oldest, leaving the window) are quantized as
+        :func:`quantize_values_into` (rotated by ``value_rotation``, with ``value_fit``, on the storage's device) into
+        token rows ``[value_offset, value_offset + value_leaving)`` of the value storage
+        ``value_codes``/``value_scales``/``value_zeros``. Returns the tails attention reads, views ``key_window[:, :,
+        key_start:key_end + m]`` and ``value_window[:, :, value_start:value_end + m]`` (the leaving rows included:
+        attention still reads them exact)."""
         m = key_states.shape[2]
         key_window.narrow(2, key_end, m).copy_(key_states)
         value_window.narrow(2, value_end, m).copy_(value_states)
         if value_leaving:
             leaving = value_window.narrow(2, value_start, value_leaving).to(value_codes.device)
             storage = (value_codes, value_scales, value_zeros)
-            quantize_into(leaving, *storage, value_offset, value_group, value_bits, value_rotation)
+            quantize_into(leaving, *storage, value_offset, value_group, value_bits, value_rotation, value_fit)
         return (
             key_window.narrow(2, key_start, key_end + m - key_start),
             value_window.narrow(2, value_start, value_end + m - value_start),

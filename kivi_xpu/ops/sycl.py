@@ -52,12 +52,12 @@ def _runtime(name: str, tensor: torch.Tensor) -> SyclRuntime:
 
 
 def _quantize(op: str):
-    def run(x, group_size, bits, meta_dtype):
+    def run(x, group_size, bits, meta_dtype, fit="minmax"):
         rt = _runtime("x", x)
         x = x.contiguous()
-        codes, scales, zeros = OPS[op].outputs(x, group_size, bits, meta_dtype)
+        codes, scales, zeros = OPS[op].outputs(x, group_size, bits, meta_dtype, fit)
         if x.numel() > 0:
-            getattr(rt.module, op)(rt.device, x, codes, scales, zeros, group_size, bits)
+            getattr(rt.module, op)(rt.device, x, codes, scales, zeros, group_size, bits, fit == "least_squares")
         return codes, scales, zeros
 
     return run
@@ -80,12 +80,12 @@ for _kind in ("keys", "values"):
 
 
 @register_kernel("quantize_values_into", "sycl")
-def quantize_values_into(x, codes, scales, zeros, offset, group_size, bits, rotation=None):
+def quantize_values_into(x, codes, scales, zeros, offset, group_size, bits, rotation=None, fit="minmax"):
     """The SYCL value quantizer, then copies into the storage rows (no in-place SYCL kernel yet). A rotation is
     applied with torch first: the SYCL quantize kernel reads x as it is, and this path already costs several torch
     calls per token, so one more matmul is no regression."""
     x = rotate(x, rotation)
-    parts = _quantize("quantize_values")(x, group_size, bits, scales.dtype)
+    parts = _quantize("quantize_values")(x, group_size, bits, scales.dtype, fit)
     store_value_rows(parts, (codes, scales, zeros), offset)
 
 
