@@ -16,9 +16,10 @@ and values ``[S, S + max(0, n - S - R))`` are quantized. With ``S = 0`` this is 
 stores the packed history in a rotated basis (:mod:`kivi_xpu.rotation`), which changes what is quantized but not
 which tokens are.
 
-Presets (:data:`PRESETS`): ``"default"``, 4 sinks and Walsh-Hadamard rotated keys and values, which costs no stored
-byte over the paper and a fraction of its perplexity loss (``docs/measurements.md``), and ``"paper"``, the
-authors' algorithm exactly (no sinks, no rotation). Both quantize 2-bit codes in groups of 32 with a window of 128.
+Presets (:data:`PRESETS`): ``"default"``, 4 sinks, Walsh-Hadamard rotated keys and values and least-squares group
+fits, which cost no stored byte over the paper and a fraction of its perplexity loss (``docs/measurements.md``), and
+``"paper"``, the authors' algorithm exactly (no sinks, no rotation, min-max groups). Both quantize 2-bit codes in
+groups of 32 with a window of 128.
 
 Prefill, single-token decode and multi-token appends (multi-turn chat, chunked prefill, assisted decoding)
 all follow from these two counts. :meth:`KiviSettings.split` gives them, with the sinks and windows they leave, as
@@ -34,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from .ops.checks import META_DTYPES, check_bits, check_group_size, check_meta_dtype, codes_per_byte
+from .ops.checks import FITS, META_DTYPES, check_bits, check_group_size, check_meta_dtype, codes_per_byte
 from .rotation import ROTATIONS
 from .validation import integer, name_choice
 
@@ -49,11 +50,12 @@ PER_KIND_FIELDS = {
 }
 # Fields whose default (None) means "the preset's value".
 PRESETS = {
-    "default": {"sink_tokens": 4, "rotation": "hadamard"},
-    "paper": {"sink_tokens": 0, "rotation": "none"},
+    "default": {"sink_tokens": 4, "rotation": "hadamard", "fit": "least_squares"},
+    "paper": {"sink_tokens": 0, "rotation": "none", "fit": "minmax"},
 }
-PRESET_FIELDS = ("sink_tokens", "rotation")
+PRESET_FIELDS = ("sink_tokens", "rotation", "fit")
 _FOLLOWING_FIELDS = (*PER_KIND_FIELDS, *PRESET_FIELDS)  # fields that may follow another setting when not given
+_NAMED_FIELDS = ("rotation", "key_rotation", "value_rotation", "fit")  # of those, the ones holding a name
 
 
 # The longest full-precision window accepted: 16M tokens, above the longest context of any model today (~10M), so
@@ -168,11 +170,15 @@ class KiviSettings:
             ``ROTATIONS`` (``"none"``, ``"hadamard"``); the default for ``key_rotation`` and ``value_rotation``;
             default: the preset's (``"hadamard"``, the paper ``"none"``).
         key_rotation / value_rotation: the rotation of the keys / values (default: ``rotation``).
-        preset: ``"default"`` or ``"paper"`` (:data:`PRESETS`): the values of ``sink_tokens`` and ``rotation``
-            when they are not given.
+        fit: how each group's scale and zero point are chosen, one of ``FITS``: ``"minmax"`` (the group's range, as
+            the paper) or ``"least_squares"`` (that line refit once to its codes: less error for the same bytes and
+            the same dequantization; :mod:`kivi_xpu.ops.reference`); default: the preset's (``"least_squares"``,
+            the paper ``"minmax"``).
+        preset: ``"default"`` or ``"paper"`` (:data:`PRESETS`): the values of ``sink_tokens``, ``rotation`` and
+            ``fit`` when they are not given.
 
     After construction ``key_bits``, ``value_bits``, ``key_group_size`` and ``value_group_size`` are ints and
-    ``sink_tokens``, ``rotation``, ``key_rotation`` and ``value_rotation`` are resolved.
+    ``sink_tokens``, ``rotation``, ``key_rotation``, ``value_rotation`` and ``fit`` are resolved.
     Both group sizes must also divide the model's head_dim (:meth:`check_head_dim`). Derive variants with
     :meth:`replace` rather than ``dataclasses.replace``, which would pin the derived per-kind fields to their
     current values (``replace(bits=4)`` must also change ``key_bits`` when it was not given).
@@ -191,6 +197,7 @@ class KiviSettings:
     rotation: str | None = None
     key_rotation: str | None = None
     value_rotation: str | None = None
+    fit: str | None = None
     preset: str = dataclasses.field(default="default", compare=False)  # only fills the fields above
     # The following fields as given (None = follow the shared field or the preset), so that `replace(bits=4)` or
     # `replace(preset="paper")` moves the derived ones along.
@@ -200,7 +207,7 @@ class KiviSettings:
         # Integers of any type (numpy, 0-d tensors) are stored as int: see kivi_xpu.validation.
         given = {name: getattr(self, name) for name in _FOLLOWING_FIELDS}
         object.__setattr__(
-            self, "_given", tuple(v if v is None or "rotation" in k else integer(v, k) for k, v in given.items())
+            self, "_given", tuple(v if v is None or k in _NAMED_FIELDS else integer(v, k) for k, v in given.items())
         )
         name_choice(self.preset, "preset", tuple(PRESETS))
         for name, value in PRESETS[self.preset].items():
@@ -209,6 +216,7 @@ class KiviSettings:
         object.__setattr__(self, "bits", check_bits(self.bits))
         object.__setattr__(self, "group_size", integer(self.group_size, "group_size", minimum=1))
         name_choice(self.rotation, "rotation", ROTATIONS)
+        name_choice(self.fit, "fit", FITS)
         for name, shared in PER_KIND_FIELDS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(self, shared))
@@ -252,8 +260,8 @@ class KiviSettings:
 
     def replace(self, **changes) -> KiviSettings:
         """A copy with ``changes`` applied (any constructor argument). Per-kind fields that were not given
-        explicitly keep following ``bits`` / ``group_size`` / ``rotation``, and ``sink_tokens`` / ``rotation`` the
-        preset, when not given; unknown names raise ``ValueError``."""
+        explicitly keep following ``bits`` / ``group_size`` / ``rotation``, and ``sink_tokens`` / ``rotation`` /
+        ``fit`` the preset, when not given; unknown names raise ``ValueError``."""
         names = [f.name for f in dataclasses.fields(self) if f.init and f.name != "_"]
         unknown = sorted(set(changes) - set(names))
         if unknown:

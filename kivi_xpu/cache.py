@@ -88,12 +88,16 @@ class KiviCache(Cache):
             quantized at no cost in stored bytes (:mod:`kivi_xpu.rotation`); ``"none"`` does not; default: the
             preset's (``"hadamard"``; the paper ``"none"``).
         key_rotation / value_rotation: the rotation per kind (default ``rotation``).
-        preset: ``"default"`` (4 sinks, Hadamard rotation) or ``"paper"`` (no sinks, no rotation: the KIVI
-            authors' algorithm): where ``sink_tokens`` and ``rotation`` come from when not given.
+        fit: how a group's scale and zero point are chosen: ``"least_squares"`` (its min-max line refit once to its
+            codes: less error, the same bytes and the same reading) or ``"minmax"`` (the paper's); default: the
+            preset's (``"least_squares"``; the paper ``"minmax"``).
+        preset: ``"default"`` (4 sinks, Hadamard rotation, least-squares fits) or ``"paper"`` (no sinks, no
+            rotation, min-max fits: the KIVI authors' algorithm): where ``sink_tokens``, ``rotation`` and ``fit`` come
+            from when not given.
         layer_overrides: per-layer changes to the settings above, as :class:`~kivi_xpu.KiviSettings` field names
             (``bits``, ``group_size``, ``residual_length``, ``meta_dtype``, ``key_bits``, ``value_bits``,
             ``key_group_size``, ``value_group_size``, ``sink_tokens``, ``rotation``, ``key_rotation``,
-            ``value_rotation``): ``None`` (default: every layer alike), a
+            ``value_rotation``, ``fit``): ``None`` (default: every layer alike), a
             sequence with one entry per decoder layer of ``config`` (each ``None`` or a dict such as
             ``{"key_bits": 4}``), a callable ``layer_idx -> dict | None``, or the path of a JSON file of such a
             list (:func:`kivi_xpu.load_layer_overrides`; ``kivi-xpu calibrate`` writes one). Without a config only a
@@ -123,6 +127,7 @@ class KiviCache(Cache):
         rotation: str | None = None,
         key_rotation: str | None = None,
         value_rotation: str | None = None,
+        fit: str | None = None,
         preset: str = "default",
         layer_overrides=None,
     ):
@@ -141,6 +146,7 @@ class KiviCache(Cache):
             rotation=rotation,
             key_rotation=key_rotation,
             value_rotation=value_rotation,
+            fit=fit,
             preset=preset,
         )
         name_choice(attention, "attention", ATTENTION_MODES)

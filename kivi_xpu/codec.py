@@ -29,7 +29,8 @@ from .storage import PackedHistory, PackedLayout, growth_tokens
 
 class KindCodec:
     """One kind's quantization: ``bits``, ``group`` (elements sharing a scale and zero point), ``rotation_name``,
-    ``meta_dtype`` (of the scales and zero points), ``head_dim`` and ``backend`` (the name whose kernels run). Made by
+    ``meta_dtype`` (of the scales and zero points), ``head_dim``, ``backend`` (the name whose kernels run) and ``fit``
+    (how a group's line is fitted: :data:`~kivi_xpu.ops.checks.FITS`). Made by
     :meth:`of` from a layer's settings; immutable in use, pickled with its stream (no tensor: the rotation matrix is
     the process's, :func:`~kivi_xpu.rotation.rotation_matrix`)."""
 
@@ -37,9 +38,10 @@ class KindCodec:
     quantize_op: ClassVar[str]
     dequantize_op: ClassVar[str]
 
-    def __init__(self, bits: int, group: int, rotation_name: str, meta_dtype, head_dim: int, backend: str):
+    def __init__(self, bits: int, group: int, rotation_name: str, meta_dtype, head_dim: int, backend: str,
+                 fit: str = "minmax"):  # fmt: skip
         self.bits, self.group, self.rotation_name = bits, group, rotation_name
-        self.meta_dtype, self.head_dim, self.backend = meta_dtype, head_dim, backend
+        self.meta_dtype, self.head_dim, self.backend, self.fit = meta_dtype, head_dim, backend, fit
 
     @classmethod
     def of(cls, settings: KiviSettings, head_dim: int, backend: str) -> KindCodec:
@@ -48,7 +50,8 @@ class KindCodec:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(bits={self.bits}, group={self.group}, rotation={self.rotation_name!r}, "
-                f"meta_dtype={self.meta_dtype}, head_dim={self.head_dim}, backend={self.backend!r})")  # fmt: skip
+                f"meta_dtype={self.meta_dtype}, head_dim={self.head_dim}, backend={self.backend!r}, "
+                f"fit={self.fit!r})")  # fmt: skip
 
     def rotation(self, device) -> torch.Tensor | None:
         """The rotation ``Q [D, D]`` float32 on ``device`` (``None`` without one): a shared matrix, kept outside the
@@ -99,7 +102,8 @@ class KindCodec:
         group), in ``x``'s dtype. On the ``"reference"`` backend the ops are plain PyTorch functions: QAT's mode."""
         rotation = self.rotation(x.device)
         exact = rotate(x, rotation).contiguous()
-        codes, scales, zeros = kernel(self.quantize_op, self.backend)(exact, self.group, self.bits, self.meta_dtype)
+        quantize = kernel(self.quantize_op, self.backend)
+        codes, scales, zeros = quantize(exact, self.group, self.bits, self.meta_dtype, self.fit)
         return self.unpacked(codes, scales, zeros, x.shape[2], self.group, self.bits, rotation, x.dtype,
                              backend=self.backend)  # fmt: skip
 
@@ -114,7 +118,7 @@ class KeyCodec(KindCodec):
     @classmethod
     def of(cls, settings: KiviSettings, head_dim: int, backend: str) -> KeyCodec:
         return cls(settings.key_bits, settings.key_group_size, settings.key_rotation, settings.meta_dtype, head_dim,
-                   backend)  # fmt: skip
+                   backend, settings.fit)  # fmt: skip
 
     def layout(self, residual_length: int) -> PackedLayout:
         d, growth = self.head_dim, growth_tokens(residual_length)
@@ -125,7 +129,7 @@ class KeyCodec(KindCodec):
         (once per G tokens: not worth folding into the op), quantized on ``device`` (default: ``x``'s)."""
         x = rotate(x, self.rotation(x.device))
         x = x.contiguous() if device is None else x.to(device).contiguous()
-        parts = kernel(self.quantize_op, self.backend)(x, self.group, self.bits, self.meta_dtype)
+        parts = kernel(self.quantize_op, self.backend)(x, self.group, self.bits, self.meta_dtype, self.fit)
         if self.meta_dtype == torch.float16 and x.dtype != torch.float16:
             warn_on_metadata_overflow(x, parts[1], self.kind)  # only then can it overflow
         return parts
@@ -144,7 +148,7 @@ class ValueCodec(KindCodec):
     @classmethod
     def of(cls, settings: KiviSettings, head_dim: int, backend: str) -> ValueCodec:
         return cls(settings.value_bits, settings.value_group_size, settings.value_rotation, settings.meta_dtype,
-                   head_dim, backend)  # fmt: skip
+                   head_dim, backend, settings.fit)  # fmt: skip
 
     def layout(self, residual_length: int) -> PackedLayout:
         d = self.head_dim
@@ -155,7 +159,8 @@ class ValueCodec(KindCodec):
         """Quantizes ``x [B, H, n, D]`` into token rows ``[row, row + n)`` of ``codes`` / ``scales`` / ``zeros``
         (token-major, batch ``B``), the rotation folded into the op."""
         rotation = self.rotation(x.device)
-        kernel("quantize_values_into", self.backend)(x, codes, scales, zeros, row, self.group, self.bits, rotation)
+        quantize_into = kernel("quantize_values_into", self.backend)
+        quantize_into(x, codes, scales, zeros, row, self.group, self.bits, rotation, self.fit)
 
     def pack(self, history: PackedHistory, x: torch.Tensor) -> None:
         # Straight into the storage rows: one op call and no temporaries for a decode step's departing token.

@@ -86,10 +86,11 @@ class KiviLayer(CacheLayerMixin):
             f"KiviLayer(key_bits={s.key_bits}, value_bits={s.value_bits}, key_group_size={s.key_group_size}, "
             f"value_group_size={s.value_group_size}, residual_length={s.residual_length}, sink_tokens={s.sink_tokens}, "
             + (
-                f"rotation={s.key_rotation})"
+                f"rotation={s.key_rotation}, "
                 if s.key_rotation == s.value_rotation
-                else f"key_rotation={s.key_rotation}, value_rotation={s.value_rotation})"
+                else f"key_rotation={s.key_rotation}, value_rotation={s.value_rotation}, "
             )
+            + f"fit={s.fit})"
         )
 
     def _streams(self) -> tuple[KindStream, ...]:

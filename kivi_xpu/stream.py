@@ -332,7 +332,7 @@ class SteadyRun:
 
     __slots__ = ("keys", "values", "backend", "kernel", "leaving", "key_steps", "value_steps", "key_inference",
                  "value_inference", "inference", "key_rows", "value_rows", "value_codes", "value_scales",
-                 "value_zeros", "value_group", "value_bits", "storage_rotation", "key_operands",
+                 "value_zeros", "value_group", "value_bits", "value_fit", "storage_rotation", "key_operands",
                  "value_operands")  # fmt: skip
 
     def __init__(self, keys: KeyStream, values: ValueStream, backend: str):
@@ -372,7 +372,7 @@ class SteadyRun:
             self.key_rows, key_window.start, key_window.end,
             self.value_rows, value_window.start, value_window.end,
             self.value_codes, self.value_scales, self.value_zeros, value_count,
-            leaving, self.value_group, self.value_bits, self.storage_rotation,
+            leaving, self.value_group, self.value_bits, self.storage_rotation, self.value_fit,
         )  # fmt: skip
         keys.commit_step(0)
         values.commit_step(leaving)
@@ -402,7 +402,7 @@ class SteadyRun:
         packed, codec = values.packed, values.codec
         self.key_rows, self.value_rows = keys.window.data, values.window.data
         self.value_codes, self.value_scales, self.value_zeros = packed.codes.data, packed.scales.data, packed.zeros.data
-        self.value_group, self.value_bits = codec.group, codec.bits
+        self.value_group, self.value_bits, self.value_fit = codec.group, codec.bits, codec.fit
         self.storage_rotation = codec.rotation(packed.device)
         # What attention reads, but the counts and tails: rebuilt only when a buffer changed since the last plan (a
         # view costs as much dispatch as a step's own work).

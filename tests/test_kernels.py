@@ -19,6 +19,7 @@ from kivi_xpu.ops import for_backend, use_backend
 from kivi_xpu.ops import reference as ref
 
 BITS = (2, 4, 8)
+FITS = ("minmax", "least_squares")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REQUIRED = os.environ.get("KIVI_XPU_REQUIRE_SYCL") == "1"
 
@@ -54,11 +55,12 @@ def make_input(shape, dtype, kind: str = "normal") -> torch.Tensor:
     return x.to(dtype)
 
 
-def check_quantize(kernels, op: str, x: torch.Tensor, group_size: int, bits: int, meta_dtype) -> None:
-    expected = getattr(ref, op)(x, group_size, bits, meta_dtype)
-    actual = getattr(kernels, op)(x, group_size, bits, meta_dtype)
-    for name, a, e in zip(("codes", "scales", "zeros"), actual, expected, strict=True):
-        assert_identical(a, e, f"{op} {name}")
+def check_quantize(kernels, op: str, x: torch.Tensor, group_size: int, bits: int, meta_dtype, fits=FITS) -> None:
+    for fit in fits:
+        expected = getattr(ref, op)(x, group_size, bits, meta_dtype, fit)
+        actual = getattr(kernels, op)(x, group_size, bits, meta_dtype, fit)
+        for name, a, e in zip(("codes", "scales", "zeros"), actual, expected, strict=True):
+            assert_identical(a, e, f"{op} {name} fit={fit}")
 
 
 def check_dequantize(kernels, op: str, codes, scales, zeros, num_tokens, group_size, bits, out_dtype) -> None:
@@ -381,21 +383,37 @@ def test_extension_checks_direct_calls(kernels):
     x = torch.randn(1, 2, 64, 64)
     codes = torch.empty(1, 2, 64, 16, dtype=torch.uint8)  # channel-major keys [B, H, D, T/P]
     scales, zeros = torch.empty(1, 2, 64, 2, dtype=torch.float16), torch.empty(1, 2, 64, 2, dtype=torch.float16)
-    C.quantize_keys(device, x, codes, scales, zeros, 32, 2)  # the valid call, for contrast
+    C.quantize_keys(device, x, codes, scales, zeros, 32, 2, False)  # the valid call, for contrast
     out = torch.empty(1, 2, 64, 64)
     q_keys, dq_keys, dq_values = C.quantize_keys, C.dequantize_keys, C.dequantize_values
     bad_calls = [
-        (ValueError, "`codes` must have shape", lambda: C.quantize_keys(device, x, codes[:, :1], scales, zeros, 32, 2)),
-        (ValueError, "`x` must be contiguous", lambda: q_keys(device, x.transpose(2, 3), codes, scales, zeros, 32, 2)),
-        (TypeError, "`x`", lambda: C.quantize_keys(device, x.double(), codes, scales, zeros, 32, 2)),
-        (TypeError, "`scales` and `zeros`", lambda: C.quantize_keys(device, x, codes, scales, zeros.float(), 32, 2)),
-        (ValueError, "`bits`", lambda: C.quantize_keys(device, x, codes, scales, zeros, 32, 5)),
-        (ValueError, "`group_size`", lambda: C.quantize_values(device, x, codes, scales, zeros, 0, 2)),
+        (
+            ValueError,
+            "`codes` must have shape",
+            lambda: C.quantize_keys(device, x, codes[:, :1], scales, zeros, 32, 2, False),
+        ),
+        (
+            ValueError,
+            "`x` must be contiguous",
+            lambda: q_keys(device, x.transpose(2, 3), codes, scales, zeros, 32, 2, False),
+        ),
+        (TypeError, "`x`", lambda: C.quantize_keys(device, x.double(), codes, scales, zeros, 32, 2, False)),
+        (
+            TypeError,
+            "`scales` and `zeros`",
+            lambda: C.quantize_keys(device, x, codes, scales, zeros.float(), 32, 2, False),
+        ),
+        (ValueError, "`bits`", lambda: C.quantize_keys(device, x, codes, scales, zeros, 32, 5, False)),
+        (ValueError, "`group_size`", lambda: C.quantize_values(device, x, codes, scales, zeros, 0, 2, False)),
         (ValueError, "`num_tokens`", lambda: C.dequantize_keys(device, codes, scales, zeros, out, 128, 32, 2)),
         (ValueError, "`num_tokens`", lambda: C.dequantize_keys(device, codes, scales, zeros, out, -32, 32, 2)),
         (ValueError, "`out` must have shape", lambda: dq_keys(device, codes, scales, zeros, out[:1, :1], 64, 32, 2)),
         (TypeError, "`codes` must be uint8", lambda: dq_values(device, codes.char(), scales, zeros, out, 64, 32, 2)),
-        (ValueError, "not initialised", lambda: C.quantize_keys("level_zero:gpu:9", x, codes, scales, zeros, 32, 2)),
+        (
+            ValueError,
+            "not initialised",
+            lambda: C.quantize_keys("level_zero:gpu:9", x, codes, scales, zeros, 32, 2, False),
+        ),
     ]
     for error, message, call in bad_calls:
         with pytest.raises(error, match=message):

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 MiB = 2**20
 SMALL = dict(group_size=8, residual_length=8)  # the issue's G = 8, R = 8: many flushes in few tokens
+SMALL_MINMAX = dict(SMALL, fit="minmax")  # min-max groups: a last-bit difference of an input seldom moves a code
 
 
 def _greedy(new_tokens: int) -> GenerationConfig:
@@ -56,13 +57,28 @@ def model():
     return tiny_llama(0)
 
 
+def _assert_own_generate_up_to_near_ties(model, prompt, answer, new, bound: float, backend=None, **settings):
+    """``answer`` equals the request's own ``generate`` with KiviCache, or differs first where that generate's two best
+    logits were within ``bound`` times the largest logit (at least 1) of each other."""
+    use_fused_attention(model)
+    cache = KiviCache(model.config, backend=backend, **settings)
+    out = model.generate(torch.tensor([prompt]), cache=cache, generation_config=_greedy(new), output_scores=True,
+                         return_dict_in_generate=True)  # fmt: skip
+    own = out.sequences[0, len(prompt) :].tolist()
+    if own != answer:
+        first = next(i for i, (a, b) in enumerate(zip(own, answer, strict=True)) if a != b)
+        scores = out.scores[first][0].float()
+        margin = float(scores[own[first]] - scores[answer[first]])
+        assert margin <= bound * max(1.0, float(scores.abs().max())), (first, margin)
+
+
 @pytest.mark.parametrize(
     "dtype, backend, settings",
     [
-        (torch.float32, None, SMALL),
+        (torch.float32, None, SMALL_MINMAX),
         (torch.float32, None, dict(SMALL, preset="paper")),
         (torch.float32, None, dict(SMALL, bits=4, residual_length=16)),
-        (torch.float32, "reference", SMALL),
+        (torch.float32, "reference", SMALL_MINMAX),
     ],
 )
 def test_greedy_answers_equal_each_requests_own_generate(model, dtype, backend, settings):
@@ -75,6 +91,18 @@ def test_greedy_answers_equal_each_requests_own_generate(model, dtype, backend, 
         assert answer == _own_generate(model, prompt, new, backend=backend, **settings)
 
 
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_least_squares_answers_equal_own_generate_up_to_near_ties(model, backend):
+    """With least-squares group fits (the default) a key or value that differs from its own generate's in the last
+    bit (it was computed in a batch of other shapes) can move a code, and a code moves its group's refit line: an
+    answer may then differ, but only where the own generate's two best logits were within 0.1 % of the largest."""
+    prompts, new = _prompts((5, 23, 40, 3, 17)), 30
+    results = generate_batch(model, prompts, _greedy(new), kv_memory=4 * MiB, max_requests=2, backend=backend,
+                             max_new_tokens=new, **SMALL)  # fmt: skip
+    for prompt, answer in zip(prompts, _answers(results), strict=True):
+        _assert_own_generate_up_to_near_ties(model, prompt, answer, new, 1e-3, backend, **SMALL)
+
+
 @pytest.mark.parametrize("max_batch_tokens", [16, None])
 def test_bf16_answers_differ_from_own_generate_only_at_near_ties(model, max_batch_tokens):
     """In bf16 the paged kernel's sums (added once per page, not once per chunk) may round an output one bf16 step
@@ -84,17 +112,8 @@ def test_bf16_answers_differ_from_own_generate_only_at_near_ties(model, max_batc
     prompts, new = _prompts((5, 23, 40, 3, 17, 150, 97, 230)), 30
     config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
     results = generate_batch(model, prompts, _greedy(new), config, kv_memory=4 * MiB, max_new_tokens=new, **SMALL)
-    use_fused_attention(model)
     for prompt, answer in zip(prompts, _answers(results), strict=True):
-        cache = KiviCache(model.config, **SMALL)
-        out = model.generate(torch.tensor([prompt]), cache=cache, generation_config=_greedy(new),
-                             output_scores=True, return_dict_in_generate=True)  # fmt: skip
-        own = out.sequences[0, len(prompt) :].tolist()
-        if own != answer:
-            first = next(i for i, (a, b) in enumerate(zip(own, answer, strict=True)) if a != b)
-            scores = out.scores[first][0].float()
-            margin = float(scores[own[first]] - scores[answer[first]])
-            assert margin <= 2 * torch.finfo(torch.bfloat16).eps * max(1.0, float(scores.abs().max())), (first, margin)
+        _assert_own_generate_up_to_near_ties(model, prompt, answer, new, 2 * torch.finfo(torch.bfloat16).eps, **SMALL)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [7, 16, 64, None])

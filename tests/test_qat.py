@@ -196,7 +196,7 @@ def decode_step_by_step(query, key, value, settings, scaling):
             block = keys[:, :, sinks : sinks + qk]
             g, bits = settings.key_group_size, settings.key_bits
             q = rotation_matrix(settings.key_rotation, key.shape[3])
-            codes = ref.quantize_keys(rotate(block.detach(), q), g, bits, settings.meta_dtype)
+            codes = ref.quantize_keys(rotate(block.detach(), q), g, bits, settings.meta_dtype, settings.fit)
             dequantized = unrotate(ref.dequantize_keys(*codes, qk, g, bits, torch.float32), q, key.dtype)
             block = dequantized + (block - block.detach())
             keys = torch.cat([keys[:, :, :sinks], block, keys[:, :, sinks + qk :]], dim=2)
@@ -204,7 +204,7 @@ def decode_step_by_step(query, key, value, settings, scaling):
             block = values[:, :, sinks : sinks + qv]
             g, bits = settings.value_group_size, settings.value_bits
             q = rotation_matrix(settings.value_rotation, value.shape[3])
-            codes = ref.quantize_values(rotate(block.detach(), q), g, bits, settings.meta_dtype)
+            codes = ref.quantize_values(rotate(block.detach(), q), g, bits, settings.meta_dtype, settings.fit)
             dequantized = unrotate(ref.dequantize_values(*codes, qv, g, bits, torch.float32), q, value.dtype)
             block = dequantized + (block - block.detach())
             values = torch.cat([values[:, :, :sinks], block, values[:, :, sinks + qv :]], dim=2)
@@ -273,7 +273,7 @@ def test_model_gradient_equals_the_literal_decode_gradient():
     for name, grad in qat_grads.items():
         assert torch.isfinite(grad).all(), name
         torch.testing.assert_close(grad, literal_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert abs(qat_loss - exact_loss) > 1e-4
+    assert abs(qat_loss - exact_loss) > 1e-6  # the quantization shows (least-squares fits: ~1e-5 on this tiny model)
     assert any((qat_grads[k] - exact_grads[k]).abs().max() > 1e-5 for k in qat_grads)
 
 
@@ -285,10 +285,10 @@ def test_fake_quantized_states_match_the_quantizer_and_keep_sinks_exact(rotation
     assert torch.equal(fake_k[:, :, :3], key[:, :, :3]) and torch.equal(fake_v[:, :, :3], value[:, :, :3])
     # Keys: whole groups of 8 after the sinks ([3, 27)); the trailing partial group [27, 30) is never read quantized.
     q = rotation_matrix(rotation, 16)
-    codes = ref.quantize_keys(rotate(key[:, :, 3:27], q).contiguous(), 8, 2)
+    codes = ref.quantize_keys(rotate(key[:, :, 3:27], q).contiguous(), 8, 2, torch.float16, settings.fit)
     assert torch.equal(fake_k[:, :, 3:27], unrotate(ref.dequantize_keys(*codes, 24, 8, 2), q))
     assert torch.equal(fake_k[:, :, 27:], key[:, :, 27:])
-    codes = ref.quantize_values(rotate(value[:, :, 3:], q).contiguous(), 8, 2)
+    codes = ref.quantize_values(rotate(value[:, :, 3:], q).contiguous(), 8, 2, torch.float16, settings.fit)
     assert torch.equal(fake_v[:, :, 3:], unrotate(ref.dequantize_values(*codes, 27, 8, 2), q))
 
 

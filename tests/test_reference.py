@@ -62,6 +62,40 @@ def test_round_trip_error_within_half_a_step(bits, meta_dtype):
             assert (err <= step / 2 * (1 + 1e-4) + 1e-6).all()
 
 
+def _group_errors(x, bits, meta_dtype, fit):
+    """Squared error of each value group (of 32 channels) of ``x`` quantized with ``fit``."""
+    c, s, z = ref.quantize_values(x, 32, bits, meta_dtype, fit)
+    y = ref.dequantize_values(c, s, z, x.shape[2], 32, bits)
+    return ((y - x) ** 2).unflatten(3, (-1, 32)).sum(-1)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_least_squares_fit_never_loses_to_minmax_beyond_rounding(bits):
+    """The refit line is the best line for the min-max codes and requantizing to the nearest level cannot undo that:
+    with float32 metadata no group's error grows beyond float rounding, and on Gaussian groups the mean falls."""
+    torch.manual_seed(bits)
+    x = torch.randn(2, 3, 64, 96) * torch.empty(96).uniform_(0.1, 4.0) + 0.5
+    x[0, 0, 3, :32] = torch.arange(32.0)  # an evenly spread group: min-max already fits it (det > 0, no change)
+    x[0, 1, 4, :32] = 2.0  # a constant group: no usable line, the min-max fit stays
+    minmax = _group_errors(x, bits, torch.float32, "minmax")
+    least = _group_errors(x, bits, torch.float32, "least_squares")
+    assert (least <= minmax * (1 + 1e-4) + 1e-6).all()
+    assert least.mean() < minmax.mean() * (0.8 if bits == 2 else 0.95)
+    assert least[0, 1, 4, 0] == 0  # the constant group stays exact
+    c, s, z = ref.quantize_values(x, 32, bits, torch.float32, "least_squares")
+    assert s[0, 1, 4, 0] == 0 and z[0, 1, 4, 0] == 2.0
+
+
+def test_least_squares_fit_keeps_non_finite_groups_nan():
+    x = torch.randn(1, 1, 2, 64)
+    x[0, 0, 0, 5] = float("nan")
+    x[0, 0, 1, 40] = float("inf")
+    c, s, z = ref.quantize_values(x, 32, 2, torch.float16, "least_squares")
+    y = ref.dequantize_values(c, s, z, 2, 32, 2)
+    assert y[0, 0, 0, :32].isnan().all() and y[0, 0, 1, 32:].isnan().all()
+    assert torch.isfinite(y[0, 0, 0, 32:]).all() and torch.isfinite(y[0, 0, 1, :32]).all()
+
+
 def test_error_shrinks_with_bits():
     torch.manual_seed(0)
     x = torch.randn(1, 4, 128, 64)
@@ -138,6 +172,7 @@ checked = for_backend("reference")
         (lambda x: checked.quantize_keys(x[0], 32, 2), "rank"),
         (lambda x: checked.quantize_keys(x, 32, 2, torch.int8), "meta_dtype"),
         (lambda x: checked.quantize_keys(x.tolist(), 32, 2), "torch.Tensor"),
+        (lambda x: checked.quantize_values(x, 32, 2, torch.float16, "mse"), "fit"),
     ],
 )
 def test_bad_quantize_input_names_the_argument(call, match):
