@@ -10,7 +10,8 @@ CPU-bound competitor processes running (those of ``kivi-xpu bench --contend``), 
 KIVI's slowdown over Dynamic's. ``kivi`` is the default KiviCache; ``kivi-paper`` the paper preset (no sinks, no
 rotation), to measure what the default's options cost; ``kivi-fp32`` the default KiviCache with the native decode
 attention on fp32 arithmetic (``KIVI_XPU_CPU_DOT=fp32``) instead of the default integer dot products, to measure
-what the int8 path gains in the model (the arithmetic is switched before each of its steps).
+what the int8 path gains in the model (the arithmetic is switched before each of its steps); ``kivi-minmax`` the default
+with the paper's min-max group fits instead of the least-squares ones, to measure what the refit costs a decode step.
 
     python benchmarks/bench_decode_steps.py --ctx 1024 4096 8192 --batch 1
     python benchmarks/bench_decode_steps.py --ctx 4096 --batch 4 --contend 2
@@ -87,7 +88,8 @@ def make_cache(kind, kv, ctx):
         cache = StaticCache(config=cfg, max_cache_len=ctx + args.steps + 4)
     else:
         preset = "paper" if kind == "kivi-paper" else "default"
-        cache = KiviCache(config=cfg, backend=args.backend, preset=preset)
+        fit = {"kivi-minmax": "minmax"}.get(kind)  # None: the preset's
+        cache = KiviCache(config=cfg, backend=args.backend, preset=preset, fit=fit)
     fill(cache, kv, ctx)
     return cache
 
@@ -178,7 +180,7 @@ for round_, ctx in ((r, c) for r in range(args.rounds) for c in args.ctx):
         f"{k} {v:.1f} ms" for k, v in res.items()
     )
     if "kivi" in res:
-        for base in ("dynamic", "static", "kivi-paper", "kivi-fp32"):
+        for base in ("dynamic", "static", "kivi-paper", "kivi-fp32", "kivi-minmax"):
             if base in res:
                 line += f"  | {base}/KIVI {res[base] / res['kivi']:.2f}x"
     print(line, flush=True)

@@ -129,11 +129,18 @@ def assert_same_state(a: KiviLayer, b: KiviLayer) -> None:
 def test_the_paper_preset_is_the_paper():
     s = KiviSettings(preset="paper")
     assert (s.bits, s.group_size, s.residual_length, s.sink_tokens) == (2, 32, 128, 0)
-    assert (s.key_rotation, s.value_rotation) == ("none", "none")
+    assert (s.key_rotation, s.value_rotation, s.fit) == ("none", "none", "minmax")
     assert (s.key_bits, s.value_bits, s.key_group_size, s.value_group_size) == (2, 2, 32, 32)
     assert [s.quantized_key_count(n) for n in (0, 127, 128, 300)] == [0, 0, 128, 256]
     assert [s.quantized_value_count(n) for n in (0, 128, 129, 300)] == [0, 0, 1, 172]
     assert s.bits_per_element() == 3.0  # 2 + 2 * 16 / 32
+
+
+def test_the_fit_follows_the_preset_unless_given():
+    assert KiviSettings().fit == "least_squares" and KiviSettings(preset="paper").fit == "minmax"
+    assert KiviSettings(fit="minmax").replace(preset="paper").fit == "minmax"
+    assert KiviSettings().replace(preset="paper").fit == "minmax"
+    assert KiviCache(fit="minmax").settings.fit == "minmax"
 
 
 def test_per_kind_fields_follow_the_shared_ones_unless_given():
@@ -214,6 +221,7 @@ def test_steady_appends_follow_the_counts(sinks, residual):
         ({"value_group_size": 2, "value_bits": 2}, "value_group_size"),
         ({"key_group_size": 48}, "multiple of `key_group_size`"),  # 48 does not divide R = 128
         ({"group_size": 0}, "group_size"),
+        ({"fit": "mse"}, r"`fit` must be one of \('minmax', 'least_squares'\), got 'mse'"),
     ],
 )
 def test_settings_validation(kwargs, match):
