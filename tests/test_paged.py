@@ -429,10 +429,11 @@ def test_several_return_sequences_are_refused(model):
         init_continuous_batching(model, config, kv_memory=4 * MiB)
 
 
-def test_the_pages_kernels_follow_the_models_device_as_a_kivi_caches_do(model):
+def test_the_pages_kernels_follow_the_models_device_as_a_kivi_caches_do(model, monkeypatch):
     """One device rule for KiviCache and KIVI pages (Selection.for_device): the kernels of the model's device, the
     native ones on the CPU and pure PyTorch on a device no compiled kernel reads (here ``meta``, standing in for
     cuda or mps); a backend named for a device its kernels cannot read is refused by name."""
+    monkeypatch.delenv("KIVI_XPU_BACKEND", raising=False)  # `auto` (CI names a backend for the whole run)
     on_cpu, _ = manager_module._cache_options(model, 4 * MiB, None, None, {})
     assert on_cpu["backend"] == select().for_device("cpu").name  # native where it was built
     elsewhere = tiny_llama(0).to("meta")
