@@ -105,7 +105,7 @@ def serve(path: str, args) -> dict:
             time.sleep(0.01)
         return {
             "rank": rank, "world_size": world_size, "answers": [answers.get(i) for i in ids],
-            "kv_heads": cache.budget.layout.heads, "pool_bytes": cache.kv_bytes, "cached_bytes": cache.cached_bytes,
+            "kv_heads": cache.budget.block.heads, "pool_bytes": cache.kv_bytes, "cached_bytes": cache.cached_bytes,
             "cached_tokens": cache.holdings.prefixes.cached_tokens, "seconds": seconds,
         }  # fmt: skip
     finally:

@@ -91,6 +91,37 @@ def test_greedy_answers_equal_each_requests_own_generate(model, dtype, backend, 
         assert answer == _own_generate(model, prompt, new, backend=backend, **settings)
 
 
+# Per layer (3 layers): 4-bit codes; value groups of 4, float32 scales and zeros, no rotation; the base.
+PER_LAYER = [{"bits": 4}, {"value_group_size": 4, "meta_dtype": torch.float32, "rotation": "none"}, None]
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_per_layer_settings_answer_as_each_requests_own_generate(backend):
+    """A calibration's per-layer settings: each layer's pages have that layer's bits, groups and metadata (pages of
+    different bytes in one block), and every answer equals its own generate with the same ``layer_overrides``."""
+    model = tiny_llama(0, num_hidden_layers=3)
+    settings = dict(SMALL_MINMAX, layer_overrides=PER_LAYER)
+    prompts, new = _prompts((5, 23, 40, 3, 17)), 30
+    results = generate_batch(model, prompts, _greedy(new), kv_memory=4 * MiB, max_requests=2, backend=backend,
+                             max_new_tokens=new, **settings)  # fmt: skip
+    for prompt, answer in zip(prompts, _answers(results), strict=True):
+        assert answer == _own_generate(model, prompt, new, backend=backend, **settings)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"key_group_size": 4}, r"same key_group_size.* \[4, 8\]"),
+        ({"group_size": 4}, r"same key_group_size"),
+        ({"residual_length": 16}, r"same residual_length.* \[8, 16\]"),
+        ({"sink_tokens": 0}, r"same sink_tokens"),
+    ],
+)
+def test_per_layer_settings_the_pages_cannot_hold_are_refused_by_name(model, override, message):
+    with pytest.raises(ValueError, match=message):
+        init_continuous_batching(model, kv_memory=4 * MiB, **SMALL, layer_overrides=[override, None])
+
+
 @pytest.mark.parametrize("backend", [None, "reference"])
 def test_least_squares_answers_equal_own_generate_up_to_near_ties(model, backend):
     """With least-squares group fits (the default) a key or value that differs from its own generate's in the last

@@ -3,7 +3,8 @@
 The cache is one byte tensor cut into equal **sectors** (transformers' ``CachePool``), each lent whole to one of two
 kinds of block and returned when all its blocks are free:
 
-* **pages** (pool index 0): one 2-bit page per layer, ``T = key_group_size`` packed tokens (:mod:`.pages`);
+* **pages** (pool index 0): one 2-bit page per layer, ``T = key_group_size`` packed tokens (:mod:`.pages`; the
+  layers' pages may differ in bits and value groups: per-layer settings, one per layer in order);
 * **exact units** (pool index 1): ``W`` exact tokens, keys and values, of every layer (:mod:`.windows`). A running
   request holds one for its sinks and residual window; a request whose prompt the scheduler splits holds
   ``ceil(P / W)`` more for its exact prompt until its last chunk (:mod:`.windows`, staging).
@@ -16,6 +17,7 @@ differently) never runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import lcm
 from typing import NamedTuple
 
@@ -24,7 +26,7 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
 
 from ..algorithm import KiviSettings
-from .pages import PageLayout
+from .pages import BlockLayout
 
 PAGES, UNITS = 0, 1  # pool indices
 
@@ -33,16 +35,33 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def window_rows(settings: KiviSettings, heads: int, head_dim: int, itemsize: int, page_bytes: int) -> int:
-    """``W``, the exact tokens of a unit: at least the window's value rows (sinks, ``R``, and ``G`` rows of slack so
-    that values move down once every ``G`` steps), rounded up (by at most ``T``) so that a unit is a whole number of
-    pages when possible, which keeps sectors small."""
+def window_rows(settings: KiviSettings, token_bytes: int, block_bytes: int) -> int:
+    """``W``, the exact tokens of a unit (``token_bytes`` each, every layer's keys and values): at least the window's
+    value rows (sinks, ``R``, and ``G`` rows of slack so that values move down once every ``G`` steps), rounded up (by
+    at most ``T``) so that a unit is a whole number of blocks when possible, which keeps sectors small."""
     need = settings.sink_tokens + settings.residual_length + settings.key_group_size
-    token_bytes = 2 * heads * head_dim * itemsize
     for rows in range(need, need + settings.key_group_size + 1):
-        if rows * token_bytes % page_bytes == 0:
+        if rows * token_bytes % block_bytes == 0:
             return rows
     return need
+
+
+def layer_settings(settings: KiviSettings | Sequence[KiviSettings], num_layers: int) -> tuple[KiviSettings, ...]:
+    """One :class:`~kivi_xpu.KiviSettings` per layer of the pages (``settings`` itself for every layer, or a sequence
+    of ``num_layers``); ``ValueError`` when the layers disagree on what the pool's geometry needs alike: the sinks and
+    the window (every layer's exact window lives in the same unit, as its tokens are counted once)."""
+    every = (settings,) * num_layers if isinstance(settings, KiviSettings) else tuple(settings)
+    if len(every) != num_layers:
+        raise ValueError(f"KIVI pages: {len(every)} per-layer settings for {num_layers} full-attention layers")
+    for name in ("sink_tokens", "residual_length"):
+        values = sorted({getattr(s, name) for s in every})
+        if len(values) > 1:
+            raise ValueError(
+                f"KIVI pages need the same {name} in every layer (each request's exact window is one unit of the "
+                f"pool), these layers have {values}: keep {name} out of layer_overrides to serve them with continuous "
+                f"batching"
+            )
+    return every
 
 
 class RequestTooLong(ValueError):
@@ -60,7 +79,7 @@ class RequestNeeds(NamedTuple):
 class PageBudget(NamedTuple):
     """How ``kv_memory`` bytes split into sectors of pages and exact units (see the module docstring)."""
 
-    layout: PageLayout
+    block: BlockLayout  # one page per layer
     num_layers: int
     rows: int  # W, exact tokens per unit
     unit_bytes: int
@@ -69,19 +88,22 @@ class PageBudget(NamedTuple):
     max_requests: int | None  # a cap on requests in flight; None: memory alone bounds them
 
     @classmethod
-    def plan(cls, config, settings: KiviSettings, dtype, kv_memory: int, max_requests: int | None,
-             kv_shards: int = 1) -> PageBudget:  # fmt: skip
+    def plan(cls, config, settings: KiviSettings | Sequence[KiviSettings], dtype, kv_memory: int,
+             max_requests: int | None, kv_shards: int = 1) -> PageBudget:  # fmt: skip
         """The budget of ``kv_memory`` bytes for ``config``'s KV heads, or for one rank's ``1 / kv_shards`` of them
-        (tensor parallelism)."""
+        (tensor parallelism); ``settings``: every layer's, or one per full-attention layer (:func:`layer_settings`)."""
         heads, head_dim = find_num_key_value_heads(config) // kv_shards, find_head_dim(config)
-        settings.check_head_dim(head_dim)
         num_layers = len(group_layers_by_attn_type(config).get(FULL_ATTENTION, []))
-        layout = PageLayout.for_settings(settings, heads, head_dim)
-        rows = window_rows(settings, heads, head_dim, dtype.itemsize, layout.page_bytes)
-        unit_bytes = num_layers * 2 * heads * rows * head_dim * dtype.itemsize
-        bytes_per_sector = lcm(layout.page_bytes * num_layers, unit_bytes, 128)
+        every = layer_settings(settings, num_layers)
+        for one in every:
+            one.check_head_dim(head_dim)
+        block = BlockLayout.for_settings(every, heads, head_dim)
+        token_bytes = num_layers * 2 * heads * head_dim * dtype.itemsize
+        rows = window_rows(every[0], token_bytes, block.block_bytes)
+        unit_bytes = rows * token_bytes
+        bytes_per_sector = lcm(block.block_bytes, unit_bytes, 128)
         num_sectors = kv_memory // bytes_per_sector
-        budget = cls(layout, num_layers, rows, unit_bytes, bytes_per_sector, num_sectors, max_requests)
+        budget = cls(block, num_layers, rows, unit_bytes, bytes_per_sector, num_sectors, max_requests)
         if num_sectors < 2:
             raise ValueError(
                 f"`kv_memory` ({kv_memory / 2**20:.1f} MiB) is too small: the pool needs at least two sectors of "
@@ -91,7 +113,7 @@ class PageBudget(NamedTuple):
 
     @property
     def pages_per_sector(self) -> int:
-        return self.bytes_per_sector // (self.layout.page_bytes * self.num_layers)
+        return self.bytes_per_sector // self.block.block_bytes
 
     @property
     def units_per_sector(self) -> int:
@@ -101,7 +123,7 @@ class PageBudget(NamedTuple):
         """What a request of ``prompt`` + ``new_tokens`` tokens holds at most; ``split``: its prompt arrives in
         several chunks (its exact states wait in units until the last one)."""
         staging = _ceil_div(prompt, self.rows) if split else 0
-        return RequestNeeds(_ceil_div(prompt + new_tokens, self.layout.tokens), 1 + staging)
+        return RequestNeeds(_ceil_div(prompt + new_tokens, self.block.tokens), 1 + staging)
 
     def sectors(self, needs: RequestNeeds, free_pages: int = 0, free_units: int = 0) -> int:
         """Sectors to lend for ``needs`` when ``free_pages`` / ``free_units`` blocks are already lent and free."""
@@ -114,7 +136,7 @@ class PageBudget(NamedTuple):
         return self.sectors(self.needs(prompt, new_tokens, split)) <= self.num_sectors
 
     def _longest(self, new_tokens: int, split: bool) -> int:
-        low, high = 0, self.num_sectors * max(self.pages_per_sector * self.layout.tokens, self.rows)
+        low, high = 0, self.num_sectors * max(self.pages_per_sector * self.block.tokens, self.rows)
         while low < high:  # the largest prompt that fits: needs grow with the prompt
             mid = (low + high + 1) // 2
             low, high = (mid, high) if self.fits_alone(mid, new_tokens, split) else (low, mid - 1)
@@ -142,7 +164,7 @@ class PageBudget(NamedTuple):
         """One line for the log: the pool and the longest prompt it serves exactly."""
         return (
             f"KIVI pages: {self.num_sectors} sectors of {self.bytes_per_sector / 2**20:.2f} MiB "
-            f"({self.pages_per_sector} pages of {self.layout.tokens} tokens or {self.units_per_sector} exact units of "
+            f"({self.pages_per_sector} pages of {self.block.tokens} tokens or {self.units_per_sector} exact units of "
             f"{self.rows} tokens each); "
             f"the longest prompt served exactly with {new_tokens} new tokens: "
             f"{self.longest_prompt(new_tokens, max_batch_tokens)} tokens"

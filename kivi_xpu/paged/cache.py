@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ from transformers.generation.continuous_batching.utils import find_head_dim, fin
 
 from ..algorithm import KiviSettings
 from ..codec import KeyCodec, ValueCodec
-from .budget import PAGES, UNITS, PageBudget
+from .budget import PAGES, UNITS, PageBudget, layer_settings
 from .holdings import Holdings
 from .pages import KiviPageAllocator
 from .prefixes import chain_hash, unit_hashes
@@ -68,13 +69,15 @@ class KiviPagedCache(PagedAttentionCache):
     Args:
         kv_memory: the byte budget of everything this cache stores (pages and exact units); requests beyond it wait
             in transformers' queue.
-        settings: the KIVI settings (resolved for the model dtype).
+        settings: the KIVI settings (resolved for the model dtype): every layer's, or one per full-attention layer
+            (``KiviCache.layer_settings``: per-layer bits and value groups; the sinks, ``R`` and the key group
+            size alike).
         max_requests: the most requests in flight (``None``: as many as the memory holds).
         backend: the kernels' backend name (``native``, ``sycl`` or ``reference``).
     """
 
     def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype, *, kv_memory: int,
-                 settings: KiviSettings, backend: str, max_requests: int | None = None,
+                 settings: KiviSettings | Sequence[KiviSettings], backend: str, max_requests: int | None = None,
                  salts: dict[str, str] | None = None, **_ignored):  # fmt: skip
         shards = kv_shards(config, distributed_helper)
         groups = group_layers_by_attn_type(config)
@@ -82,14 +85,16 @@ class KiviPagedCache(PagedAttentionCache):
             raise ValueError(
                 f"KIVI pages serve models whose layers all use full attention; this one has {sorted(groups)}"
             )
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.settings, self.backend = settings, backend
-        heads, head_dim = find_num_key_value_heads(config) // shards, find_head_dim(config)  # this rank's
-        continuous_batching_config.page_size = settings.key_group_size
-        self.max_blocks_per_request = 0  # no flash block-table fast path
         layers = groups[FULL_ATTENTION]
-        self.budget = budget = PageBudget.plan(config, settings, dtype, kv_memory, max_requests, shards)
-        allocator = KiviPageAllocator(PAGES, budget.layout, layers)
+        every = layer_settings(settings, len(layers))
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.layer_settings = dict(zip(layers, every, strict=True))  # full-attention layer -> its settings
+        self.settings, self.backend = every[0], backend  # (the sinks, R and T, which every layer shares)
+        heads, head_dim = find_num_key_value_heads(config) // shards, find_head_dim(config)  # this rank's
+        continuous_batching_config.page_size = self.settings.key_group_size
+        self.max_blocks_per_request = 0  # no flash block-table fast path
+        self.budget = budget = PageBudget.plan(config, every, dtype, kv_memory, max_requests, shards)
+        allocator = KiviPageAllocator(PAGES, budget.block, layers)
         self.cache_allocators = {FULL_ATTENTION: allocator}
         self.layer_to_allocator = dict.fromkeys(layers, allocator)
         self.bytes_per_sector, self.num_sectors = budget.bytes_per_sector, budget.num_sectors
@@ -100,7 +105,7 @@ class KiviPagedCache(PagedAttentionCache):
         self.pool = CachePool(self.num_sectors, 2, num_reserved_sectors=0)
         allocator.register_cache_tensor(self.bytes_per_sector, self.cache_tensor.numel(), self.cache_tensor,
                                         self.pool)  # fmt: skip
-        self.units = ExactUnits(settings, budget, self.cache_tensor, self.pool, layers, heads, head_dim, dtype)
+        self.units = ExactUnits(self.settings, budget, self.cache_tensor, self.pool, layers, heads, head_dim, dtype)
         # Prefix reuse (:mod:`.prefixes`), on unless ContinuousBatchingConfig(allow_block_sharing=False): transformers'
         # scheduler then asks search_prefix_match for each new request, which admits a hit itself.
         self.allow_block_sharing = self.use_prefix_sharing = bool(continuous_batching_config.allow_block_sharing)
@@ -116,13 +121,16 @@ class KiviPagedCache(PagedAttentionCache):
         self.max_decode_fast_path_length = 0
         self.max_tokens_read = allocator.tokens_per_page * allocator.num_blocks
         self.first_layer, self.last_layer = layers[0], layers[-1]
-        self.holdings = Holdings(settings, budget, allocator, self.units, self.pool, self.device)
+        self.holdings = Holdings(self.settings, budget, allocator, self.units, self.pool, self.device)
         self._requests: list[Request] = []
         self._decode_plan: DecodePlan | None = None
         self._others: list[Request] = []
-        codecs = KeyCodec.of(settings, head_dim, backend), ValueCodec.of(settings, head_dim, backend)
-        self._rotations = tuple(codec.rotation(self.device) for codec in codecs)
-        self._writer = PageWriter(settings, self.units, *codecs, self._rotations)
+        self._writers = {layer: self._writer_for(s, head_dim) for layer, s in self.layer_settings.items()}
+
+    def _writer_for(self, settings: KiviSettings, head_dim: int) -> PageWriter:
+        """A layer's :class:`PageWriter`: its codecs and their rotations on this cache's device."""
+        codecs = KeyCodec.of(settings, head_dim, self.backend), ValueCodec.of(settings, head_dim, self.backend)
+        return PageWriter(settings, self.units, *codecs, tuple(codec.rotation(self.device) for codec in codecs))
 
     # ------------------------------------------------------------------ memory
 
@@ -135,8 +143,8 @@ class KiviPagedCache(PagedAttentionCache):
     def free_bytes(self) -> int:
         """Bytes of the pool no one holds: free sectors and the free blocks of lent ones."""
         budget, pool = self.budget, self.pool
-        page_block = budget.layout.page_bytes * budget.num_layers
-        return (pool.num_free_sectors * self.bytes_per_sector + pool.count_free_blocks(PAGES) * page_block
+        return (pool.num_free_sectors * self.bytes_per_sector
+                + pool.count_free_blocks(PAGES) * budget.block.block_bytes
                 + pool.count_free_blocks(UNITS) * budget.unit_bytes)  # fmt: skip
 
     @property
@@ -144,7 +152,7 @@ class KiviPagedCache(PagedAttentionCache):
         """Bytes that only cached prefixes hold (their exact units, and pages no request lists)."""
         budget = self.budget
         return (self.holdings.prefixes.cached_units * budget.unit_bytes
-                + len(self.holdings.cached_pages()) * budget.layout.page_bytes * budget.num_layers)  # fmt: skip
+                + len(self.holdings.cached_pages()) * budget.block.block_bytes)  # fmt: skip
 
     @property
     def held_bytes(self) -> int:
@@ -334,7 +342,7 @@ class KiviPagedCache(PagedAttentionCache):
         kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][FULL_ATTENTION]
         kwargs["max_length_k"] = kwargs["max_length_k"][FULL_ATTENTION]
         pages = self.cache_allocators[FULL_ATTENTION].pages[layer_idx]
-        plan, writer = self._decode_plan, self._writer
+        plan, writer = self._decode_plan, self._writers[layer_idx]
         decode = None if plan is None else writer.decode_rows(plan, layer_idx, pages, key_states, value_states)
         steps = [
             (writer.prompt_chunk if r.in_prompt else writer.append)(layer_idx, pages, r, key_states, value_states)
@@ -342,7 +350,7 @@ class KiviPagedCache(PagedAttentionCache):
         ]
         if layer_idx == self.last_layer:
             self._end_finished_staging()
-        kwargs[STEP_KEY] = LayerStep(self.backend, decode, steps, self._rotations)
+        kwargs[STEP_KEY] = LayerStep(self.backend, decode, steps, (writer.key_rotation, writer.value_rotation))
         return key_states, value_states
 
     def _end_finished_staging(self) -> None:

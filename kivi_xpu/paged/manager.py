@@ -19,10 +19,13 @@ import transformers
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import continuous_api
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+from transformers.generation.continuous_batching.utils import find_head_dim
 
-from ..algorithm import KiviSettings
 from ..backend import select
+from ..cache import KiviCache
 from .attention import ATTENTION_NAME, register
 from .budget import PageBudget
 from .cache import DEFAULT_MAX_BATCH_TOKENS, KiviPagedCache, kv_shards
@@ -144,6 +147,17 @@ def _exact_scheduling(config: ContinuousBatchingConfig) -> None:
         config.safety_margin = 0.0
 
 
+def paged_layer_settings(model, kivi_settings: dict) -> tuple:
+    """The settings of each full-attention layer of ``model``, in order, resolved for its dtype: those the same layer
+    of ``KiviCache(model.config, **kivi_settings)`` has (its ``layer_overrides`` and defaults applied), so that a
+    request is stored as its own ``KiviCache`` would store it."""
+    cache = KiviCache(model.config, **kivi_settings)
+    config = model.config.get_text_config()
+    layers = group_layers_by_attn_type(config).get(FULL_ATTENTION, [])
+    head_dim = find_head_dim(config)
+    return tuple(cache.layer_settings(layer, head_dim).for_model_dtype(model.dtype) for layer in layers)
+
+
 def _cache_options(model, kv_memory, max_requests, backend, kivi_settings: dict) -> tuple[dict, PageBudget]:
     """The checked keyword arguments of :class:`~kivi_xpu.paged.cache.KiviPagedCache` for ``model``, and the budget
     they plan (planned here, so that a bad budget fails at once rather than in the generation thread)."""
@@ -152,7 +166,7 @@ def _cache_options(model, kv_memory, max_requests, backend, kivi_settings: dict)
         raise ValueError(f"`kv_memory` must be a positive number of bytes, got {kv_memory!r}")
     if max_requests is not None and (not isinstance(max_requests, int) or max_requests < 1):
         raise ValueError(f"`max_requests` must be None or a positive integer, got {max_requests!r}")
-    settings = KiviSettings(**kivi_settings).for_model_dtype(model.dtype)
+    settings = paged_layer_settings(model, kivi_settings)
     budget = PageBudget.plan(model.config.get_text_config(), settings, model.dtype, kv_memory, max_requests)
     backend = select(backend, None).for_device(model.device).name  # KiviCache's device rule, for the model's device
     return dict(kv_memory=kv_memory, settings=settings, backend=backend, max_requests=max_requests), budget
@@ -179,7 +193,10 @@ def init_continuous_batching(
         backend: the kernels (``native``, ``sycl``, ``reference``; default as :class:`~kivi_xpu.KiviCache`: those of
             the model's device, :meth:`kivi_xpu.backend.Selection.for_device`).
         **kivi_settings: :class:`~kivi_xpu.KiviSettings` fields (``bits``, ``group_size``, ``residual_length``,
-            ``sink_tokens``, ``rotation``, ``preset``, ...), as for :class:`~kivi_xpu.KiviCache`.
+            ``sink_tokens``, ``rotation``, ``preset``, ...) and ``layer_overrides``, as for
+            :class:`~kivi_xpu.KiviCache`: each layer gets the settings that layer of ``KiviCache(model.config,
+            **kivi_settings)`` has (per-layer bits and value groups; the pages need the sinks, ``R`` and the key
+            group size alike in every layer).
     """
     generation_config = model.generation_config if generation_config is None else generation_config
     if generation_config.eos_token_id is None:

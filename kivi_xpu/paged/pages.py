@@ -7,8 +7,10 @@ byte, ``Gv`` the value group size)::
     key codes    uint8 [H, D, T/P]   key scales, zeros   meta [H, D, 1]      (one key group per page)
     value codes  uint8 [H, T, D/P]   value scales, zeros meta [H, T, D/Gv]
 
-A **block** is one page per layer: transformers' unit of allocation (``block_table[request] = [block, ...]``), so
-its scheduler, pool, free counts and byte-sized sectors run unchanged on pages 9-10x smaller than its fp32 ones.
+A **block** is one page per layer (:class:`BlockLayout`): transformers' unit of allocation (``block_table[request] =
+[block, ...]``), so its scheduler, pool, free counts and byte-sized sectors run unchanged on pages 9-10x smaller than
+its fp32 ones. Layers may differ in bits and value group size (per-layer settings, e.g. a calibration), so their
+pages may differ in bytes; every layer's page holds the same ``T`` tokens.
 Block ``b`` of a request holds its packed tokens ``[S + b*T, S + (b+1)*T)`` (``S`` sink tokens): a request of ``n``
 tokens owns ``ceil(n / T)`` blocks, more than it ever packs (the sinks and the newest tokens stay exact, in its
 :mod:`~kivi_xpu.paged.windows` unit). Pages share the cache's sectors with those units (:mod:`.budget`).
@@ -16,7 +18,9 @@ tokens owns ``ceil(n / T)`` blocks, more than it ever packs (the sinks and the n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from math import lcm
 
 import torch
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
@@ -82,6 +86,51 @@ class PageLayout:
         return self.offsets()["value_zeros"] + _aligned(torch.Size(shape).numel() * dtype.itemsize)
 
 
+@dataclass(frozen=True)
+class BlockLayout:
+    """Byte layout of a block: one :class:`PageLayout` per layer, the pages one after another. ``block_bytes`` is
+    their sum, rounded up (only when the layers' pages differ) to a multiple of the number of layers, as transformers'
+    allocator counts a block in equal pages, and of the cache line."""
+
+    pages: tuple[PageLayout, ...]
+
+    @classmethod
+    def for_settings(cls, settings: Sequence[KiviSettings], heads: int, head_dim: int) -> BlockLayout:
+        """The layout for ``settings`` (one per layer, in layer order); ``ValueError`` when the layers' key group
+        sizes differ (a page holds one key group of every layer)."""
+        tokens = {s.key_group_size for s in settings}
+        if len(tokens) > 1:
+            raise ValueError(
+                f"KIVI pages hold one key group of every layer, so every layer needs the same key_group_size; these "
+                f"layers have {sorted(tokens)}: keep key_group_size (and group_size) out of layer_overrides to serve "
+                f"them with continuous batching"
+            )
+        return cls(tuple(PageLayout.for_settings(s, heads, head_dim) for s in settings))
+
+    @property
+    def tokens(self) -> int:
+        """``T``, the tokens of every page."""
+        return self.pages[0].tokens
+
+    @property
+    def heads(self) -> int:
+        return self.pages[0].heads
+
+    @property
+    def page_starts(self) -> list[int]:
+        """Byte offset of each layer's page in the block."""
+        starts, at = [], 0
+        for page in self.pages:
+            starts.append(at)
+            at += page.page_bytes
+        return starts
+
+    @property
+    def block_bytes(self) -> int:
+        total = sum(page.page_bytes for page in self.pages)
+        return -(-total // lcm(len(self.pages), _ALIGN)) * lcm(len(self.pages), _ALIGN)
+
+
 class LayerPages:
     """One layer's pages as six tensors whose first axis is the block id, views into the cache's flat byte tensor
     (``key_codes [num_blocks, H, D, T/P]`` etc., see :class:`PageLayout`)."""
@@ -120,14 +169,16 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
     supports_block_sharing = False  # a packed page depends on when it was packed: no prefix sharing
     supports_block_table = False  # no flash block-table path: every step goes through the cache's update
 
-    def __init__(self, index: int, layout: PageLayout, layer_indices: list[int]):
-        self.head_dim, self.num_key_value_heads, self.layout = layout.head_dim, layout.heads, layout
+    def __init__(self, index: int, layout: BlockLayout, layer_indices: list[int]):
+        if len(layout.pages) != len(layer_indices):
+            raise ValueError(f"a block of {len(layout.pages)} pages for {len(layer_indices)} layers")
+        self.head_dim, self.num_key_value_heads, self.layout = layout.pages[0].head_dim, layout.heads, layout
         self.cache_dtype = torch.uint8
         self._before_cache_tensor_init(
             index=index,
             layer_indices=layer_indices,
             tokens_per_page=layout.tokens,
-            bytes_per_page=layout.page_bytes,
+            bytes_per_page=layout.block_bytes // len(layer_indices),
             allow_block_sharing=False,
         )
 
@@ -136,9 +187,10 @@ class KiviPageAllocator(FullAttentionCacheAllocator):
         blocks = blocks.view(-1, self.bytes_per_block)
         self._copy_view = blocks
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
+        layout = self.layout
         self.pages = {
-            layer: LayerPages(blocks, self.layout, i * self.bytes_per_page)
-            for i, layer in enumerate(self.layer_indices)
+            layer: LayerPages(blocks, page, start)
+            for layer, page, start in zip(self.layer_indices, layout.pages, layout.page_starts, strict=True)
         }
 
     def update(self, *args, **kwargs):

@@ -131,8 +131,6 @@ def paged_options(options: argparse.Namespace, config: dict) -> dict:
     """``kivi_xpu.paged.install`` keyword arguments of the parsed options: the budget and the KIVI settings of
     ``config`` (the cache options that are not settings are for the sequential path)."""
     kwargs = cache_kwargs(config)
-    if kwargs.pop("layer_overrides", None) is not None:
-        raise ToolError("--continuous-batching does not support per-layer overrides (layer_overrides)")
     kwargs.pop("device", None)
     kwargs.pop("attention", None)
     return dict(kwargs, kv_memory=options.kv_memory * 2**20, max_requests=options.max_requests,
