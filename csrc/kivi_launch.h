@@ -183,7 +183,7 @@ inline void launch_paged_attention(DeviceRuntime& rt, const PagedParams& p) {
          p.query, p.plain_query, p.key_codes, p.key_scales, p.key_zeros, p.value_codes, p.value_scales,
          p.value_zeros, p.key_windows, p.value_windows, p.block_table, p.requests, p.chunk_max, p.chunk_sum,
          p.chunk_acc, p.chunk_exact_acc, scratch.data_ptr<float>(), size_t(rows), size_t(p.kv_heads),
-         size_t(p.head_dim), size_t(p.value_dim), size_t(p.tokens), size_t(p.value_group), size_t(p.key_code_block),
+         size_t(p.head_dim), size_t(p.value_dim), size_t(p.tokens), size_t(p.key_group), size_t(p.value_group), size_t(p.key_code_block),
          size_t(p.key_meta_block), size_t(p.value_code_block), size_t(p.value_meta_block), size_t(p.key_window_slot),
          size_t(p.key_window_head), size_t(p.value_window_slot), size_t(p.value_window_head), size_t(p.table_cols),
          size_t(p.chunk_tokens), size_t(p.chunks));

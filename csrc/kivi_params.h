@@ -77,6 +77,7 @@ struct PagedParams {
   int meta = 0, window = 0;  // dtype tags
   int key_bits = 2, value_bits = 2;
   int64_t requests_n = 0, q_heads = 0, kv_heads = 0, head_dim = 0, value_dim = 0, tokens = 0, value_group = 0;
+  int64_t key_group = 0;  // tokens per key group: a page holds tokens / key_group of them
   int64_t key_code_block = 0, key_meta_block = 0, value_code_block = 0, value_meta_block = 0;  // element strides
   int64_t key_window_slot = 0, key_window_head = 0, value_window_slot = 0, value_window_head = 0;
   int64_t table_cols = 0, chunk_tokens = 0, chunks = 0;
@@ -387,9 +388,13 @@ inline PagedParams check_paged_attention(const DeviceRuntime& rt, const at::Tens
   const int64_t Dv = value_windows.size(3);
   TORCH_CHECK_VALUE(Dv % value_group == 0 && Dv % per_value == 0, "`value_group` (", value_group,
                     ") must divide the value head_dim ", Dv);
+  const int64_t key_groups = key_scales.dim() == 4 ? key_scales.size(2) : 0;  // per page, metadata group-major
+  TORCH_CHECK_VALUE(key_groups > 0 && T % key_groups == 0 && (T / key_groups) % per_key == 0,
+                    "`key_scales` must be [blocks, H, T/G, D]: T/G key groups of G tokens, whole code bytes each, got ",
+                    key_scales.sizes(), " for pages of ", T, " tokens");
   const std::vector<std::pair<const at::Tensor*, std::vector<int64_t>>> sections = {
-      {&key_codes, {blocks, H, D, T / per_key}},     {&key_scales, {blocks, H, D, 1}},
-      {&key_zeros, {blocks, H, D, 1}},               {&value_codes, {blocks, H, T, Dv / per_value}},
+      {&key_codes, {blocks, H, D, T / per_key}},     {&key_scales, {blocks, H, key_groups, D}},
+      {&key_zeros, {blocks, H, key_groups, D}},      {&value_codes, {blocks, H, T, Dv / per_value}},
       {&value_scales, {blocks, H, T, Dv / value_group}}, {&value_zeros, {blocks, H, T, Dv / value_group}}};
   const char* names[] = {"key_codes", "key_scales", "key_zeros", "value_codes", "value_scales", "value_zeros"};
   for (size_t i = 0; i < sections.size(); ++i) {
@@ -456,7 +461,7 @@ inline PagedParams check_paged_attention(const DeviceRuntime& rt, const at::Tens
   p.block_table = block_table.data_ptr<int64_t>(), p.requests = requests.data_ptr<int64_t>();
   p.key_bits = (int)key_bits, p.value_bits = (int)value_bits;
   p.requests_n = N, p.q_heads = Hq, p.kv_heads = H, p.head_dim = D, p.value_dim = Dv, p.tokens = T;
-  p.value_group = value_group;
+  p.value_group = value_group, p.key_group = T / key_groups;
   p.key_code_block = key_codes.stride(0), p.key_meta_block = key_scales.stride(0);
   p.value_code_block = value_codes.stride(0), p.value_meta_block = value_scales.stride(0);
   TORCH_CHECK_VALUE(key_zeros.stride(0) == p.key_meta_block && value_zeros.stride(0) == p.value_meta_block,

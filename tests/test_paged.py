@@ -91,16 +91,26 @@ def test_greedy_answers_equal_each_requests_own_generate(model, dtype, backend, 
         assert answer == _own_generate(model, prompt, new, backend=backend, **settings)
 
 
-# Per layer (3 layers): 4-bit codes; value groups of 4, float32 scales and zeros, no rotation; the base.
-PER_LAYER = [{"bits": 4}, {"value_group_size": 4, "meta_dtype": torch.float32, "rotation": "none"}, None]
+# Per layer (3 layers): 4-bit codes in key groups of 4 (pages of 8 tokens hold two); value groups of 4, float32
+# scales and zeros, no rotation; the base.
+PER_LAYER = [{"bits": 4, "key_group_size": 4}, {"value_group_size": 4, "meta_dtype": torch.float32, "rotation": "none"},
+             None]  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", [None, "reference"])
-def test_per_layer_settings_answer_as_each_requests_own_generate(backend):
+@pytest.mark.parametrize(
+    "backend, settings",
+    [
+        (None, dict(SMALL_MINMAX, layer_overrides=PER_LAYER)),
+        ("reference", dict(SMALL_MINMAX, layer_overrides=PER_LAYER)),
+        # key groups of 4 but one layer's of 8: every page holds 8 tokens, two key groups in most layers
+        (None, dict(SMALL_MINMAX, group_size=4, layer_overrides=[None, {"key_group_size": 8}, {"value_bits": 4}])),
+    ],
+)
+def test_per_layer_settings_answer_as_each_requests_own_generate(backend, settings):
     """A calibration's per-layer settings: each layer's pages have that layer's bits, groups and metadata (pages of
-    different bytes in one block), and every answer equals its own generate with the same ``layer_overrides``."""
+    different bytes in one block, whole key groups of each layer in every page), and every answer equals its own
+    generate with the same ``layer_overrides``."""
     model = tiny_llama(0, num_hidden_layers=3)
-    settings = dict(SMALL_MINMAX, layer_overrides=PER_LAYER)
     prompts, new = _prompts((5, 23, 40, 3, 17)), 30
     results = generate_batch(model, prompts, _greedy(new), kv_memory=4 * MiB, max_requests=2, backend=backend,
                              max_new_tokens=new, **settings)  # fmt: skip
@@ -111,9 +121,7 @@ def test_per_layer_settings_answer_as_each_requests_own_generate(backend):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"key_group_size": 4}, r"same key_group_size.* \[4, 8\]"),
-        ({"group_size": 4}, r"same key_group_size"),
-        ({"residual_length": 16}, r"same residual_length.* \[8, 16\]"),
+        ({"key_group_size": 16, "residual_length": 16}, r"same residual_length.* \[8, 16\]"),
         ({"sink_tokens": 0}, r"same sink_tokens"),
     ],
 )

@@ -31,7 +31,8 @@ class PagedCase:
     kv_heads: int = 3
     ratio: int = 3
     head_dim: int = 64
-    tokens: int = 32  # page tokens = key group size
+    tokens: int = 32  # page tokens
+    key_group: int | None = None  # default: one key group per page (tokens)
     value_group: int = 32
     key_bits: int = 2
     value_bits: int = 2
@@ -51,6 +52,10 @@ CASES = [
     # As continuous batching holds them: keys packed a block at a time, so more keys than values are packed.
     PagedCase(requests=((4, 128, 100, 230), (4, 64, 35, 150), (0, 0, 0, 5)), rotated="kv"),
     PagedCase(tokens=8, value_group=8, dtype=torch.bfloat16, meta=torch.bfloat16, requests=((4, 24, 13, 40),)),
+    # Pages of several key groups (per-layer settings: T the least common multiple of the layers' key groups).
+    PagedCase(tokens=64, key_group=16, requests=((4, 128, 100, 230), (1, 64, 70, 90), (0, 0, 3, 9)), rotated="k"),
+    PagedCase(tokens=64, key_group=32, key_bits=4, ratio=8, kv_heads=1, requests=((4, 192, 200, 250),)),
+    PagedCase(tokens=32, key_group=8, dtype=torch.bfloat16, meta=torch.bfloat16, requests=((2, 96, 97, 130),) * 2),
 ]
 
 
@@ -59,11 +64,12 @@ def build(case: PagedCase, seed: int = 0) -> dict:
     as transformers' allocator lays them out) at shuffled blocks, and a block table padded with junk ids."""
     gen = torch.Generator().manual_seed(seed)
     h, d, t = case.kv_heads, case.head_dim, case.tokens
+    g = case.key_group or t
     settings = KiviSettings(
-        key_bits=case.key_bits, value_bits=case.value_bits, key_group_size=t, value_group_size=case.value_group,
+        key_bits=case.key_bits, value_bits=case.value_bits, key_group_size=g, value_group_size=case.value_group,
         residual_length=t, meta_dtype=case.meta, sink_tokens=0,
     )  # fmt: skip
-    layout = PageLayout.for_settings(settings, h, d)
+    layout = PageLayout.for_settings(settings, h, d, t)
     pages_per_request = [-(-max(kc, vc) // t) for _, kc, vc, _ in case.requests]
     blocks = sum(pages_per_request) + 3
     pool = torch.randint(0, 256, (blocks, layout.page_bytes * 2), dtype=torch.uint8, generator=gen)
@@ -82,10 +88,9 @@ def build(case: PagedCase, seed: int = 0) -> dict:
         table[i, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int64)
         for j in range(count):
             block = int(table[i, j])
-            k = quantize_keys(torch.randn(1, h, t, d, generator=gen), t, case.key_bits, case.meta)
+            k = quantize_keys(torch.randn(1, h, t, d, generator=gen), g, case.key_bits, case.meta)
             v = quantize_values(torch.randn(1, h, t, d, generator=gen), case.value_group, case.value_bits, case.meta)
-            for section, part in zip(("key_codes", "key_scales", "key_zeros"), k, strict=True):
-                getattr(pages, section)[block] = part[0]
+            pages.store_keys(torch.tensor([block]), *k)
             for section, part in zip(("value_codes", "value_scales", "value_zeros"), v, strict=True):
                 getattr(pages, section)[block] = part[0]
         slot = slots - 1 - i  # not the request's index
@@ -121,7 +126,8 @@ def build(case: PagedCase, seed: int = 0) -> dict:
 
 
 def _case_id(case: PagedCase) -> str:
-    return f"T{case.tokens}-k{case.key_bits}v{case.value_bits}-r{case.ratio}-{str(case.dtype)[6:]}-rot{case.rotated}"
+    groups = f"T{case.tokens}G{case.key_group or case.tokens}"
+    return f"{groups}-k{case.key_bits}v{case.value_bits}-r{case.ratio}-{str(case.dtype)[6:]}-rot{case.rotated}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -217,6 +223,11 @@ def test_bad_block_and_shapes_are_refused():
     args["requests"] = args["requests"].int()
     with pytest.raises(ValueError, match="`requests` must be an int64"):
         torch.ops.kivi_xpu.paged_decode_attention(**args)
+    for groups in (3, 64):  # key groups that do not divide the page's 32 tokens, or not in whole code bytes
+        args = build(CASES[0])
+        args["key_scales"] = args["key_zeros"] = args["key_scales"].new_zeros(*args["key_scales"].shape[:2], groups, 64)
+        with pytest.raises(ValueError, match=r"scales/zeros \[blocks, H, T/G, 64\]"):
+            torch.ops.kivi_xpu.paged_decode_attention(**args)
 
 
 def test_native_rechecks_what_it_relies_on():
@@ -229,4 +240,8 @@ def test_native_rechecks_what_it_relies_on():
     args = build(CASES[0])
     args["requests"][1, 0] = -1
     with pytest.raises(ValueError, match="does not fit"):
+        native.paged_decode_attention(**args)
+    args = build(CASES[0])
+    args["key_scales"] = args["key_zeros"] = args["key_scales"].new_zeros(*args["key_scales"].shape[:2], 3, 64)
+    with pytest.raises(ValueError, match="T/G"):
         native.paged_decode_attention(**args)

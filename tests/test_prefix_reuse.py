@@ -310,7 +310,7 @@ def test_a_decode_key_block_straddling_shared_pages_is_packed_into_its_private_p
             return split.packed_values - split.packed_values % 8
 
     request = Request("r", 0, n, 0, 1, torch.arange(100), 0, None, settings.split(n), shared, False)
-    plan = DecodePlan.of([request], settings, Units(), "cpu")
+    plan = DecodePlan.of([request], settings, 8, Units(), "cpu")
     assert [(r.request_id, start, count) for r, start, count in plan.key_blocks] == [("r", qk0, qk1 - qk0)]
     start, rest = _Private(request.blocks, shared * 8).from_private(qk0, torch.zeros(1, 1, qk1 - qk0, 4))
     assert start == shared * 8 and rest.shape[2] == qk1 - shared * 8

@@ -30,13 +30,25 @@ struct Packed {
   int64_t code_head;  // bytes per (batch, head)
   int64_t meta_head;  // elements per (batch, head)
   // Paged storage (continuous batching, paged_attention.cpp): nullptr, or the block of each page of `page_tokens`
-  // packed tokens (page j: key group j, value tokens [j * page_tokens, (j + 1) * page_tokens)). Page j of head h
-  // starts at codes + pages[j] * code_page + h * code_head (metadata: pages[j] * meta_page + h * meta_head); inside a
-  // page the rows are as above with one key group per channel (key meta_row 1, code_row group / P).
+  // packed tokens (page j: tokens [j * page_tokens, (j + 1) * page_tokens), so key groups [j * per, (j + 1) * per)
+  // with per = page_tokens / group). Page j of head h starts at codes + pages[j] * code_page + h * code_head
+  // (metadata: pages[j] * meta_page + h * meta_head). Inside a page the values' rows are as above; the keys' channel
+  // rows span the page's groups (code_row page_tokens / P) and their metadata is group-major [per, D] (meta_row per:
+  // a page's elements per channel, read whole by the loads ahead of a task).
   const int64_t* pages;
-  int64_t page_tokens;  // packed tokens per page (the key group size)
+  int64_t page_tokens;  // packed tokens per page (a multiple of the key group size)
   int64_t code_page;    // bytes between consecutive blocks
   int64_t meta_page;    // elements between consecutive blocks
+
+  // Paged keys: the first code byte of key group g's channel 0, and the first metadata element of its D channels.
+  const uint8_t* page_key_codes(int64_t g, int64_t bh) const {
+    const int64_t per = page_tokens / group;
+    return codes + pages[g / per] * code_page + bh * code_head + (g % per) * (group * bits / 8);
+  }
+  int64_t page_key_meta(int64_t g, int64_t bh, int64_t D) const {
+    const int64_t per = page_tokens / group;
+    return pages[g / per] * meta_page + bh * meta_head + (g % per) * D;
+  }
 };
 
 struct Problem {

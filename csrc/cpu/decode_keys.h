@@ -149,8 +149,8 @@ inline void load_key_meta(const void* base, Dtype dtype, int64_t offset, int64_t
 #if defined(KIVI_DA_INTEGER)
 // Key metadata of groups [gb, gb + block) (block <= kBlockGroups) channel-major in fp32, what key_block_factors
 // reads: out[d * kBlockGroups + i] = channel d of group gb + i, zeros for i >= block. Contiguous storage keeps a
-// channel's groups side by side (one vector load per channel); a page holds one group's D channels (each page's row
-// loaded, then transposed in 8 x 8 blocks).
+// channel's groups side by side (one vector load per channel); a page holds its groups' D channels one group after
+// another (each group's row loaded, then transposed in 8 x 8 blocks).
 template <Dtype DT>
 inline void load_key_meta_channels(const void* base, int64_t offset, int64_t row, int64_t D, float* out) {
   for (int64_t d = 0; d < D; ++d)
@@ -176,7 +176,7 @@ inline void load_key_meta_by_channel(const Packed& K, const void* base, int64_t 
   alignas(32) float rows[W][kMaxDim];
   for (int64_t i = 0; i < W; ++i) {
     if (i < block)
-      load_row(base, K.meta, K.pages[gb + i] * K.meta_page + bh * K.meta_head, D, rows[i]);
+      load_row(base, K.meta, K.page_key_meta(gb + i, bh, D), D, rows[i]);
     else
       for (int64_t d = 0; d < D; ++d) rows[i][d] = 0.0f;
   }
@@ -221,8 +221,8 @@ void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, co
         }
         for (int64_t i = 0; i < block; ++i) {
           const int64_t g = gb + i;
-          const uint8_t* codes = K.pages == nullptr ? K.codes + bh * K.code_head + g * (G * BITS / 8)
-                                                    : K.codes + K.pages[g] * K.code_page + bh * K.code_head;
+          const uint8_t* codes =
+              K.pages == nullptr ? K.codes + bh * K.code_head + g * (G * BITS / 8) : K.page_key_codes(g, bh);
           float* out[NR];
           for (int j = 0; j < NR; ++j) out[j] = scores + (r0 + j) * P.score_row + pos0 + (g - g0) * G;
           if ((f.finite >> i) & 1) {
@@ -264,15 +264,14 @@ void packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, const f
       load_key_meta(K.zeros, K.meta, bh * K.meta_head + gb, K.meta_row, D, block, zeros);
     } else {  // a page's group: its D channels' metadata are contiguous
       for (int64_t i = 0; i < block; ++i) {
-        const int64_t meta = K.pages[gb + i] * K.meta_page + bh * K.meta_head;
+        const int64_t meta = K.page_key_meta(gb + i, bh, D);
         load_row(K.scales, K.meta, meta, D, scales + i * kMaxDim);
         load_row(K.zeros, K.meta, meta, D, zeros + i * kMaxDim);
       }
     }
     for (int64_t i = 0; i < block; ++i) {
       const int64_t g = gb + i;
-      const uint8_t* group_codes =
-          K.pages == nullptr ? codes + g * (G * BITS / 8) : K.codes + K.pages[g] * K.code_page + bh * K.code_head;
+      const uint8_t* group_codes = K.pages == nullptr ? codes + g * (G * BITS / 8) : K.page_key_codes(g, bh);
       const int64_t pos = pos0 + (g - g0) * G;
       const float *scale = scales + i * kMaxDim, *zero = zeros + i * kMaxDim;
       for (int64_t r0 = 0; r0 < P.rows; r0 += 4) {

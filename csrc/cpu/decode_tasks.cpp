@@ -51,8 +51,9 @@ void read_task_keys(const Problem& p, const TaskSpan& task) {
   const int64_t k0 = std::max(p0, S), k1 = std::min(p1, S + K.count);
   if (k0 >= k1) return;
   const int64_t g0 = (k0 - S) / K.group, g1 = (k1 - S) / K.group;
-  if (K.pages != nullptr) {  // each group is one page: its D channel rows
-    for (int64_t g = g0; g < g1; ++g) read_page_rows(K, K.pages[g], bh, 0, p.head_dim);
+  if (K.pages != nullptr) {  // each page of these groups: its D channel rows (all its groups) and metadata
+    const int64_t per = K.page_tokens / K.group;
+    for (int64_t j = g0 / per; j <= (g1 - 1) / per; ++j) read_page_rows(K, K.pages[j], bh, 0, p.head_dim);
     return;
   }
   const int64_t meta_size = K.meta == kF32 ? 4 : 2, run = (g1 - g0) * K.group * K.bits / 8;

@@ -86,10 +86,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK_VALUE(key_zeros.scalar_type() == key_scales.scalar_type() &&
                         value_zeros.scalar_type() == value_scales.scalar_type(),
                     kOp, ": scales and zeros must share a dtype");
-  TORCH_CHECK_VALUE(key_codes.size(2) == D && key_scales.size(2) == D && key_scales.size(3) == 1 &&
+  const int64_t key_groups = key_scales.size(2);  // per page
+  TORCH_CHECK_VALUE(key_codes.size(2) == D && key_scales.size(3) == D && key_groups > 0 && T % key_groups == 0 &&
+                        (T / key_groups) % decode::codes_per_byte(kOp, key_bits, "key_bits") == 0 &&
                         key_zeros.strides() == key_scales.strides() && key_zeros.sizes() == key_scales.sizes(),
-                    kOp, ": key pages must be codes [blocks, H, ", D, ", T/P] and scales/zeros [blocks, H, ", D,
-                    ", 1] with equal strides, got ", key_codes.sizes(), " and ", key_scales.sizes());
+                    kOp, ": key pages must be codes [blocks, H, ", D, ", T/P] and scales/zeros [blocks, H, T/G, ", D,
+                    "] (whole bytes of codes per key group) with equal strides, got ", key_codes.sizes(), " and ",
+                    key_scales.sizes());
   TORCH_CHECK_VALUE(value_group > 0 && Dv % value_group == 0 && Dv <= decode::kMaxDim && value_codes.size(2) == T &&
                         value_scales.size(2) == T && value_scales.size(3) == Dv / value_group &&
                         value_zeros.sizes() == value_scales.sizes() && value_zeros.strides() == value_scales.strides() &&
@@ -148,7 +151,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
     p.value_sinks = window_rows(value_windows, window_dtype, slot, 0, S);
     p.key_tail = window_rows(key_windows, window_dtype, slot, r[kKeyTailRow], n - S - kc);
     p.value_tail = window_rows(value_windows, window_dtype, slot, r[kValueTailRow], n - S - vc);
-    p.keys = pages_of(key_codes, key_scales, key_zeros, key_meta, kc, T, key_bits, 1, own_pages, T);
+    p.keys = pages_of(key_codes, key_scales, key_zeros, key_meta, kc, T / key_groups, key_bits, key_groups,
+                      own_pages, T);
     p.values = pages_of(value_codes, value_scales, value_zeros, value_meta, vc, value_group, value_bits,
                         value_scales.size(3), own_pages, T);
     decode::plan(p);  // decode_attention's chunks over this request's tokens

@@ -3,8 +3,9 @@
 //
 // kivi_packed_attention for the decode rows of continuous batching: one work-group per (request n, kv head, block of
 // RB query rows, chunk of chunk_tokens tokens), reading request n's packed tokens in place from the pages of its
-// block table row (block_table[n][t / T]: page of T tokens, key codes [H, D, T/P_K] with one key group per page,
-// values [H, T, Dv/P_V]; every section a view of one byte pool, so each has its own stride between blocks). Row n of
+// block table row (block_table[n][t / T]: page of T tokens, key codes [H, D, T/P_K] and key metadata group-major
+// [H, T/G, D] for its T/G key groups of G tokens, values [H, T, Dv/P_V]; every section a view of one byte pool, so
+// each has its own stride between blocks). Row n of
 // `requests` is (slot, sinks, key_count, key_tail_row, value_count, value_tail_row, length), as paged_decode_attention
 // (kivi_xpu/ops/reference.py) defines it. The kernel covers the tokens after the sinks that at least one kind holds
 // packed, t < max(key_count, value_count): a token packed in one kind only (keys leave the window a block at a time,
@@ -25,7 +26,7 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_paged
     const typename M::T* value_zeros, const typename X::T* key_windows, const typename X::T* value_windows,
     const long long* block_table, const long long* requests, float* chunk_max, float* chunk_sum, float* chunk_acc,
     float* chunk_exact_acc, float* scratch, size_t rows, size_t kv_heads, size_t head_dim, size_t value_dim,
-    size_t page_tokens, size_t value_group, size_t key_code_block, size_t key_meta_block, size_t value_code_block,
+    size_t page_tokens, size_t key_group, size_t value_group, size_t key_code_block, size_t key_meta_block, size_t value_code_block,
     size_t value_meta_block, size_t key_window_slot, size_t key_window_head, size_t value_window_slot,
     size_t value_window_head, size_t table_cols, size_t chunk_tokens, size_t chunks) {
   const ChunkItem<RB> c = chunk_item<RB>(rows, chunks, chunk_tokens, scratch);
@@ -56,8 +57,10 @@ SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<3>)) void kivi_paged
     const size_t page = packed ? (size_t)table[t0 / page_tokens] : 0;
     const unsigned char* code_row = key_codes + page * key_code_block + head * head_dim * page_bytes +
                                     (t0 % page_tokens) / PK;
-    const typename M::T* scale_row = key_scales + page * key_meta_block + head * head_dim;
-    const typename M::T* zero_row = key_zeros + page * key_meta_block + head * head_dim;
+    const size_t meta = page * key_meta_block + (head * (page_tokens / key_group) + (t0 % page_tokens) / key_group) *
+                                                    head_dim;  // the D channels of t0's key group
+    const typename M::T* scale_row = key_scales + meta;
+    const typename M::T* zero_row = key_zeros + meta;
     const typename X::T* exact_rows =  // the window row of token t0 (an exact key: t0 >= key_count)
         key_windows + slot * key_window_slot + head * key_window_head +
         (active && !packed ? key_tail + t0 - key_count : 0) * head_dim;

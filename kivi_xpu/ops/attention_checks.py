@@ -126,7 +126,8 @@ def _check_pages(t, name: str, blocks: int, heads: int, dtypes) -> None:
 
 def check_paged_decode_args(a) -> None:
     """Checks for ``paged_decode_attention``: the query ``[N, Hq, 1, D]``, the exact windows ``[slots, H, W, D]``, the
-    pages (key codes ``[blocks, H, D, T/P]``, scales/zeros ``[blocks, H, D, 1]``; value codes ``[blocks, H, T,
+    pages (key codes ``[blocks, H, D, T/P]``, scales/zeros ``[blocks, H, T/G, D]``: ``T/G`` key groups of ``G``
+    tokens, a whole number of code bytes each; value codes ``[blocks, H, T,
     Dv/P]``, scales/zeros ``[blocks, H, T, Dv/value_group]``), and every request's row of ``requests`` (columns
     :class:`~.operands.RequestColumns`) within its slot, its pages within ``block_table`` and the blocks."""
     query, key_windows, value_windows, block_table, requests = (
@@ -159,13 +160,18 @@ def check_paged_decode_args(a) -> None:
     tokens = key_codes.shape[3] * codes_per_byte(key_bits)
     value_dim = value_codes.shape[3] * codes_per_byte(value_bits)
     value_group = integer(a.value_group, "value_group", minimum=1)
+    groups = key_scales.shape[2] if key_scales.dim() == 4 else 0
     if (
         key_scales.shape != key_zeros.shape
-        or tuple(key_scales.shape[2:]) != (head_dim, 1)
+        or key_scales.shape[3] != head_dim
         or key_codes.shape[2] != head_dim
+        or groups < 1
+        or tokens % groups
+        or tokens // groups % codes_per_byte(key_bits)
     ):
         raise ValueError(
-            f"key pages must be codes [blocks, H, {head_dim}, T/P] and scales/zeros [blocks, H, {head_dim}, 1], got "
+            f"key pages must be codes [blocks, H, {head_dim}, T/P] and scales/zeros [blocks, H, T/G, {head_dim}] (T/G "
+            f"key groups of G tokens per page, G a multiple of {codes_per_byte(key_bits)} codes per byte), got "
             f"{tuple(key_codes.shape)}, {tuple(key_scales.shape)}, {tuple(key_zeros.shape)}"
         )
     if value_dim % value_group or value_windows.shape[3] != value_dim:

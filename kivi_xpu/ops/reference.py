@@ -382,13 +382,15 @@ def decode_attention(
 
 def gather_pages(kind: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, pages: torch.Tensor):
     """The packed pages ``pages`` (int64 block ids, in token order) of one request as one history of batch 1
-    (copies). Keys: codes ``[blocks, H, D, T/P]``, scales/zeros ``[blocks, H, D, 1]`` -> ``[1, H, D, n*T/P]`` and
-    ``[1, H, D, n]``; values: codes ``[blocks, H, T, Dv/P]``, scales/zeros ``[blocks, H, T, Dv/G]`` -> ``[1, H, n*T,
-    Dv/P]`` and ``[1, H, n*T, Dv/G]``."""
-    parts = (x.index_select(0, pages) for x in (codes, scales, zeros))
+    (copies). Keys (a page holds ``T/G`` key groups): codes ``[blocks, H, D, T/P]``, scales/zeros ``[blocks, H,
+    T/G, D]`` (group-major) -> ``[1, H, D, n*T/P]`` and ``[1, H, D, n*T/G]``; values: codes ``[blocks, H, T,
+    Dv/P]``, scales/zeros ``[blocks, H, T, Dv/G]`` -> ``[1, H, n*T, Dv/P]`` and ``[1, H, n*T, Dv/G]``."""
+    codes, scales, zeros = (x.index_select(0, pages) for x in (codes, scales, zeros))
     if kind == "keys":  # tokens along the last axis
-        return tuple(x.permute(1, 2, 0, 3).flatten(2, 3).unsqueeze(0).contiguous() for x in parts)
-    return tuple(x.transpose(0, 1).flatten(1, 2).unsqueeze(0).contiguous() for x in parts)
+        codes = codes.permute(1, 2, 0, 3).flatten(2, 3)
+        scales, zeros = (x.permute(1, 3, 0, 2).flatten(2, 3) for x in (scales, zeros))
+        return tuple(x.unsqueeze(0).contiguous() for x in (codes, scales, zeros))
+    return tuple(x.transpose(0, 1).flatten(1, 2).unsqueeze(0).contiguous() for x in (codes, scales, zeros))
 
 
 def _request_kind(kind: str, r: RequestColumns, windows, storage, pages, page_size: int, count: int, group: int,
@@ -430,16 +432,17 @@ def composed_paged_decode_attention(decode_attention):
         :class:`~.operands.RequestColumns`) attends to its ``length`` tokens as
         ``decode_attention`` over ``[sinks | packed | tail]`` per kind: the sinks are rows ``[0, sinks)`` of its slot
         of ``key_windows`` / ``value_windows [slots, H, W, D]``; the packed tokens (``key_count`` / ``value_count``)
-        are pages ``block_table[i, 0], block_table[i, 1], ...`` of ``T = key_group`` tokens each (key codes
-        ``[blocks, H, D, T/P]``, one key group per page, scales/zeros ``[blocks, H, D, 1]``; value codes ``[blocks, H,
-        T, Dv/P]``, scales/zeros ``[blocks, H, T, Dv/value_group]``); the tail is the rest, exact, from rows
-        ``key_tail_row`` / ``value_tail_row`` of its slot. Rotations as in ``decode_attention``."""
-        tokens = key_codes.shape[3] * codes_per_byte(key_bits)  # per page: one key group
+        are pages ``block_table[i, 0], block_table[i, 1], ...`` of ``T`` tokens each (key codes ``[blocks, H, D,
+        T/P]``, scales/zeros ``[blocks, H, T/G, D]``: ``T/G`` key groups of ``G`` tokens per page; value codes
+        ``[blocks, H, T, Dv/P]``, scales/zeros ``[blocks, H, T, Dv/value_group]``); the tail is the rest, exact, from
+        rows ``key_tail_row`` / ``value_tail_row`` of its slot. Rotations as in ``decode_attention``."""
+        tokens = key_codes.shape[3] * codes_per_byte(key_bits)  # per page
+        key_group = tokens // key_scales.shape[2]
         key_storage, value_storage = (key_codes, key_scales, key_zeros), (value_codes, value_scales, value_zeros)
         outputs = []
         for i, row in enumerate(requests.tolist()):
             r, pages = RequestColumns(*row), block_table[i]
-            keys = _request_kind("keys", r, key_windows, key_storage, pages, tokens, r.key_count, tokens, key_bits,
+            keys = _request_kind("keys", r, key_windows, key_storage, pages, tokens, r.key_count, key_group, key_bits,
                                  r.key_tail_row, key_rotation)  # fmt: skip
             values = _request_kind("values", r, value_windows, value_storage, pages, tokens, r.value_count,
                                    value_group, value_bits, r.value_tail_row, value_rotation)  # fmt: skip

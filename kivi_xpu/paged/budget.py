@@ -3,8 +3,8 @@
 The cache is one byte tensor cut into equal **sectors** (transformers' ``CachePool``), each lent whole to one of two
 kinds of block and returned when all its blocks are free:
 
-* **pages** (pool index 0): one 2-bit page per layer, ``T = key_group_size`` packed tokens (:mod:`.pages`; the
-  layers' pages may differ in bits and value groups: per-layer settings, one per layer in order);
+* **pages** (pool index 0): one 2-bit page per layer, ``T`` packed tokens (the key group size, or the least common
+  multiple of the layers' with per-layer settings; :mod:`.pages`);
 * **exact units** (pool index 1): ``W`` exact tokens, keys and values, of every layer (:mod:`.windows`). A running
   request holds one for its sinks and residual window; a request whose prompt the scheduler splits holds
   ``ceil(P / W)`` more for its exact prompt until its last chunk (:mod:`.windows`, staging).
@@ -35,12 +35,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def window_rows(settings: KiviSettings, token_bytes: int, block_bytes: int) -> int:
+def window_rows(settings: KiviSettings, tokens: int, token_bytes: int, block_bytes: int) -> int:
     """``W``, the exact tokens of a unit (``token_bytes`` each, every layer's keys and values): at least the window's
-    value rows (sinks, ``R``, and ``G`` rows of slack so that values move down once every ``G`` steps), rounded up (by
-    at most ``T``) so that a unit is a whole number of blocks when possible, which keeps sectors small."""
-    need = settings.sink_tokens + settings.residual_length + settings.key_group_size
-    for rows in range(need, need + settings.key_group_size + 1):
+    value rows (sinks, ``R``, and ``T = tokens`` rows of slack so that values move down once every ``T`` steps),
+    rounded up (by at most ``T``) so that a unit is a whole number of blocks when possible, which keeps sectors
+    small."""
+    need = settings.sink_tokens + settings.residual_length + tokens
+    for rows in range(need, need + tokens + 1):
         if rows * token_bytes % block_bytes == 0:
             return rows
     return need
@@ -99,7 +100,7 @@ class PageBudget(NamedTuple):
             one.check_head_dim(head_dim)
         block = BlockLayout.for_settings(every, heads, head_dim)
         token_bytes = num_layers * 2 * heads * head_dim * dtype.itemsize
-        rows = window_rows(every[0], token_bytes, block.block_bytes)
+        rows = window_rows(every[0], block.tokens, token_bytes, block.block_bytes)
         unit_bytes = rows * token_bytes
         bytes_per_sector = lcm(block.block_bytes, unit_bytes, 128)
         num_sectors = kv_memory // bytes_per_sector

@@ -91,10 +91,10 @@ class KiviPagedCache(PagedAttentionCache):
         self.layer_settings = dict(zip(layers, every, strict=True))  # full-attention layer -> its settings
         self.settings, self.backend = every[0], backend  # (the sinks, R and T, which every layer shares)
         heads, head_dim = find_num_key_value_heads(config) // shards, find_head_dim(config)  # this rank's
-        continuous_batching_config.page_size = self.settings.key_group_size
         self.max_blocks_per_request = 0  # no flash block-table fast path
         self.budget = budget = PageBudget.plan(config, every, dtype, kv_memory, max_requests, shards)
         allocator = KiviPageAllocator(PAGES, budget.block, layers)
+        continuous_batching_config.page_size = budget.block.tokens
         self.cache_allocators = {FULL_ATTENTION: allocator}
         self.layer_to_allocator = dict.fromkeys(layers, allocator)
         self.bytes_per_sector, self.num_sectors = budget.bytes_per_sector, budget.num_sectors
@@ -105,7 +105,7 @@ class KiviPagedCache(PagedAttentionCache):
         self.pool = CachePool(self.num_sectors, 2, num_reserved_sectors=0)
         allocator.register_cache_tensor(self.bytes_per_sector, self.cache_tensor.numel(), self.cache_tensor,
                                         self.pool)  # fmt: skip
-        self.units = ExactUnits(self.settings, budget, self.cache_tensor, self.pool, layers, heads, head_dim, dtype)
+        self.units = ExactUnits(budget, self.cache_tensor, self.pool, layers, heads, head_dim, dtype)
         # Prefix reuse (:mod:`.prefixes`), on unless ContinuousBatchingConfig(allow_block_sharing=False): transformers'
         # scheduler then asks search_prefix_match for each new request, which admits a hit itself.
         self.allow_block_sharing = self.use_prefix_sharing = bool(continuous_batching_config.allow_block_sharing)
@@ -130,7 +130,8 @@ class KiviPagedCache(PagedAttentionCache):
     def _writer_for(self, settings: KiviSettings, head_dim: int) -> PageWriter:
         """A layer's :class:`PageWriter`: its codecs and their rotations on this cache's device."""
         codecs = KeyCodec.of(settings, head_dim, self.backend), ValueCodec.of(settings, head_dim, self.backend)
-        return PageWriter(settings, self.units, *codecs, tuple(codec.rotation(self.device) for codec in codecs))
+        rotations = tuple(codec.rotation(self.device) for codec in codecs)
+        return PageWriter(settings, self.budget.block.tokens, self.units, *codecs, rotations)
 
     # ------------------------------------------------------------------ memory
 
@@ -329,7 +330,8 @@ class KiviPagedCache(PagedAttentionCache):
         decode, self._others = [], []
         for r in self._requests:
             (decode if r.q_len == 1 and r.held.sinks_full and not r.in_prompt else self._others).append(r)
-        self._decode_plan = DecodePlan.of(decode, self.settings, self.units, self.device) if decode else None
+        tokens = self.budget.block.tokens
+        self._decode_plan = DecodePlan.of(decode, self.settings, tokens, self.units, self.device) if decode else None
 
     @torch.compiler.disable
     def update(self, key_states, value_states, layer_idx: int, kwargs: dict[str, Any]):

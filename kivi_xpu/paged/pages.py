@@ -1,16 +1,17 @@
 """The 2-bit pages of continuous batching: their byte layout and the allocator that hands them out.
 
-A **page** holds ``T = key_group_size`` consecutive packed tokens of one request in one layer, keys and values, in
-the layouts of :mod:`kivi_xpu.ops` with the page as the batch axis (``H`` kv heads, ``D`` head_dim, ``P`` codes per
-byte, ``Gv`` the value group size)::
+A **page** holds ``T`` consecutive packed tokens of one request in one layer (``T = key_group_size`` when every
+layer has the same), keys and values, in the layouts of :mod:`kivi_xpu.ops` with the page as the batch axis (``H``
+kv heads, ``D`` head_dim, ``P`` codes per byte, ``Gk`` / ``Gv`` the key / value group size; key metadata group-major,
+so that one group's ``D`` channels are contiguous)::
 
-    key codes    uint8 [H, D, T/P]   key scales, zeros   meta [H, D, 1]      (one key group per page)
+    key codes    uint8 [H, D, T/P]   key scales, zeros   meta [H, T/Gk, D]   (T/Gk key groups of Gk tokens)
     value codes  uint8 [H, T, D/P]   value scales, zeros meta [H, T, D/Gv]
 
 A **block** is one page per layer (:class:`BlockLayout`): transformers' unit of allocation (``block_table[request] =
 [block, ...]``), so its scheduler, pool, free counts and byte-sized sectors run unchanged on pages 9-10x smaller than
-its fp32 ones. Layers may differ in bits and value group size (per-layer settings, e.g. a calibration), so their
-pages may differ in bytes; every layer's page holds the same ``T`` tokens.
+its fp32 ones. Layers may differ in bits and group sizes (per-layer settings, e.g. a calibration), so their
+pages may differ in bytes; every layer's page holds the same ``T`` tokens, whole key groups of that layer.
 Block ``b`` of a request holds its packed tokens ``[S + b*T, S + (b+1)*T)`` (``S`` sink tokens): a request of ``n``
 tokens owns ``ceil(n / T)`` blocks, more than it ever packs (the sinks and the newest tokens stay exact, in its
 :mod:`~kivi_xpu.paged.windows` unit). Pages share the cache's sectors with those units (:mod:`.budget`).
@@ -42,17 +43,20 @@ class PageLayout:
 
     heads: int
     head_dim: int
-    tokens: int  # T, the key group size
+    tokens: int  # T, a multiple of the key group size
+    key_group: int
     key_bits: int
     value_bits: int
     value_group: int
     meta_dtype: torch.dtype
 
     @classmethod
-    def for_settings(cls, settings: KiviSettings, heads: int, head_dim: int) -> PageLayout:
+    def for_settings(cls, settings: KiviSettings, heads: int, head_dim: int, tokens: int | None = None) -> PageLayout:
+        """The page of ``tokens`` tokens (default: one key group) of a layer with ``settings``."""
         return cls(
             heads,
             head_dim,
+            settings.key_group_size if tokens is None else tokens,
             settings.key_group_size,
             settings.key_bits,
             settings.value_bits,
@@ -65,8 +69,8 @@ class PageLayout:
         h, d, t, meta = self.heads, self.head_dim, self.tokens, self.meta_dtype
         return {
             "key_codes": ((h, d, t // codes_per_byte(self.key_bits)), torch.uint8),
-            "key_scales": ((h, d, 1), meta),
-            "key_zeros": ((h, d, 1), meta),
+            "key_scales": ((h, t // self.key_group, d), meta),
+            "key_zeros": ((h, t // self.key_group, d), meta),
             "value_codes": ((h, t, d // codes_per_byte(self.value_bits)), torch.uint8),
             "value_scales": ((h, t, d // self.value_group), meta),
             "value_zeros": ((h, t, d // self.value_group), meta),
@@ -96,16 +100,12 @@ class BlockLayout:
 
     @classmethod
     def for_settings(cls, settings: Sequence[KiviSettings], heads: int, head_dim: int) -> BlockLayout:
-        """The layout for ``settings`` (one per layer, in layer order); ``ValueError`` when the layers' key group
-        sizes differ (a page holds one key group of every layer)."""
-        tokens = {s.key_group_size for s in settings}
-        if len(tokens) > 1:
-            raise ValueError(
-                f"KIVI pages hold one key group of every layer, so every layer needs the same key_group_size; these "
-                f"layers have {sorted(tokens)}: keep key_group_size (and group_size) out of layer_overrides to serve "
-                f"them with continuous batching"
-            )
-        return cls(tuple(PageLayout.for_settings(s, heads, head_dim) for s in settings))
+        """The layout for ``settings`` (one per layer, in layer order, sharing ``residual_length``): pages of ``T``
+        tokens, the least common multiple of the layers' key group sizes, so that each layer's page holds whole key
+        groups. (Every key group size divides ``R``, so ``T`` does: keys leave the window ``R`` at a time, in whole
+        pages.)"""
+        tokens = lcm(*(s.key_group_size for s in settings))
+        return cls(tuple(PageLayout.for_settings(s, heads, head_dim, tokens) for s in settings))
 
     @property
     def tokens(self) -> int:
@@ -154,11 +154,14 @@ class LayerPages:
         return gather_pages("values", self.value_codes, self.value_scales, self.value_zeros, pages)
 
     def store_keys(self, pages: torch.Tensor, codes, scales, zeros) -> None:
-        """Writes packed keys of ``len(pages)`` whole pages (codes ``[1, H, D, n*T/P]``, metadata ``[1, H, D, n]``)."""
+        """Writes packed keys of ``len(pages)`` whole pages (codes ``[1, H, D, n*T/P]``, metadata ``[1, H, D,
+        n*T/G]``; the pages hold metadata group-major, ``[H, T/G, D]``)."""
         n = pages.numel()
-        for pool, part in ((self.key_codes, codes), (self.key_scales, scales), (self.key_zeros, zeros)):
-            h, d, width = part.shape[1], part.shape[2], part.shape[3] // n
-            pool.index_copy_(0, pages, part[0].view(h, d, n, width).permute(2, 0, 1, 3))
+        h, d, width = codes.shape[1], codes.shape[2], codes.shape[3] // n
+        self.key_codes.index_copy_(0, pages, codes[0].view(h, d, n, width).permute(2, 0, 1, 3))
+        groups = scales.shape[3] // n
+        for pool, part in ((self.key_scales, scales), (self.key_zeros, zeros)):
+            pool.index_copy_(0, pages, part[0].view(h, d, n, groups).permute(2, 0, 3, 1))
 
 
 class KiviPageAllocator(FullAttentionCacheAllocator):

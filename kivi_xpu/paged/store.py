@@ -82,8 +82,9 @@ class DecodePlan(NamedTuple):
     key_blocks: list[tuple[Request, int, int]]  # (request, packed keys before, keys leaving now)
 
     @classmethod
-    def of(cls, decode: list[Request], settings: KiviSettings, units: ExactUnits, device) -> DecodePlan:
-        s, t = settings.sink_tokens, settings.key_group_size
+    def of(cls, decode: list[Request], settings: KiviSettings, tokens: int, units: ExactUnits, device) -> DecodePlan:
+        """The plan of ``decode`` (requests of one token each) on pages of ``tokens`` tokens."""
+        s, t = settings.sink_tokens, tokens
         table = torch.zeros(len(decode), max(r.blocks.numel() for r in decode), dtype=torch.int64)
         rows, bases, window_rows, leaving, key_blocks = [], [], [], [], []
         for i, r in enumerate(decode):
@@ -114,12 +115,13 @@ class DecodePlan(NamedTuple):
 
 
 class PageWriter:
-    """Stores a layer's new tokens into pages and units (see the module docstring), through the kinds' codecs (the
-    codes are those a ``KiviCache`` of the same settings writes). ``rotations``: the codecs' rotations on the
-    cache's device (``None`` or ``Q [D, D]``), which attention reads."""
+    """Stores a layer's new tokens into pages of ``tokens`` tokens and units (see the module docstring), through the
+    kinds' codecs (the codes are those a ``KiviCache`` of the same settings writes). ``rotations``: the codecs'
+    rotations on the cache's device (``None`` or ``Q [D, D]``), which attention reads."""
 
-    def __init__(self, settings: KiviSettings, units: ExactUnits, keys: KeyCodec, values: ValueCodec, rotations: tuple):
-        self.settings, self.units = settings, units
+    def __init__(self, settings: KiviSettings, tokens: int, units: ExactUnits, keys: KeyCodec, values: ValueCodec,
+                 rotations: tuple):  # fmt: skip
+        self.settings, self.tokens, self.units = settings, tokens, units
         self.key_codec, self.value_codec = keys, values
         self.key_rotation, self.value_rotation = rotations
 
@@ -140,7 +142,7 @@ class PageWriter:
         if plan.leaving is not None:
             self._pack_leaving_values(pages, value_windows, plan.leaving)
         for r, qk0, count in plan.key_blocks:
-            private = _Private(r.blocks, r.shared_pages * self.settings.key_group_size)  # a block may straddle them
+            private = _Private(r.blocks, r.shared_pages * self.tokens)  # a block may straddle them
             self._pack_keys(pages, private, qk0, key_windows[r.slot, :, s : s + count].unsqueeze(0))
         args = (
             key_windows,
@@ -203,7 +205,7 @@ class PageWriter:
         new_v = value_states[:, :, q_start : q_start + m]
         (key_tail, key_sinks), (value_tail, value_sinks) = self._append(layer, pages, request, request.held, new_k,
                                                                         new_v)  # fmt: skip
-        t, k, v = self.settings.key_group_size, self.key_codec, self.value_codec
+        t, k, v = self.tokens, self.key_codec, self.value_codec
         key_count, value_count = request.held.packed_keys, request.held.packed_values
         key_parts, value_parts = pages.keys(blocks[: -(-key_count // t)]), pages.values(blocks[: -(-value_count // t)])
         keys = KindOperands(key_sinks, *key_parts, key_count, k.group, k.bits, key_tail, self.key_rotation)
@@ -216,7 +218,7 @@ class PageWriter:
         bytes already). Returns per kind the exact tail (window rows, then the new tokens: the tokens leaving now are
         still in it, as attention reads them) and the sinks held before."""
         units, s, slot = self.units, self.settings.sink_tokens, request.slot
-        blocks = _Private(request.blocks, request.shared_pages * self.settings.key_group_size)
+        blocks = _Private(request.blocks, request.shared_pages * self.tokens)
         after = self.settings.split(before.length + new_k.shape[2])
         units.move_values(layer, slot, before)
         base, base_after = units.value_base[layer][slot], units.value_base_for(after)
@@ -254,7 +256,7 @@ class PageWriter:
         start, keys = blocks.from_private(start, keys)
         if not keys.shape[2]:
             return
-        t, blocks = self.settings.key_group_size, blocks.blocks
+        t, blocks = self.tokens, blocks.blocks
         codes, scales, zeros = self.key_codec.quantize(keys)
         pages.store_keys(blocks[start // t : (start + keys.shape[2]) // t], codes, scales, zeros)
 
@@ -262,7 +264,7 @@ class PageWriter:
         """Quantizes ``values [1, H, n, D]`` (packed positions ``[start, start + n)``) into their pages' rows, except
         into shared pages."""
         start, values = blocks.from_private(start, values)
-        t, done, n, blocks = self.settings.key_group_size, 0, values.shape[2], blocks.blocks
+        t, done, n, blocks = self.tokens, 0, values.shape[2], blocks.blocks
         while done < n:
             position = start + done
             page, row = int(blocks[position // t]), position % t
