@@ -11,7 +11,9 @@ KIVI's slowdown over Dynamic's. ``kivi`` is the default KiviCache; ``kivi-paper`
 rotation), to measure what the default's options cost; ``kivi-fp32`` the default KiviCache with the native decode
 attention on fp32 arithmetic (``KIVI_XPU_CPU_DOT=fp32``) instead of the default integer dot products, to measure
 what the int8 path gains in the model (the arithmetic is switched before each of its steps); ``kivi-minmax`` the default
-with the paper's min-max group fits instead of the least-squares ones, to measure what the refit costs a decode step.
+with the paper's min-max group fits instead of the least-squares ones, to measure what the refit costs a decode step;
+``kivi-uniform`` the default without the model's shipped calibration (``layer_overrides=None``: every layer alike), to
+measure what the calibration's per-layer settings cost a decode step.
 
     python benchmarks/bench_decode_steps.py --ctx 1024 4096 8192 --batch 1
     python benchmarks/bench_decode_steps.py --ctx 4096 --batch 4 --contend 2
@@ -89,7 +91,8 @@ def make_cache(kind, kv, ctx):
     else:
         preset = "paper" if kind == "kivi-paper" else "default"
         fit = {"kivi-minmax": "minmax"}.get(kind)  # None: the preset's
-        cache = KiviCache(config=cfg, backend=args.backend, preset=preset, fit=fit)
+        overrides = None if kind == "kivi-uniform" else "auto"
+        cache = KiviCache(config=cfg, backend=args.backend, preset=preset, fit=fit, layer_overrides=overrides)
     fill(cache, kv, ctx)
     return cache
 
@@ -180,7 +183,7 @@ for round_, ctx in ((r, c) for r in range(args.rounds) for c in args.ctx):
         f"{k} {v:.1f} ms" for k, v in res.items()
     )
     if "kivi" in res:
-        for base in ("dynamic", "static", "kivi-paper", "kivi-fp32", "kivi-minmax"):
+        for base in ("dynamic", "static", "kivi-paper", "kivi-fp32", "kivi-minmax", "kivi-uniform"):
             if base in res:
                 line += f"  | {base}/KIVI {res[base] / res['kivi']:.2f}x"
     print(line, flush=True)

@@ -23,7 +23,7 @@ from .algorithm import KiviSettings
 from .backend import select
 from .layer import ATTENTION_MODES, KiviLayer
 from .memory import KiviMemoryReport
-from .overrides import load_layer_overrides
+from .overrides import AUTO, auto_layer_overrides, load_layer_overrides
 from .validation import name_choice
 
 
@@ -97,7 +97,9 @@ class KiviCache(Cache):
         layer_overrides: per-layer changes to the settings above, as :class:`~kivi_xpu.KiviSettings` field names
             (``bits``, ``group_size``, ``residual_length``, ``meta_dtype``, ``key_bits``, ``value_bits``,
             ``key_group_size``, ``value_group_size``, ``sink_tokens``, ``rotation``, ``key_rotation``,
-            ``value_rotation``, ``fit``): ``None`` (default: every layer alike), a
+            ``value_rotation``, ``fit``): ``"auto"`` (default: the calibration shipped for this model, when the
+            settings above are those it was calibrated on, the metadata dtype aside; else every layer alike; see
+            :func:`kivi_xpu.overrides.auto_layer_overrides`), ``None`` (every layer alike), a
             sequence with one entry per decoder layer of ``config`` (each ``None`` or a dict such as
             ``{"key_bits": 4}``), a callable ``layer_idx -> dict | None``, or the path of a JSON file of such a
             list (:func:`kivi_xpu.load_layer_overrides`; ``kivi-xpu calibrate`` writes one). Without a config only a
@@ -105,7 +107,9 @@ class KiviCache(Cache):
             when a layer is first used. Entries of sliding-window and shared-KV layers are checked but unused.
 
     Each KIVI layer's effective settings are ``cache.layers[i].settings``; :meth:`layer_settings` gives them for
-    any layer index, also before a lazily created layer exists.
+    any layer index, also before a lazily created layer exists. ``cache.calibration`` is the path of the calibration
+    ``"auto"`` applied (``None``: none).
+
     """
 
     def __init__(
@@ -129,9 +133,10 @@ class KiviCache(Cache):
         value_rotation: str | None = None,
         fit: str | None = None,
         preset: str = "default",
-        layer_overrides=None,
+        layer_overrides=AUTO,
     ):
-        if isinstance(layer_overrides, str | os.PathLike):  # a JSON file, e.g. from `kivi-xpu calibrate`
+        self.calibration = None
+        if isinstance(layer_overrides, str | os.PathLike) and layer_overrides != AUTO:  # e.g. `kivi-xpu calibrate`'s
             layer_overrides = load_layer_overrides(layer_overrides, config)
         self.settings = KiviSettings(
             bits,
@@ -150,6 +155,8 @@ class KiviCache(Cache):
             preset=preset,
         )
         name_choice(attention, "attention", ATTENTION_MODES)
+        if isinstance(layer_overrides, str) and layer_overrides == AUTO:
+            layer_overrides, self.calibration = auto_layer_overrides(config, self.settings)
         if layer_overrides is not None and not callable(layer_overrides):
             if isinstance(layer_overrides, str | bytes | Mapping) or not isinstance(layer_overrides, Sequence):
                 raise TypeError(

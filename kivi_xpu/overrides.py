@@ -1,5 +1,6 @@
 """Per-layer settings from a file: :func:`load_layer_overrides` reads the ``layer_overrides`` JSON that
-``kivi-xpu calibrate`` writes (or one written by hand), for ``KiviCache(config, layer_overrides="file.json")``."""
+``kivi-xpu calibrate`` writes (or one written by hand), for ``KiviCache(config, layer_overrides="file.json")``;
+:func:`auto_layer_overrides` finds the calibration shipped for a model (``layer_overrides="auto"``, the default)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,63 @@ def settings_json(settings) -> dict:
     if not isinstance(settings, dict):
         settings = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.init and f.name != "_"}
     return {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for k, v in settings.items()}
+
+
+# ------------------------------------------------------------------------------------------- shipped calibrations
+
+AUTO = "auto"  # KiviCache's default layer_overrides: the calibration shipped for the model, if any
+CALIBRATIONS = Path(__file__).parent / "calibrations"  # calibrations shipped with kivi_xpu, one JSON per model
+CHECKPOINT_CALIBRATION = "kivi_calibration.json"  # a calibration shipped in a checkpoint's own directory
+_FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+                       "num_key_value_heads", "vocab_size")  # fmt: skip
+_UNCOMPARED = ("meta_dtype", "preset")  # the metadata dtype follows the model's dtype; a preset only fills fields
+
+
+def model_fingerprint(config) -> dict:
+    """What a calibration checks of a model config before it applies: its checkpoint's name (the last part of
+    ``_name_or_path``) and the decoder's shape (``kivi-xpu calibrate`` writes it as ``"fingerprint"``)."""
+    text = config.get_text_config(decoder=True)
+    shape = {name: getattr(text, name, None) for name in _FINGERPRINT_FIELDS}
+    shape["head_dim"] = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    name = Path(str(getattr(config, "_name_or_path", "") or "")).name
+    return {"name": name, "config": shape}
+
+
+def shipped_calibration(config) -> Path | None:
+    """The calibration shipped for the model of ``config``: ``kivi_calibration.json`` in its checkpoint directory,
+    else a file of :data:`CALIBRATIONS` whose ``"fingerprint"`` has the model's name (case aside) and shape; ``None``
+    when there is none."""
+    fingerprint = model_fingerprint(config)
+    local = Path(str(getattr(config, "_name_or_path", "") or "")) / CHECKPOINT_CALIBRATION
+    if getattr(config, "_name_or_path", "") and local.is_file():
+        return local
+    for path in sorted(CALIBRATIONS.glob("*.json")):
+        shipped = json.loads(path.read_text(encoding="utf-8")).get("fingerprint", {})
+        if fingerprint["name"] and shipped.get("name", "").lower() == fingerprint["name"].lower():
+            if shipped.get("config") == fingerprint["config"]:
+                return path
+    return None
+
+
+def auto_layer_overrides(config, settings) -> tuple[list[dict | None] | None, Path | None]:
+    """``layer_overrides="auto"``: the per-layer entries of :func:`shipped_calibration` and its path, when its
+    ``"base"`` is ``settings`` (a :class:`~kivi_xpu.KiviSettings`; the metadata dtype aside, which follows the
+    model's dtype); otherwise ``(None, None)``: every layer takes ``settings``. A checkpoint's own calibration made
+    for another shape is an error (``ValueError`` naming the file)."""
+    if config is None:
+        return None, None
+    path = shipped_calibration(config)
+    if path is None:
+        return None, None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    shipped = data.get("fingerprint", {}).get("config")
+    if shipped is not None and shipped != model_fingerprint(config)["config"]:
+        raise ValueError(
+            f"calibration {str(path)!r} was made for a model of shape {shipped}, not this one "
+            f"({model_fingerprint(config)['config']}): remove it or pass layer_overrides=None"
+        )
+    base = {k: v for k, v in data.get("base", {}).items() if k not in _UNCOMPARED}
+    ours = {k: v for k, v in settings_json(settings).items() if k not in _UNCOMPARED}
+    if base != ours:
+        return None, None
+    return load_layer_overrides(path, config), path

@@ -42,7 +42,7 @@ from transformers.cache_utils import DynamicLayer
 from ..cache import KiviCache, config_head_dim
 from ..integration import cache_argument
 from ..layer import KiviLayer
-from ..overrides import override_entry, settings_json
+from ..overrides import model_fingerprint, override_entry, settings_json
 from .cli import add_kivi_arguments, add_model_arguments, apply_process_options, positive_int, progress, tool_main
 from .eval_ppl import TEXT_HELP, decode_logits, evaluation_tokens
 from .io import check_output_path, write_json
@@ -329,6 +329,7 @@ def calibrate(options: CalibrateOptions) -> dict:
     average = sum(w * costs[o] for w, o in zip(weights, choice, strict=True)) / sum(weights)
     predicted = all_base["kl"] + sum(loss[o] for loss, o in zip(losses, choice, strict=True))
     return report_header("kivi-xpu calibrate", options, model_path=model_path) | {
+        "fingerprint": model_fingerprint(model.config),
         "text": options.text,
         "evaluated": {"windows": options.windows, "prefill": options.prefill, "decode_steps": options.decode_steps},
         "budget": budget,
