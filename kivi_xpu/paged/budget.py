@@ -35,14 +35,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def window_rows(settings: KiviSettings, tokens: int, token_bytes: int, block_bytes: int) -> int:
+def window_rows(settings: KiviSettings, block: BlockLayout, token_bytes: int) -> int:
     """``W``, the exact tokens of a unit (``token_bytes`` each, every layer's keys and values): at least the window's
-    value rows (sinks, ``R``, and ``T = tokens`` rows of slack so that values move down once every ``T`` steps),
-    rounded up (by at most ``T``) so that a unit is a whole number of blocks when possible, which keeps sectors
-    small."""
-    need = settings.sink_tokens + settings.residual_length + tokens
-    for rows in range(need, need + tokens + 1):
-        if rows * token_bytes % block_bytes == 0:
+    value rows (sinks, ``R``, and ``block.window_step`` rows of slack so that values move down once every that many
+    steps), rounded up (by at most a page's ``T`` tokens) so that a unit is a whole number of blocks when possible,
+    which keeps sectors small."""
+    need = settings.sink_tokens + settings.residual_length + block.window_step
+    for rows in range(need, need + block.tokens + 1):
+        if rows * token_bytes % block.block_bytes == 0:
             return rows
     return need
 
@@ -100,7 +100,7 @@ class PageBudget(NamedTuple):
             one.check_head_dim(head_dim)
         block = BlockLayout.for_settings(every, heads, head_dim)
         token_bytes = num_layers * 2 * heads * head_dim * dtype.itemsize
-        rows = window_rows(every[0], block.tokens, token_bytes, block.block_bytes)
+        rows = window_rows(every[0], block, token_bytes)
         unit_bytes = rows * token_bytes
         bytes_per_sector = lcm(block.block_bytes, unit_bytes, 128)
         num_sectors = kv_memory // bytes_per_sector

@@ -117,6 +117,12 @@ class BlockLayout:
         return self.pages[0].heads
 
     @property
+    def window_step(self) -> int:
+        """How many rows a request's exact values move down at once in its window (:mod:`.windows`), once every that
+        many steps: the smallest key group size (the key group size when the layers share it)."""
+        return min(page.key_group for page in self.pages)
+
+    @property
     def page_starts(self) -> list[int]:
         """Byte offset of each layer's page in the block."""
         starts, at = [], 0

@@ -11,9 +11,9 @@ request stores exactly what its own :class:`~kivi_xpu.KiviCache` would):
 * ``p < S``: the sinks, exact, rows ``[0, S)`` of its slot;
 * packed: keys ``[S, S + qk(n))``, values ``[S, S + qv(n))``, in its pages (:mod:`.pages`);
 * the rest, exact, in its slot: keys from row ``S`` (the window empties when a block of ``R`` is packed), values
-  from row ``S + qv(n) - base`` where ``base`` is ``qv`` rounded down to a multiple of ``T`` (a page's tokens)
-  when the rows were last moved. Values leave one per step, so their rows move down only once every ``T`` steps
-  (``R`` rows each time), and a decode step's tail is a view of the slot.
+  from row ``S + qv(n) - base`` where ``base`` is ``qv`` rounded down to a multiple of the step ``G`` (the smallest
+  key group size) when the rows were last moved. Values leave one per step, so their rows move down only once every
+  ``G`` steps (``R`` rows each time), and a decode step's tail is a view of the slot.
 
 **The staging.** While the scheduler feeds a prompt in several chunks, its exact states so far wait in more units
 (token ``p`` in unit ``p // W``, row ``p % W``), so that every chunk attends the exact states of every earlier
@@ -35,7 +35,7 @@ class ExactUnits:
 
     def __init__(self, budget, cache_tensor: torch.Tensor, pool, layers: list[int], heads: int, head_dim: int,
                  dtype):  # fmt: skip
-        self.rows, self.pool, self.tokens = budget.rows, pool, budget.block.tokens
+        self.rows, self.pool, self.step = budget.rows, pool, budget.block.window_step
         count = cache_tensor.numel() // budget.unit_bytes
         units = cache_tensor[: count * budget.unit_bytes].view(dtype).view(count, len(layers), 2, heads, self.rows,
                                                                            head_dim)  # fmt: skip
@@ -69,9 +69,10 @@ class ExactUnits:
     # ------------------------------------------------------------------ window
 
     def value_base_for(self, split: TokenSplit) -> int:
-        """Where the value rows of a request holding ``split`` start once moved: ``qv`` rounded down to ``T``."""
+        """Where the value rows of a request holding ``split`` start once moved: ``qv`` rounded down to the window's
+        step (:attr:`~kivi_xpu.paged.pages.BlockLayout.window_step`)."""
         qv = split.packed_values
-        return qv - qv % self.tokens
+        return qv - qv % self.step
 
     def move_values(self, layer: int, slot: int, split: TokenSplit) -> None:
         """Moves a slot's exact value rows down so that they start at :meth:`value_base_for` ``(split)``."""
