@@ -109,7 +109,6 @@ class KiviCache(Cache):
     Each KIVI layer's effective settings are ``cache.layers[i].settings``; :meth:`layer_settings` gives them for
     any layer index, also before a lazily created layer exists. ``cache.calibration`` is the path of the calibration
     ``"auto"`` applied (``None``: none).
-
     """
 
     def __init__(

@@ -70,8 +70,8 @@ class KiviPagedCache(PagedAttentionCache):
         kv_memory: the byte budget of everything this cache stores (pages and exact units); requests beyond it wait
             in transformers' queue.
         settings: the KIVI settings (resolved for the model dtype): every layer's, or one per full-attention layer
-            (``KiviCache.layer_settings``: per-layer bits and value groups; the sinks, ``R`` and the key group
-            size alike).
+            (``KiviCache.layer_settings``: per-layer bits, groups, metadata and rotations; the sinks and ``R``
+            alike). A page holds ``T`` tokens, the least common multiple of the layers' key group sizes.
         max_requests: the most requests in flight (``None``: as many as the memory holds).
         backend: the kernels' backend name (``native``, ``sycl`` or ``reference``).
     """
@@ -89,7 +89,7 @@ class KiviPagedCache(PagedAttentionCache):
         every = layer_settings(settings, len(layers))
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.layer_settings = dict(zip(layers, every, strict=True))  # full-attention layer -> its settings
-        self.settings, self.backend = every[0], backend  # (the sinks, R and T, which every layer shares)
+        self.settings, self.backend = every[0], backend  # (for the sinks and R, which every layer shares)
         heads, head_dim = find_num_key_value_heads(config) // shards, find_head_dim(config)  # this rank's
         self.max_blocks_per_request = 0  # no flash block-table fast path
         self.budget = budget = PageBudget.plan(config, every, dtype, kv_memory, max_requests, shards)

@@ -195,8 +195,8 @@ def init_continuous_batching(
         **kivi_settings: :class:`~kivi_xpu.KiviSettings` fields (``bits``, ``group_size``, ``residual_length``,
             ``sink_tokens``, ``rotation``, ``preset``, ...) and ``layer_overrides``, as for
             :class:`~kivi_xpu.KiviCache`: each layer gets the settings that layer of ``KiviCache(model.config,
-            **kivi_settings)`` has (per-layer bits and value groups; the pages need the sinks, ``R`` and the key
-            group size alike in every layer).
+            **kivi_settings)`` has (its shipped calibration by default; the pages need the same sinks and ``R`` in
+            every layer).
     """
     generation_config = model.generation_config if generation_config is None else generation_config
     if generation_config.eos_token_id is None:
