@@ -104,7 +104,8 @@ def model_fingerprint(config) -> dict:
     ``_name_or_path``) and the decoder's shape (``kivi-xpu calibrate`` writes it as ``"fingerprint"``)."""
     text = config.get_text_config(decoder=True)
     shape = {name: getattr(text, name, None) for name in _FINGERPRINT_FIELDS}
-    shape["head_dim"] = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
+    shape["head_dim"] = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
     name = Path(str(getattr(config, "_name_or_path", "") or "")).name
     return {"name": name, "config": shape}
 
@@ -130,8 +131,8 @@ def auto_layer_overrides(config, settings) -> tuple[list[dict | None] | None, Pa
     ``"base"`` is ``settings`` (a :class:`~kivi_xpu.KiviSettings`; the metadata dtype aside, which follows the
     model's dtype); otherwise ``(None, None)``: every layer takes ``settings``. A checkpoint's own calibration made
     for another shape is an error (``ValueError`` naming the file)."""
-    if config is None:
-        return None, None
+    if not hasattr(config, "get_text_config"):
+        return None, None  # no config (or not one: KiviCache names that)
     path = shipped_calibration(config)
     if path is None:
         return None, None
