@@ -67,10 +67,8 @@ inline Params<V> group_params(const Range<V>& r, float qmax) {
 // rounded, as reference.py adds them.
 template <class V>
 struct FitSums {
-  typename V::F q, qq, x, qx;
-  void start(typename V::F x0, typename V::F q0) {
-    q = q0, qq = V::mul(q0, q0), x = x0, qx = V::mul(q0, x0);
-  }
+  // From +0: 0 + a == a for every a but -0, and a sum left at +/-0 leaves the line unusable either way.
+  typename V::F q = V::set1(0.0f), qq = V::set1(0.0f), x = V::set1(0.0f), qx = V::set1(0.0f);
   void add(typename V::F xi, typename V::F qi) {
     q = V::add(q, qi), qq = V::add(qq, V::mul(qi, qi)), x = V::add(x, xi), qx = V::add(qx, V::mul(qi, xi));
   }
@@ -158,12 +156,7 @@ inline void quantize_key_tile(const QuantizeJob& j, int64_t head, int64_t group,
     for (int64_t t = 0; t < g; ++t)
       for (int v = 0; v < vectors; ++v) {
         const typename V::F xt = load_as_float<V, X>(x + t * d + v * W);
-        const typename V::F qt = V::to_float(quantize_lanes<V>(xt, p[v]));
-        if (t == 0) {
-          sums[v].start(xt, qt);
-        } else {
-          sums[v].add(xt, qt);
-        }
+        sums[v].add(xt, V::to_float(quantize_lanes<V>(xt, p[v])));
       }
     for (int v = 0; v < vectors; ++v) refit_params<V, M>(p[v], sums[v], (float)g);
   }
@@ -329,12 +322,7 @@ inline void quantize_value_block(const QuantizeJob& j, int64_t first, int64_t co
       FitSums<Scalar> sums;
       for (int64_t i = 0; i < g; ++i) {
         const float xi = load_as_float<Scalar, X>(x + k * g + i);
-        const float qi = Scalar::to_float(quantize_lanes<Scalar>(xi, pk));
-        if (i == 0) {
-          sums.start(xi, qi);
-        } else {
-          sums.add(xi, qi);
-        }
+        sums.add(xi, Scalar::to_float(quantize_lanes<Scalar>(xi, pk)));
       }
       refit_params<Scalar, M>(pk, sums, (float)g);
       scale[k] = pk.scale, zero[k] = pk.zero, divisor[k] = pk.divisor, inverse[k] = pk.inverse;

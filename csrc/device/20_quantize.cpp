@@ -65,11 +65,7 @@ inline GroupParams refit_group(const typename X::T* x, size_t stride, size_t cou
   for (size_t i = 0; i < count; ++i) {
     const float v = X::load(x[i * stride]);
     const float q = (float)quantize_one(v, p, qmax);
-    if (i == 0) {
-      sq = q, sqq = q * q, sx = v, sqx = q * v;
-    } else {
-      sq = sq + q, sqq = sqq + q * q, sx = sx + v, sqx = sqx + q * v;
-    }
+    sq = sq + q, sqq = sqq + q * q, sx = sx + v, sqx = sqx + q * v;  // from +0, as quantize_impl.h's FitSums
   }
   const float n = (float)count;
   const float det = n * sqq - sq * sq;

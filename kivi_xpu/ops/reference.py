@@ -66,9 +66,9 @@ def _codes(x: torch.Tensor, scale32: torch.Tensor, zero32: torch.Tensor, qmax: i
 
 
 def _in_order_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum along ``dim`` (keepdim) as float32 additions in element order, the order the kernels add in."""
-    total = x.narrow(dim, 0, 1)
-    for i in range(1, x.shape[dim]):
+    """Sum along ``dim`` (keepdim) as float32 additions in element order from +0, as the kernels add."""
+    total = torch.zeros_like(x.narrow(dim, 0, 1))
+    for i in range(x.shape[dim]):
         total = total + x.narrow(dim, i, 1)
     return total
 
