@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -30,12 +31,21 @@ def load_layer_overrides(path: str | os.PathLike, config=None) -> list[dict | No
     ``KiviCache`` (:meth:`~kivi_xpu.KiviCache.layer_settings`).
     """
     where = f"`layer_overrides` file {str(path)!r}"
+    return _entries(_read_json(path, where), where, config)
+
+
+def _read_json(path: str | os.PathLike, where: str):
+    """The JSON of ``path``; ``ValueError`` starting with ``where`` when it cannot be read or parsed."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as error:
         raise ValueError(f"{where} cannot be read: {error.strerror or error}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{where} is not valid JSON: {error}") from None
+
+
+def _entries(data, where: str, config) -> list[dict | None]:
+    """:func:`load_layer_overrides` of the parsed JSON ``data`` (``where`` names its file in errors)."""
     entries = data.get("layer_overrides") if isinstance(data, dict) else data
     if not isinstance(entries, list):
         raise ValueError(
@@ -114,15 +124,28 @@ def shipped_calibration(config) -> Path | None:
     """The calibration shipped for the model of ``config``: ``kivi_calibration.json`` in its checkpoint directory,
     else a file of :data:`CALIBRATIONS` whose ``"fingerprint"`` has the model's name (case aside) and shape; ``None``
     when there is none."""
-    fingerprint = model_fingerprint(config)
+    found = _calibration_for(config, model_fingerprint(config))
+    return None if found is None else found[0]
+
+
+@functools.cache
+def _shipped() -> tuple[tuple[Path, dict], ...]:
+    """Every file of :data:`CALIBRATIONS` with its JSON, read once per process (the package's files do not change,
+    and a ``KiviCache`` is built for every ``generate``)."""
+    return tuple((path, _read_json(path, f"shipped calibration {str(path)!r}"))
+                 for path in sorted(CALIBRATIONS.glob("*.json")))  # fmt: skip
+
+
+def _calibration_for(config, fingerprint: dict) -> tuple[Path, dict] | None:
+    """:func:`shipped_calibration`'s path and its JSON, for ``config`` of ``fingerprint``."""
     local = Path(str(getattr(config, "_name_or_path", "") or "")) / CHECKPOINT_CALIBRATION
     if getattr(config, "_name_or_path", "") and local.is_file():
-        return local
-    for path in sorted(CALIBRATIONS.glob("*.json")):
-        shipped = json.loads(path.read_text(encoding="utf-8")).get("fingerprint", {})
-        if fingerprint["name"] and shipped.get("name", "").lower() == fingerprint["name"].lower():
-            if shipped.get("config") == fingerprint["config"]:
-                return path
+        return local, _read_json(local, f"calibration {str(local)!r}")
+    name = fingerprint["name"].lower()
+    for path, data in _shipped():
+        shipped = data.get("fingerprint", {})
+        if name and shipped.get("name", "").lower() == name and shipped.get("config") == fingerprint["config"]:
+            return path, data
     return None
 
 
@@ -133,18 +156,19 @@ def auto_layer_overrides(config, settings) -> tuple[list[dict | None] | None, Pa
     for another shape is an error (``ValueError`` naming the file)."""
     if not hasattr(config, "get_text_config"):
         return None, None  # no config (or not one: KiviCache names that)
-    path = shipped_calibration(config)
-    if path is None:
+    fingerprint = model_fingerprint(config)
+    found = _calibration_for(config, fingerprint)
+    if found is None:
         return None, None
-    data = json.loads(path.read_text(encoding="utf-8"))
+    path, data = found
     shipped = data.get("fingerprint", {}).get("config")
-    if shipped is not None and shipped != model_fingerprint(config)["config"]:
+    if shipped is not None and shipped != fingerprint["config"]:
         raise ValueError(
             f"calibration {str(path)!r} was made for a model of shape {shipped}, not this one "
-            f"({model_fingerprint(config)['config']}): remove it or pass layer_overrides=None"
+            f"({fingerprint['config']}): remove it or pass layer_overrides=None"
         )
     base = {k: v for k, v in data.get("base", {}).items() if k not in _UNCOMPARED}
     ours = {k: v for k, v in settings_json(settings).items() if k not in _UNCOMPARED}
     if base != ours:
         return None, None
-    return load_layer_overrides(path, config), path
+    return _entries(data, f"`layer_overrides` file {str(path)!r}", config), path
