@@ -97,6 +97,7 @@ def capacities(model_path: str, dtype: str, kivi: dict, batching: dict, prompt_t
 
     from kivi_xpu import KiviCache
     from kivi_xpu.paged.budget import PageBudget
+    from kivi_xpu.paged.cache import page_shape
 
     config = AutoConfig.from_pretrained(model_path).get_text_config()
     torch_dtype = getattr(torch, dtype)
@@ -104,7 +105,9 @@ def capacities(model_path: str, dtype: str, kivi: dict, batching: dict, prompt_t
     result = {"fp32_requests": batching["fp32_blocks"] // fp32_blocks_per_request}
     kwargs = {k: v for k, v in cache_kwargs(kivi).items() if k not in ("backend", "device")}
     settings = KiviCache(**kwargs).settings.for_model_dtype(torch_dtype)
-    budget = PageBudget.plan(config, settings, torch_dtype, batching["kv_memory_mib"] * MIB, batching["max_requests"])
+    budget = PageBudget.plan(
+        page_shape(config), settings, torch_dtype, batching["kv_memory_mib"] * MIB, batching["max_requests"]
+    )
     result["kivi_requests"] = budget.requests_held(prompt_tokens, new_tokens)
     result["kivi_sector_mib"] = budget.bytes_per_sector / MIB
     return result

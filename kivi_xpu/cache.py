@@ -23,7 +23,7 @@ from .algorithm import KiviSettings
 from .backend import select
 from .layer import ATTENTION_MODES, KiviLayer
 from .memory import KiviMemoryReport
-from .overrides import AUTO, auto_layer_overrides, load_layer_overrides
+from .overrides import AUTO, auto_layer_overrides, load_layer_overrides, settings_for_layer
 from .validation import name_choice
 
 
@@ -223,28 +223,7 @@ class KiviCache(Cache):
         """The :class:`~kivi_xpu.KiviSettings` of decoder layer ``layer_idx``: the cache's settings with that
         layer's entry of ``layer_overrides`` applied (checked against ``head_dim`` when given). Raises a
         ``ValueError`` naming the layer and the field for a bad override."""
-        overrides = self.layer_overrides
-        if overrides is None:
-            return self.settings
-        if callable(overrides):
-            where = f"`layer_overrides({layer_idx})`"
-            changes = overrides(layer_idx)
-        else:
-            where = f"`layer_overrides[{layer_idx}]`"
-            if not 0 <= layer_idx < len(overrides):
-                raise IndexError(f"layer {layer_idx} has no entry in `layer_overrides` ({len(overrides)} entries)")
-            changes = overrides[layer_idx]
-        if changes is None:
-            return self.settings
-        if not isinstance(changes, Mapping):
-            raise TypeError(f"{where} must be None or a dict of KiviSettings fields, got {type(changes).__name__}")
-        try:
-            settings = self.settings.replace(**changes)
-            if head_dim is not None:
-                settings.check_head_dim(head_dim)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{where} = {dict(changes)!r} is invalid for layer {layer_idx}: {error}") from None
-        return settings
+        return settings_for_layer(self.settings, self.layer_overrides, layer_idx, head_dim)
 
     def _new_lazy_layer(self) -> KiviLayer:
         """A layer for the next index of a cache built without a config (transformers appends them in order)."""

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -172,3 +173,31 @@ def auto_layer_overrides(config, settings) -> tuple[list[dict | None] | None, Pa
     if base != ours:
         return None, None
     return _entries(data, f"`layer_overrides` file {str(path)!r}", config), path
+
+
+def settings_for_layer(settings, overrides, layer_idx: int, head_dim: int | None = None):
+    """``settings`` (a :class:`~kivi_xpu.KiviSettings`) with layer ``layer_idx``'s entry of ``overrides`` applied
+    (``None``, a sequence of ``None`` or dicts, or a callable ``layer_idx -> dict | None``), checked against
+    ``head_dim`` when given: ``KiviCache.layer_settings`` and the vLLM plugin resolve layers alike. Raises a
+    ``ValueError`` naming the layer and the field for a bad override."""
+    if overrides is None:
+        return settings
+    if callable(overrides):
+        where = f"`layer_overrides({layer_idx})`"
+        changes = overrides(layer_idx)
+    else:
+        where = f"`layer_overrides[{layer_idx}]`"
+        if not 0 <= layer_idx < len(overrides):
+            raise IndexError(f"layer {layer_idx} has no entry in `layer_overrides` ({len(overrides)} entries)")
+        changes = overrides[layer_idx]
+    if changes is None:
+        return settings
+    if not isinstance(changes, Mapping):
+        raise TypeError(f"{where} must be None or a dict of KiviSettings fields, got {type(changes).__name__}")
+    try:
+        layer = settings.replace(**changes)
+        if head_dim is not None:
+            layer.check_head_dim(head_dim)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where} = {dict(changes)!r} is invalid for layer {layer_idx}: {error}") from None
+    return layer

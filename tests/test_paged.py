@@ -16,7 +16,7 @@ from kivi_xpu.integration import cache_argument
 from kivi_xpu.paged import SUPPORTED_TRANSFORMERS, check_transformers_version, generate_batch, init_continuous_batching
 from kivi_xpu.paged import manager as manager_module
 from kivi_xpu.paged.budget import RequestTooLong
-from kivi_xpu.paged.cache import PageBudget
+from kivi_xpu.paged.cache import PageBudget, page_shape
 
 pytestmark = pytest.mark.skipif(
     ".".join(transformers.__version__.split(".")[:2]) not in SUPPORTED_TRANSFORMERS,
@@ -387,7 +387,7 @@ def test_admission_reserves_what_a_request_holds_and_never_preempts(model, monke
     prompts, new = _prompts((120, 60, 200, 15, 90, 170, 33, 140)), 12
     config = ContinuousBatchingConfig(max_batch_tokens=32)
     kv_memory = 400 * 1024
-    budget = PageBudget.plan(model.config, _settings(SMALL), torch.float32, kv_memory, None)
+    budget = PageBudget.plan(page_shape(model.config), _settings(SMALL), torch.float32, kv_memory, None)
     assert budget.requests_held(200, new) < len(prompts)  # they cannot all be in flight at once
     results = generate_batch(model, prompts, _greedy(new), config, kv_memory=kv_memory, max_new_tokens=new, **SMALL)
     for prompt, answer in zip(prompts, _answers(results), strict=True):
@@ -418,7 +418,7 @@ def test_a_request_cancelled_mid_prefill_returns_everything_it_held(model):
 
 def test_the_budget_bounds_resident_bytes_and_holds_many_times_the_fp32_tokens(model):
     config = model.config
-    budget = PageBudget.plan(config, _settings({}), torch.float32, 64 * MiB, max_requests=None)
+    budget = PageBudget.plan(page_shape(config), _settings({}), torch.float32, 64 * MiB, max_requests=None)
     manager = init_continuous_batching(model, _greedy(2), kv_memory=64 * MiB)
     manager.start()
     try:

@@ -21,10 +21,6 @@ from collections.abc import Sequence
 from math import lcm
 from typing import NamedTuple
 
-from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
-from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
-from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
-
 from ..algorithm import KiviSettings
 from .pages import BlockLayout
 
@@ -45,6 +41,11 @@ def window_rows(settings: KiviSettings, block: BlockLayout, token_bytes: int) ->
         if rows * token_bytes % block.block_bytes == 0:
             return rows
     return need
+
+
+def exact_token_bytes(shape: PageShape, dtype) -> int:
+    """Bytes of one exact token of every layer, keys and values (a unit holds ``W`` of them)."""
+    return shape.num_layers * 2 * shape.heads * shape.head_dim * dtype.itemsize
 
 
 def layer_settings(settings: KiviSettings | Sequence[KiviSettings], num_layers: int) -> tuple[KiviSettings, ...]:
@@ -70,6 +71,15 @@ class RequestTooLong(ValueError):
     prompt it serves): a client's error, which ``kivi-xpu serve`` answers with HTTP 400."""
 
 
+class PageShape(NamedTuple):
+    """What the pool's geometry needs of a model, whatever the engine: the KV heads of one rank, ``head_dim`` and the
+    number of full-attention layers (each engine's adapter reads them from its config)."""
+
+    heads: int
+    head_dim: int
+    num_layers: int
+
+
 class RequestNeeds(NamedTuple):
     """What one request takes from the pool: page blocks and exact units."""
 
@@ -89,17 +99,16 @@ class PageBudget(NamedTuple):
     max_requests: int | None  # a cap on requests in flight; None: memory alone bounds them
 
     @classmethod
-    def plan(cls, config, settings: KiviSettings | Sequence[KiviSettings], dtype, kv_memory: int,
-             max_requests: int | None, kv_shards: int = 1) -> PageBudget:  # fmt: skip
-        """The budget of ``kv_memory`` bytes for ``config``'s KV heads, or for one rank's ``1 / kv_shards`` of them
-        (tensor parallelism); ``settings``: every layer's, or one per full-attention layer (:func:`layer_settings`)."""
-        heads, head_dim = find_num_key_value_heads(config) // kv_shards, find_head_dim(config)
-        num_layers = len(group_layers_by_attn_type(config).get(FULL_ATTENTION, []))
+    def plan(cls, shape: PageShape, settings: KiviSettings | Sequence[KiviSettings], dtype, kv_memory: int,
+             max_requests: int | None) -> PageBudget:  # fmt: skip
+        """The budget of ``kv_memory`` bytes for a model of ``shape`` (one rank's KV heads under tensor parallelism);
+        ``settings``: every layer's, or one per full-attention layer (:func:`layer_settings`)."""
+        heads, head_dim, num_layers = shape
         every = layer_settings(settings, num_layers)
         for one in every:
             one.check_head_dim(head_dim)
         block = BlockLayout.for_settings(every, heads, head_dim)
-        token_bytes = num_layers * 2 * heads * head_dim * dtype.itemsize
+        token_bytes = exact_token_bytes(shape, dtype)
         rows = window_rows(every[0], block, token_bytes)
         unit_bytes = rows * token_bytes
         bytes_per_sector = lcm(block.block_bytes, unit_bytes, 128)

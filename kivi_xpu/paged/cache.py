@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from transformers.generation.continuous_batching.cache import PagedAttentionCache, group_layers_by_attn_type
@@ -24,11 +24,12 @@ from transformers.generation.continuous_batching.utils import find_head_dim, fin
 
 from ..algorithm import KiviSettings
 from ..codec import KeyCodec, ValueCodec
-from .budget import PAGES, UNITS, PageBudget, layer_settings
+from .allocator import KiviPageAllocator
+from .attend import LayerStep
+from .budget import PAGES, UNITS, PageBudget, PageShape, layer_settings
 from .holdings import Holdings
-from .pages import KiviPageAllocator
 from .prefixes import chain_hash, unit_hashes
-from .store import DecodePlan, DecodeRows, PageWriter, Request, RequestStep
+from .store import DecodePlan, PageWriter, Request
 from .windows import ExactUnits
 
 logger = logging.getLogger(__name__)
@@ -38,14 +39,11 @@ STEP_KEY = "kivi_paged_step"  # where update leaves the layer's LayerStep in the
 DEFAULT_MAX_BATCH_TOKENS = 1024  # query tokens of one forward when ContinuousBatchingConfig leaves it unset
 
 
-class LayerStep(NamedTuple):
-    """What ``update`` leaves for attention in ``kwargs[STEP_KEY]``: the backend whose kernels read the pages, the
-    batch's decode rows (or ``None``) and one :class:`~kivi_xpu.paged.store.RequestStep` per other request."""
-
-    backend: str
-    decode: DecodeRows | None
-    requests: list[RequestStep]
-    rotations: tuple  # (key rotation, value rotation): None or Q [D, D] float32
+def page_shape(config, kv_shards: int = 1) -> PageShape:
+    """The pool's :class:`~kivi_xpu.paged.budget.PageShape` of a transformers ``config``: its KV heads (one rank's
+    ``1 / kv_shards`` of them under tensor parallelism), ``head_dim`` and full-attention layers."""
+    layers = group_layers_by_attn_type(config).get(FULL_ATTENTION, [])
+    return PageShape(find_num_key_value_heads(config) // kv_shards, find_head_dim(config), len(layers))
 
 
 def kv_shards(config, distributed_helper) -> int:
@@ -92,7 +90,7 @@ class KiviPagedCache(PagedAttentionCache):
         self.settings, self.backend = every[0], backend  # (for the sinks and R, which every layer shares)
         heads, head_dim = find_num_key_value_heads(config) // shards, find_head_dim(config)  # this rank's
         self.max_blocks_per_request = 0  # no flash block-table fast path
-        self.budget = budget = PageBudget.plan(config, every, dtype, kv_memory, max_requests, shards)
+        self.budget = budget = PageBudget.plan(page_shape(config, shards), every, dtype, kv_memory, max_requests)
         allocator = KiviPageAllocator(PAGES, budget.block, layers)
         continuous_batching_config.page_size = budget.block.tokens
         self.cache_allocators = {FULL_ATTENTION: allocator}

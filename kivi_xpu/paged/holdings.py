@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..algorithm import KiviSettings
+from .allocator import KiviPageAllocator
 from .budget import PAGES, UNITS, PageBudget, RequestNeeds
-from .pages import KiviPageAllocator
 from .prefixes import Entry, PrefixIndex
 from .windows import ExactUnits
 

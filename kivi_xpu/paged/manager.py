@@ -28,7 +28,7 @@ from ..backend import select
 from ..cache import KiviCache
 from .attention import ATTENTION_NAME, register
 from .budget import PageBudget
-from .cache import DEFAULT_MAX_BATCH_TOKENS, KiviPagedCache, kv_shards
+from .cache import DEFAULT_MAX_BATCH_TOKENS, KiviPagedCache, kv_shards, page_shape
 
 # transformers minor versions whose continuous-batching internals this module was written and tested against.
 SUPPORTED_TRANSFORMERS = ("5.24",)
@@ -63,8 +63,8 @@ class KiviBatchingManager(ContinuousBatchingManager):
             config, options = model.config.get_text_config(), self._cache_options
             shards = kv_shards(config, helper)
             _check_same_on_every_rank(helper, {k: v for k, v in options.items() if k != "salts"})
-            self.budget = PageBudget.plan(config, options["settings"], model.dtype, options["kv_memory"],
-                                          options["max_requests"], shards)  # fmt: skip
+            self.budget = PageBudget.plan(page_shape(config, shards), options["settings"], model.dtype,
+                                          options["kv_memory"], options["max_requests"])  # fmt: skip
         logger.info(self.budget.summary(generation_config.max_new_tokens or 0, self.max_batch_tokens))
 
     def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
@@ -167,7 +167,7 @@ def _cache_options(model, kv_memory, max_requests, backend, kivi_settings: dict)
     if max_requests is not None and (not isinstance(max_requests, int) or max_requests < 1):
         raise ValueError(f"`max_requests` must be None or a positive integer, got {max_requests!r}")
     settings = paged_layer_settings(model, kivi_settings)
-    budget = PageBudget.plan(model.config.get_text_config(), settings, model.dtype, kv_memory, max_requests)
+    budget = PageBudget.plan(page_shape(model.config.get_text_config()), settings, model.dtype, kv_memory, max_requests)
     backend = select(backend, None).for_device(model.device).name  # KiviCache's device rule, for the model's device
     return dict(kv_memory=kv_memory, settings=settings, backend=backend, max_requests=max_requests), budget
 

@@ -10,8 +10,9 @@ so that one group's ``D`` channels are contiguous)::
 
 A **block** is one page per layer (:class:`BlockLayout`): transformers' unit of allocation (``block_table[request] =
 [block, ...]``), so its scheduler, pool, free counts and byte-sized sectors run unchanged on pages 9-10x smaller than
-its fp32 ones. Layers may differ in bits and group sizes (per-layer settings, e.g. a calibration), so their
-pages may differ in bytes; every layer's page holds the same ``T`` tokens, whole key groups of that layer.
+its fp32 ones (vLLM's block too, :mod:`kivi_xpu.vllm`). Layers may differ in bits and group sizes (per-layer
+settings, e.g. a calibration), so their pages may differ in bytes; every layer's page holds the same ``T`` tokens,
+whole key groups of that layer.
 Block ``b`` of a request holds its packed tokens ``[S + b*T, S + (b+1)*T)`` (``S`` sink tokens): a request of ``n``
 tokens owns ``ceil(n / T)`` blocks, more than it ever packs (the sinks and the newest tokens stay exact, in its
 :mod:`~kivi_xpu.paged.windows` unit). Pages share the cache's sectors with those units (:mod:`.budget`).
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from math import lcm
 
 import torch
-from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
 from ..algorithm import KiviSettings
 from ..ops.checks import codes_per_byte
@@ -168,42 +168,3 @@ class LayerPages:
         groups = scales.shape[3] // n
         for pool, part in ((self.key_scales, scales), (self.key_zeros, zeros)):
             pool.index_copy_(0, pages, part[0].view(h, d, n, groups).permute(2, 0, 3, 1))
-
-
-class KiviPageAllocator(FullAttentionCacheAllocator):
-    """transformers' full-attention allocator (block tables, pool, read/write indices unchanged) over 2-bit pages:
-    ``bytes_per_page`` is a :class:`PageLayout`'s, and the layers' pages are :class:`LayerPages` views. The pages are
-    written and read by :class:`~kivi_xpu.paged.cache.KiviPagedCache`, never through this class's ``update``."""
-
-    supports_block_sharing = False  # a packed page depends on when it was packed: no prefix sharing
-    supports_block_table = False  # no flash block-table path: every step goes through the cache's update
-
-    def __init__(self, index: int, layout: BlockLayout, layer_indices: list[int]):
-        if len(layout.pages) != len(layer_indices):
-            raise ValueError(f"a block of {len(layout.pages)} pages for {len(layer_indices)} layers")
-        self.head_dim, self.num_key_value_heads, self.layout = layout.pages[0].head_dim, layout.heads, layout
-        self.cache_dtype = torch.uint8
-        self._before_cache_tensor_init(
-            index=index,
-            layer_indices=layer_indices,
-            tokens_per_page=layout.tokens,
-            bytes_per_page=layout.block_bytes // len(layer_indices),
-            allow_block_sharing=False,
-        )
-
-    def register_cache_tensor(self, bytes_per_sector: int, non_trash_bytes: int, cache_tensor, pool) -> None:
-        blocks = cache_tensor[: non_trash_bytes // self.bytes_per_block * self.bytes_per_block]
-        blocks = blocks.view(-1, self.bytes_per_block)
-        self._copy_view = blocks
-        self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
-        layout = self.layout
-        self.pages = {
-            layer: LayerPages(blocks, page, start)
-            for layer, page, start in zip(self.layer_indices, layout.pages, layout.page_starts, strict=True)
-        }
-
-    def update(self, *args, **kwargs):
-        raise RuntimeError("KiviPageAllocator pages are written by KiviPagedCache.update, not by the allocator")
-
-    def get_cache_for_block_table(self, layer_idx: int):
-        raise RuntimeError("KIVI pages have no flash block-table view: the decode fast path must stay off")
