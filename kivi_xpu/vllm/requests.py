@@ -1,0 +1,147 @@
+"""What each request of one vLLM worker holds besides its blocks: its exact units, lent from a fixed pool.
+
+vLLM's scheduler lends the blocks (2-bit pages, :mod:`kivi_xpu.paged.pages`) and names them in each row of the
+block table; the attention backend sees rows, not requests. The model runner knows which request each row is
+(``input_batch.req_ids``) and which requests ended (finished, aborted, preempted): :class:`WorkerRequests` reads
+both from it, once per forward, and lends each request in flight one window unit, and a prompt prefilled in several
+chunks its staging units (:mod:`kivi_xpu.paged.windows`), returning them when vLLM frees or preempts the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..paged.budget import UNITS, PageBudget
+from ..paged.store import Request
+from ..paged.windows import ExactUnits
+from .plan import KiviPlan
+
+logger = logging.getLogger("vllm.kivi_xpu")  # under vLLM's logger, which has the handlers
+
+
+class UnitPool:
+    """A fixed free list of exact units, with the methods of transformers' ``CachePool`` that
+    :class:`~kivi_xpu.paged.windows.ExactUnits` calls (all units are lent at start-up: no sectors)."""
+
+    def __init__(self, count: int):
+        self.free = list(range(count - 1, -1, -1))  # pop() lends the lowest first
+
+    def set_blocks_per_sector(self, index: int, count: int) -> None:
+        pass
+
+    def count_free_blocks(self, index: int) -> int:
+        return len(self.free)
+
+    def allocate_sector(self, index: int) -> None:
+        raise RuntimeError("KIVI exact units: the pool is exhausted (the plan bounds the requests in flight)")
+
+    def get_free_blocks(self, index: int, count: int) -> list[int]:
+        return [self.free.pop() for _ in range(count)]
+
+    def free_blocks(self, index: int, units: list[int]) -> None:
+        self.free.extend(units)
+
+
+@dataclass
+class Held:
+    """A request's units: its window ``slot``; while its prompt is staged, ``staging`` (int64 units, in order)."""
+
+    slot: int
+    prompt_end: int
+    staging: torch.Tensor | None = None
+
+
+class WorkerRequests:
+    """The exact units of one worker (one rank) and the requests holding them."""
+
+    def __init__(self, plan: KiviPlan, device: torch.device | None = None):
+        self.plan, self.device = plan, torch.device("cpu") if device is None else device
+        budget = PageBudget.plan(plan.shape, plan.settings, plan.dtype, plan.unit_pool_bytes * 2, None)
+        self.pool = UnitPool(plan.num_units)
+        tensor = torch.zeros(plan.unit_pool_bytes, dtype=torch.uint8, device=self.device)
+        self.units = ExactUnits(budget, tensor, self.pool, list(range(plan.shape.num_layers)), plan.shape.heads,
+                                plan.shape.head_dim, plan.dtype)  # fmt: skip
+        self.held: dict[str, Held] = {}
+        self.settings = plan.settings[0]  # the sinks and R, alike in every layer
+        self.runner = None  # vLLM's model runner of this worker (set by the plugin's hook)
+        self._staging_warned = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def release(self, request_ids) -> None:
+        """Gives back the units of requests that vLLM finished, aborted or preempted."""
+        for request_id in request_ids:
+            held = self.held.pop(request_id, None)
+            if held is not None:
+                self._give_back(held)
+
+    def _give_back(self, held: Held) -> None:
+        units = [held.slot]
+        if held.staging is not None:
+            units += held.staging.tolist()
+        self.units.give_back(units)
+
+    def _admit(self, request_id: str, prompt_end: int, first_chunk: int) -> Held:
+        """A request's first forward: its window unit and, for a prompt split into chunks, its staging units (or,
+        when the pool has none left, no staging: its later chunks then attend the earlier ones as stored)."""
+        if not self.pool.count_free_blocks(UNITS):
+            raise RuntimeError(
+                f"KIVI exact units: none free for request {request_id} although vLLM runs at most "
+                f"{self.plan.max_requests} requests (max_num_seqs)"
+            )
+        held = Held(self.units.take(1)[0], prompt_end)
+        if first_chunk < prompt_end:
+            count = -(-prompt_end // self.plan.unit_rows)
+            if self.pool.count_free_blocks(UNITS) >= count:
+                held.staging = torch.tensor(self.units.take(count), dtype=torch.int64, device=self.device)
+            else:
+                held.prompt_end = first_chunk  # later chunks are appends: they attend the stored history
+                if not self._staging_warned:
+                    self._staging_warned = True
+                    logger.warning(
+                        "KIVI pages: request %s's prompt of %d tokens arrives in chunks and the staging units are "
+                        "taken: its later chunks attend the earlier ones as stored (2-bit), not exact. Raise "
+                        '"staging_tokens" in --additional-config kivi (or --max-num-batched-tokens) to keep every '
+                        "chunked prompt exact (logged once)",
+                        request_id,
+                        prompt_end,
+                    )
+        self.held[request_id] = held
+        return held
+
+    # --------------------------------------------------------------- planning
+
+    def plan_forward(self, query_start: list[int], seq_lens: list[int], block_table: torch.Tensor) -> list[Request]:
+        """The requests of this forward, in the rows' order (rows of requests the runner does not know, such as a
+        dummy run's, are left out: they store and attend nothing)."""
+        runner = self.runner
+        ids = runner.input_batch.req_ids if runner is not None else []
+        settings, tokens = self.settings, self.plan.block_tokens
+        requests = []
+        for row in range(len(seq_lens)):
+            q_start, q_len = query_start[row], query_start[row + 1] - query_start[row]
+            request_id = ids[row] if row < len(ids) else None
+            state = runner.requests.get(request_id) if request_id is not None else None
+            if q_len == 0 or state is None:
+                continue
+            past = seq_lens[row] - q_len
+            held = self.held.get(request_id)
+            if held is None:
+                if past:
+                    raise RuntimeError(
+                        f"KIVI pages: request {request_id} arrives with {past} tokens already computed (a prefix-cache "
+                        "hit), which the plugin turns off"
+                    )
+                # After a preemption vLLM prefills the prompt and the answer so far again, as one prompt.
+                prompt_end = len(state.prompt_token_ids) + len(state.output_token_ids)
+                held = self._admit(request_id, max(prompt_end, q_len), q_len)
+            if held.staging is not None and past >= held.prompt_end:  # its prompt was stored in the last forward
+                self.units.give_back(held.staging.tolist())
+                held.staging = None
+            blocks = block_table[row, : -(-seq_lens[row] // tokens)].to(torch.int64)
+            requests.append(Request(request_id, held.slot, past, q_start, q_len, blocks, held.prompt_end,
+                                    held.staging, settings.split(past)))  # fmt: skip
+        return requests

@@ -1,0 +1,56 @@
+"""The plugin's per-process state: the plan of this process's config (the same in every process: it is computed from
+the config that vLLM ships to them), the exact units of this worker, and its model runner."""
+
+from __future__ import annotations
+
+from vllm.config import get_current_vllm_config
+
+from ..paged.budget import PageShape
+from .plan import PLANNED, KiviPlan, kivi_options, plan
+
+_plans: dict[int, KiviPlan] = {}
+_requests = None
+runner = None  # vLLM's model runner in this worker (its `_update_states` hook sets it)
+
+
+def plan_of(vllm_config) -> KiviPlan:
+    """The :class:`~kivi_xpu.vllm.plan.KiviPlan` of ``vllm_config`` (whose ``"kivi"`` options the start-up hook
+    completed), one per config object."""
+    cached = _plans.get(id(vllm_config))
+    if cached is not None:
+        return cached
+    options = kivi_options(vllm_config)
+    planned = options.pop(PLANNED)
+    options["max_requests"] = planned["max_requests"]
+    model, parallel, scheduler = vllm_config.model_config, vllm_config.parallel_config, vllm_config.scheduler_config
+    shape = PageShape(model.get_num_kv_heads(parallel), model.get_head_size(), model.get_num_layers(parallel))
+    result = plan(options, model.hf_config, shape, model.dtype, planned["kv_budget"], scheduler.max_num_seqs,
+                  scheduler.max_num_batched_tokens, model.max_model_len)  # fmt: skip
+    _plans[id(vllm_config)] = result
+    return result
+
+
+def current_plan() -> KiviPlan:
+    """The plan of the config vLLM has set; outside such a context (vLLM asks a backend for its KV spec without
+    one), the plan this process made when its layers were built."""
+    try:
+        return plan_of(get_current_vllm_config())
+    except AssertionError:
+        if len(_plans) != 1:
+            raise RuntimeError(f"KIVI pages: no vLLM config is set and this process has {len(_plans)} plans") from None
+        return next(iter(_plans.values()))
+
+
+def worker_requests(vllm_config):
+    """This worker's :class:`~kivi_xpu.vllm.requests.WorkerRequests` (made on first use)."""
+    global _requests
+    if _requests is None:
+        from .requests import WorkerRequests
+
+        _requests = WorkerRequests(plan_of(vllm_config))
+    return _requests
+
+
+def live_requests():
+    """This worker's requests' units, or ``None`` before any attention layer was made."""
+    return _requests
