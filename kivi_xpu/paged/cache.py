@@ -88,9 +88,10 @@ class KiviPagedCache(PagedAttentionCache):
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.layer_settings = dict(zip(layers, every, strict=True))  # full-attention layer -> its settings
         self.settings, self.backend = every[0], backend  # (for the sinks and R, which every layer shares)
-        heads, head_dim = find_num_key_value_heads(config) // shards, find_head_dim(config)  # this rank's
+        shape = page_shape(config, shards)  # this rank's heads
+        heads, head_dim = shape.heads, shape.head_dim
         self.max_blocks_per_request = 0  # no flash block-table fast path
-        self.budget = budget = PageBudget.plan(page_shape(config, shards), every, dtype, kv_memory, max_requests)
+        self.budget = budget = PageBudget.plan(shape, every, dtype, kv_memory, max_requests)
         allocator = KiviPageAllocator(PAGES, budget.block, layers)
         continuous_batching_config.page_size = budget.block.tokens
         self.cache_allocators = {FULL_ATTENTION: allocator}
@@ -327,7 +328,7 @@ class KiviPagedCache(PagedAttentionCache):
         batched store and one attention call per layer) and the others."""
         decode, self._others = [], []
         for r in self._requests:
-            (decode if r.q_len == 1 and r.held.sinks_full and not r.in_prompt else self._others).append(r)
+            (decode if r.decode_row else self._others).append(r)
         tokens = self.budget.block.tokens
         self._decode_plan = DecodePlan.of(decode, self.settings, tokens, self.units, self.device) if decode else None
 
@@ -344,10 +345,7 @@ class KiviPagedCache(PagedAttentionCache):
         pages = self.cache_allocators[FULL_ATTENTION].pages[layer_idx]
         plan, writer = self._decode_plan, self._writers[layer_idx]
         decode = None if plan is None else writer.decode_rows(plan, layer_idx, pages, key_states, value_states)
-        steps = [
-            (writer.prompt_chunk if r.in_prompt else writer.append)(layer_idx, pages, r, key_states, value_states)
-            for r in self._others
-        ]
+        steps = [writer.request_step(layer_idx, pages, r, key_states, value_states) for r in self._others]
         if layer_idx == self.last_layer:
             self._end_finished_staging()
         kwargs[STEP_KEY] = LayerStep(self.backend, decode, steps, (writer.key_rotation, writer.value_rotation))

@@ -46,6 +46,12 @@ class Request(NamedTuple):
     def in_prompt(self) -> bool:
         return self.past < self.prompt_end
 
+    @property
+    def decode_row(self) -> bool:
+        """One token after full sinks and a stored prompt: stored and attended with every other decode row at once
+        (:class:`DecodePlan`)."""
+        return self.q_len == 1 and self.held.sinks_full and not self.in_prompt
+
 
 class RequestStep(NamedTuple):
     """One request's share of a layer's attention: query rows ``[q_start, q_start + q_len)``. ``prompt``: ``keys`` /
@@ -174,6 +180,12 @@ class PageWriter:
         self.value_codec.quantize_into(x.contiguous(), codes, scales, zeros, 0)
         for section, part in ((pages.value_codes, codes), (pages.value_scales, scales), (pages.value_zeros, zeros)):
             section[blocks, :, page_rows] = part[0].transpose(0, 1)
+
+    def request_step(self, layer: int, pages: LayerPages, request: Request, key_states, value_states) -> RequestStep:
+        """A request that is not a decode row: a chunk of its prompt (:meth:`prompt_chunk`) or any other append
+        (:meth:`append`)."""
+        store = self.prompt_chunk if request.in_prompt else self.append
+        return store(layer, pages, request, key_states, value_states)
 
     # ---------------------------------------------------------- prompt chunks
 

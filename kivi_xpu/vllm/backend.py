@@ -94,7 +94,7 @@ class KiviMetadataBuilder(AttentionMetadataBuilder[KiviMetadata]):
                                               meta.block_table_tensor)  # fmt: skip
         decode, others = [], []
         for r in requests:
-            (decode if r.q_len == 1 and r.held.sinks_full and not r.in_prompt else others).append(r)
+            (decode if r.decode_row else others).append(r)
         plan = self.requests.plan
         decode_plan = DecodePlan.of(decode, plan.settings[0], plan.block_tokens, self.requests.units,
                                     torch.device("cpu")) if decode else None  # fmt: skip
@@ -128,7 +128,7 @@ class KiviAttentionImpl(AttentionImpl):
             index = extract_layer_index(layer.layer_name)
             settings = plan.settings[index]
             blocks = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
-            pages = LayerPages(blocks, plan.layouts()[index], 0)
+            pages = LayerPages(blocks, plan.block.pages[index], 0)
             head_dim = plan.shape.head_dim
             codecs = KeyCodec.of(settings, head_dim, self.backend), ValueCodec.of(settings, head_dim, self.backend)
             rotations = tuple(codec.rotation(kv_cache.device) for codec in codecs)
@@ -149,10 +149,7 @@ class KiviAttentionImpl(AttentionImpl):
         keys, values = key[:n].transpose(0, 1).unsqueeze(0), value[:n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         plan = attn_metadata.decode
         decode = None if plan is None else writer.decode_rows(plan, index, pages, keys, values)
-        steps = [
-            (writer.prompt_chunk if r.in_prompt else writer.append)(index, pages, r, keys, values)
-            for r in attn_metadata.others
-        ]
+        steps = [writer.request_step(index, pages, r, keys, values) for r in attn_metadata.others]
         step = LayerStep(self.backend, decode, steps, (writer.key_rotation, writer.value_rotation))
         queries = query[:n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         output[:n] = attend(step, queries, self.scale, self._sdpa, output.shape[-1])[0]

@@ -19,7 +19,6 @@ for pages, so its "KV cache size" counts packed tokens, and :meth:`KiviPlan.summ
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from math import lcm
 
@@ -29,8 +28,6 @@ from ..algorithm import KiviSettings
 from ..overrides import AUTO, auto_layer_overrides, load_layer_overrides, meta_dtype_named, settings_for_layer
 from ..paged.budget import PageShape, exact_token_bytes, layer_settings, window_rows
 from ..paged.pages import BlockLayout, PageLayout
-
-logger = logging.getLogger("vllm.kivi_xpu")  # under vLLM's logger, which has the handlers
 
 VLLM_VERSION = "0.32.0"  # the release whose CPU engine this plugin extends (customize_spec, runner, config hooks)
 CONFIG_KEY = "kivi"
@@ -119,9 +116,8 @@ class KiviPlan:
     backend: str | None
     shape: PageShape  # this rank's KV heads
     dtype: torch.dtype
-    block_tokens: int  # T, vLLM's block_size
-    page_bytes: int  # one layer's page of T tokens, the largest of the layers' (vLLM's pages are alike)
-    unit_rows: int  # W, exact tokens of a unit
+    block: BlockLayout  # the layers' pages of T tokens, each its own bytes (vLLM gives every layer `page_bytes`)
+    rows: int  # W, exact tokens of a unit
     unit_bytes: int
     max_requests: int  # window units
     staging_units: int
@@ -140,17 +136,29 @@ class KiviPlan:
     def num_blocks(self) -> int:
         return self.page_budget // (self.page_bytes * self.shape.num_layers)
 
-    def layouts(self) -> list[PageLayout]:
-        return [PageLayout.for_settings(s, self.shape.heads, self.shape.head_dim, self.block_tokens)
-                for s in self.settings]  # fmt: skip
+    @property
+    def block_tokens(self) -> int:
+        """``T``, vLLM's block_size."""
+        return self.block.tokens
+
+    @property
+    def page_bytes(self) -> int:
+        """One layer's page of a block: the largest of the layers' (vLLM's pages are alike)."""
+        return max(page.page_bytes for page in self.block.pages)
+
+    @property
+    def units_per_sector(self) -> int:
+        """The whole unit pool is lent at start-up, as one sector (what :class:`~kivi_xpu.paged.windows.ExactUnits`
+        asks of a budget, with ``rows``, ``unit_bytes`` and ``block``)."""
+        return self.num_units
 
     def summary(self) -> str:
         mib = 2**20
         return (
             f"KIVI pages: {self.kv_budget / mib:.1f} MiB of KV = {self.num_blocks} blocks of {self.block_tokens} "
             f"packed tokens ({self.num_blocks * self.block_tokens} tokens, {self.page_budget / mib:.1f} MiB) + "
-            f"{self.num_units} exact units of {self.unit_rows} tokens ({self.unit_pool_bytes / mib:.1f} MiB: "
-            f"{self.max_requests} requests' sinks and windows, {self.staging_units * self.unit_rows} tokens of "
+            f"{self.num_units} exact units of {self.rows} tokens ({self.unit_pool_bytes / mib:.1f} MiB: "
+            f"{self.max_requests} requests' sinks and windows, {self.staging_units * self.rows} tokens of "
             f"prompts staged between chunks); at most {self.max_requests} requests in flight; calibration: "
             f"{self.calibration or 'none'}"
         )
@@ -166,10 +174,10 @@ def plan(options: dict, hf_config, shape: PageShape, dtype, kv_budget: int, max_
     if residual % key_groups:
         raise ValueError(f"KIVI pages in vLLM need residual_length ({residual}) to be a multiple of every key group")
     block_tokens = residual  # a vLLM block is one page of R tokens per layer: keys leave the window a page at a time
-    pages = [PageLayout.for_settings(s, shape.heads, shape.head_dim, block_tokens) for s in every]
-    page_bytes = max(page.page_bytes for page in pages)
+    block = BlockLayout(tuple(PageLayout.for_settings(s, shape.heads, shape.head_dim, block_tokens) for s in every))
+    page_bytes = max(page.page_bytes for page in block.pages)
     token_bytes = exact_token_bytes(shape, dtype)
-    rows = window_rows(every[0], BlockLayout(tuple(pages)), token_bytes)
+    rows = window_rows(every[0], block, token_bytes)
     unit_bytes = rows * token_bytes
     staging_tokens = _positive(options, "staging_tokens") or max_num_batched_tokens
     staging_units = -(-min(staging_tokens, max_model_len) // rows)
@@ -188,9 +196,5 @@ def plan(options: dict, hf_config, shape: PageShape, dtype, kv_budget: int, max_
             f'"max_requests", "staging_tokens" or --max-model-len'
         )
     backend = options.get("backend")
-    return KiviPlan(every, calibration, backend, shape, dtype, block_tokens, page_bytes, rows, unit_bytes,
-                    max_requests, staging_units, kv_budget, page_budget)  # fmt: skip
-
-
-def log_once(message: str, *args) -> None:
-    logger.info(message, *args)
+    return KiviPlan(every, calibration, backend, shape, dtype, block, rows, unit_bytes, max_requests, staging_units,
+                    kv_budget, page_budget)  # fmt: skip

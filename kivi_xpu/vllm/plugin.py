@@ -99,24 +99,11 @@ def configure(vllm_config) -> KiviPlan:
 
     check_vllm_version(vllm.__version__)
     _refuse_model(vllm_config)
-    options = vllm_config.additional_config["kivi"]
     cache, scheduler = vllm_config.cache_config, vllm_config.scheduler_config
-    if state.PLANNED not in options:
-        if cache.kv_cache_memory_bytes is None:
-            raise ValueError(
-                "KIVI pages need an explicit KV budget: pass --kv-cache-memory-bytes (or set VLLM_CPU_KVCACHE_SPACE); "
-                "it covers the 2-bit pages and the exact windows alike"
-            )
-        probe = dict(options)
-        model, parallel = vllm_config.model_config, vllm_config.parallel_config
-        from ..paged.budget import PageShape
-        from .plan import plan
-
-        shape = PageShape(model.get_num_kv_heads(parallel), model.get_head_size(), model.get_num_layers(parallel))
-        first = plan(probe, model.hf_config, shape, model.dtype, cache.kv_cache_memory_bytes, scheduler.max_num_seqs,
-                     scheduler.max_num_batched_tokens, model.max_model_len)  # fmt: skip
-        options[state.PLANNED] = {"kv_budget": first.kv_budget, "max_requests": first.max_requests}
     result = state.plan_of(vllm_config)
+    vllm_config.additional_config["kivi"].setdefault(
+        state.PLANNED, {"kv_budget": result.kv_budget, "max_requests": result.max_requests}
+    )
     if cache.enable_prefix_caching:
         logger.info("KIVI pages: prefix caching is off (a cached packed block is not the exact prompt a hit needs)")
         cache.enable_prefix_caching = False

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..paged.budget import UNITS, PageBudget
+from ..paged.budget import UNITS
 from ..paged.store import Request
 from ..paged.windows import ExactUnits
 from .plan import KiviPlan
@@ -59,10 +59,9 @@ class WorkerRequests:
 
     def __init__(self, plan: KiviPlan, device: torch.device | None = None):
         self.plan, self.device = plan, torch.device("cpu") if device is None else device
-        budget = PageBudget.plan(plan.shape, plan.settings, plan.dtype, plan.unit_pool_bytes * 2, None)
         self.pool = UnitPool(plan.num_units)
         tensor = torch.zeros(plan.unit_pool_bytes, dtype=torch.uint8, device=self.device)
-        self.units = ExactUnits(budget, tensor, self.pool, list(range(plan.shape.num_layers)), plan.shape.heads,
+        self.units = ExactUnits(plan, tensor, self.pool, list(range(plan.shape.num_layers)), plan.shape.heads,
                                 plan.shape.head_dim, plan.dtype)  # fmt: skip
         self.held: dict[str, Held] = {}
         self.settings = plan.settings[0]  # the sinks and R, alike in every layer
@@ -94,7 +93,7 @@ class WorkerRequests:
             )
         held = Held(self.units.take(1)[0], prompt_end)
         if first_chunk < prompt_end:
-            count = -(-prompt_end // self.plan.unit_rows)
+            count = -(-prompt_end // self.plan.rows)
             if self.pool.count_free_blocks(UNITS) >= count:
                 held.staging = torch.tensor(self.units.take(count), dtype=torch.int64, device=self.device)
             else:

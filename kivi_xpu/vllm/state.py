@@ -14,17 +14,25 @@ runner = None  # vLLM's model runner in this worker (its `_update_states` hook s
 
 
 def plan_of(vllm_config) -> KiviPlan:
-    """The :class:`~kivi_xpu.vllm.plan.KiviPlan` of ``vllm_config`` (whose ``"kivi"`` options the start-up hook
-    completed), one per config object."""
+    """The :class:`~kivi_xpu.vllm.plan.KiviPlan` of ``vllm_config``, one per config object: first from its budget
+    and options, then (in the processes vLLM ships the changed config to) from what the start-up hook recorded."""
     cached = _plans.get(id(vllm_config))
     if cached is not None:
         return cached
     options = kivi_options(vllm_config)
-    planned = options.pop(PLANNED)
-    options["max_requests"] = planned["max_requests"]
+    planned = options.pop(PLANNED, None)
+    if planned is not None:  # a process after the first: the budget vLLM is told is the pages' alone by now
+        options["max_requests"], kv_budget = planned["max_requests"], planned["kv_budget"]
+    else:
+        kv_budget = vllm_config.cache_config.kv_cache_memory_bytes
+        if kv_budget is None:
+            raise ValueError(
+                "KIVI pages need an explicit KV budget: pass --kv-cache-memory-bytes (or set VLLM_CPU_KVCACHE_SPACE); "
+                "it covers the 2-bit pages and the exact windows alike"
+            )
     model, parallel, scheduler = vllm_config.model_config, vllm_config.parallel_config, vllm_config.scheduler_config
     shape = PageShape(model.get_num_kv_heads(parallel), model.get_head_size(), model.get_num_layers(parallel))
-    result = plan(options, model.hf_config, shape, model.dtype, planned["kv_budget"], scheduler.max_num_seqs,
+    result = plan(options, model.hf_config, shape, model.dtype, kv_budget, scheduler.max_num_seqs,
                   scheduler.max_num_batched_tokens, model.max_model_len)  # fmt: skip
     _plans[id(vllm_config)] = result
     return result
