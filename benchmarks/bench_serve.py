@@ -39,6 +39,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -55,7 +56,12 @@ from kivi_xpu.tools.memory import MIB, accounted_bytes
 from kivi_xpu.tools.serve import add_arguments as add_kivi_arguments
 from kivi_xpu.tools.serve import cache_config
 
-SERVERS = ("kivi", "dynamic", "dynamic-cb", "kivi-cb")
+SERVERS = ("kivi", "dynamic", "dynamic-cb", "kivi-cb", "vllm", "vllm-kivi")
+VLLM = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "vllm"  # `make vllm-env`
+# What vLLM logs of its pool, and the plugin of its split: printed beside the throughput.
+VLLM_CAPACITY = re.compile(
+    r"(KV cache size: [\d,]+ tokens|Maximum concurrency for .*|KIVI pages: [\d.]+ MiB of KV = .*)"
+)
 # cache_config key -> kivi-xpu serve flag (the rest go through --kivi-option NAME=VALUE).
 FLAGS = {
     "bits": "--bits",
@@ -71,6 +77,8 @@ def server_command(name: str, model: str, dtype: str, kivi: dict, batching: dict
     """The command line that starts server ``name`` (one of SERVERS) with ``model`` preloaded on 127.0.0.1:0;
     ``batching``: ``block_size``, ``max_batch_tokens``, ``kv_memory_mib``, ``fp32_blocks`` and ``max_requests`` (or
     None) of the continuous-batching servers."""
+    if name in ("vllm", "vllm-kivi"):
+        return vllm_command(name, model, dtype, kivi, batching)
     common = [model, "--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", "0"]
     cb = ["--continuous-batching", "--cb-max-batch-tokens", str(batching["max_batch_tokens"])]
     if name in ("kivi", "kivi-cb"):
@@ -87,6 +95,25 @@ def server_command(name: str, model: str, dtype: str, kivi: dict, batching: dict
         transformers_serve += [*cb, "--cb-block-size", str(batching["block_size"])]
         transformers_serve += ["--cb-num-blocks", str(batching["fp32_blocks"])]
     return transformers_serve
+
+
+def vllm_command(name: str, model: str, dtype: str, kivi: dict, batching: dict) -> list[str]:
+    """`vllm serve` of .venv-vllm at its own defaults (compiled model, chunked prefill, prefix caching), the KV budget
+    ``batching["kv_memory_mib"]``; ``vllm-kivi`` adds the plugin with ``kivi``'s settings (and ``max_requests``)."""
+    if not VLLM.exists():
+        raise SystemExit(f"{VLLM} is missing: run `make vllm-env` first")
+    with socket.socket() as probe:  # vLLM takes no port 0
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [str(VLLM), "serve", model, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+               "--kv-cache-memory-bytes", f"{batching['kv_memory_mib']}M",
+               "--enable-prompt-tokens-details"]  # fmt: skip
+    if name == "vllm-kivi":
+        options = {k: v for k, v in kivi.items() if k != "device"}
+        if batching["max_requests"]:
+            options["max_requests"] = batching["max_requests"]
+        command += ["--additional-config", json.dumps({"kivi": options})]
+    return command
 
 
 def capacities(model_path: str, dtype: str, kivi: dict, batching: dict, prompt_tokens: int, new_tokens: int) -> dict:
@@ -129,6 +156,8 @@ class Server:
 
     def __init__(self, command: list[str], timeout: float):
         env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+        # vLLM's CPU worker binds its OpenMP threads: every core of this machine.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self.url: str | None = None
@@ -137,9 +166,9 @@ class Server:
         def drain():
             for line in self.process.stdout:
                 self.lines.append(line)
-                found = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", line)
-                if found:
-                    self.url = found.group(1)
+                found = re.search(r"(?:Uvicorn running|Starting vLLM server) on (http://[\d.]+:\d+)", line)
+                self.url = found.group(1) if found else self.url
+                if self.url and ("Uvicorn running" in line or "Application startup complete" in line):
                     started.set()
             started.set()
 
@@ -280,6 +309,11 @@ def main(argv=None) -> int:
             if server:
                 server.stop()
         run = runs[name]
+        if server:  # what vLLM (and the plugin) logged of the pool: the requests each holds
+            found = [m for line in server.lines for m in VLLM_CAPACITY.findall(line)]
+            run["capacity_log"] = list(dict.fromkeys(found))  # each process logs the plugin's plan
+            for found in run["capacity_log"]:
+                print(f"{name:<11} {found}", flush=True)
         print(
             f"{name:<11} {run['requests_per_s']:.3f} requests/s  {run['completion_tokens_per_s']:.1f} tokens/s  "
             f"mean latency {run['mean_latency_s']:.1f} s  ({args.requests} requests, concurrency {args.concurrency}, "

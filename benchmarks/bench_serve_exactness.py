@@ -11,7 +11,11 @@ its logits; then `kivi_xpu.paged.generate_batch` serves all prompts at once (0 =
 Printed per run: which requests answer exactly as their own generate and, for the others, the first differing step
 and the reference's logit margin there between its token and the batch's. `--compare` also runs transformers' own
 continuous batching (its full-precision pool, SDPA) against its own `generate` with `DynamicCache` on the same
-prompts: the agreement that batching itself allows in that dtype.
+prompts: the agreement that batching itself allows in that dtype. `--vllm` serves the prompts with vLLM's CPU engine
+and the plugin instead (.venv-vllm, `make vllm-env`; vLLM's default chunking of --max-num-batched-tokens 2048, the
+KV budget --kv-memory), against the own generate with the native kernels, which that environment runs:
+
+    python benchmarks/bench_serve_exactness.py --model smollm2 --vllm --lengths 322 774 1503 2144 2969 3810
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kivi_xpu.assets import wikipedia_text
 from kivi_xpu.paged import generate_batch
 from kivi_xpu.tools.loading import resolve_model
 from kivi_xpu.tools.machine import lscpu_lines
+from kivi_xpu.vllm import offline
 
 LENGTHS = (1, 40, 322, 774, 1503, 2144, 2969, 3810, 8200)
 
@@ -90,6 +95,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch-tokens", type=int, nargs="+", default=[64, 256, 0], help="0: the default")
     parser.add_argument("--kv-memory", type=int, default=1024, help="MiB (1024)")
     parser.add_argument("--compare", action="store_true", help="also transformers' own batching vs DynamicCache")
+    parser.add_argument("--vllm", action="store_true", help="vLLM's CPU engine with KIVI pages (.venv-vllm)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     print("\n".join(lscpu_lines()), flush=True)
@@ -100,10 +106,20 @@ def main(argv=None) -> int:
 
     use_fused_attention(model)
     started = time.perf_counter()
-    own = [own_generate(model, p, args.new_tokens, KiviCache(config=model.config)) for p in prompts]
+    backend = {"backend": "native"} if args.vllm else {}  # the kernels the vLLM environment runs
+    own = [own_generate(model, p, args.new_tokens, KiviCache(config=model.config, **backend)) for p in prompts]
     print(f"own generate with KiviCache: {time.perf_counter() - started:.0f} s", flush=True)
     reference, scores = [o[0] for o in own], [o[1] for o in own]
-    for max_batch_tokens in args.max_batch_tokens:
+    if args.vllm:
+        spec = {"model": path, "dtype": args.dtype, "max_tokens": args.new_tokens, "prompts": prompts, "kivi": {},
+                "engine": {"kv_cache_memory_bytes": args.kv_memory * 2**20}}  # fmt: skip
+        started = time.perf_counter()
+        result = offline.run(spec)
+        rows = compare(reference, scores, [a["tokens"] for a in result["answers"]])
+        name = "vLLM + KIVI pages, max_num_batched_tokens=2048 (its default)"
+        print(describe(name, prompts, rows, time.perf_counter() - started), flush=True)
+        record["runs"][name] = rows
+    for max_batch_tokens in [] if args.vllm else args.max_batch_tokens:
         config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens or None)
         started = time.perf_counter()
         results = generate_batch(model, prompts, greedy(args.new_tokens), config,

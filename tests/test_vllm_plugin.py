@@ -1,13 +1,10 @@
 """The vLLM plugin (kivi_xpu.vllm): its start-up plan here, and vLLM's CPU engine with KIVI pages in the vLLM
-environment (.venv-vllm, made by `make vllm-env`; tests/vllm/run_engine.py runs the engine there, eager, on a tiny
-random Llama written by this test): each answer equals the request's own `generate` with `KiviCache`, under chunked
-prefill, up to near-ties whose margins are stated."""
+environment (.venv-vllm, made by `make vllm-env`; kivi_xpu.vllm.offline and tests/vllm/run_faults.py run the engine
+there, eager, on a tiny random Llama written by this test): each answer equals the request's own `generate` with
+`KiviCache`, under chunked prefill, up to near-ties whose margins are stated; faults leave the pool as it was."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,12 +14,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kivi_xpu import KiviCache
 from kivi_xpu.paged.budget import PageShape
+from kivi_xpu.vllm import offline
 from kivi_xpu.vllm.plan import PLUGIN_KEYS, SETTINGS_KEYS, check_vllm_version, kivi_options, plan
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = offline.VLLM_PYTHON
 NEAR_TIE = 0.15  # logit margin under which a different greedy token is a near-tie (fp32 rounding can flip it)
 MiB = 2**20
+# The tiny model's pages at this budget, with 4 windows and 1024 tokens of staging: 16 blocks of 128 tokens, fewer
+# than 4 requests of 300 + 500 tokens need.
+KV_FOR_PREEMPTION = 2_100_000
 
 
 class _Config:
@@ -81,18 +82,23 @@ def _model(path: Path) -> LlamaForCausalLM:
     return model
 
 
-def _run_engine(tmp_path: Path, spec: dict) -> dict:
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    cores = f"0-{os.cpu_count() - 1}"  # the worker's OpenMP threads on every core
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores),
-               KIVI_XPU_BACKEND="native", VLLM_PLUGINS="kivi")  # fmt: skip
-    env.pop("KIVI_XPU_REQUIRE_SYCL", None)  # the vLLM environment runs the native kernels (no SYCL runtime there)
-    done = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm" / "run_engine.py"), str(spec_file)],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"vLLM engine failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
+def _run_engine(tmp_path: Path, spec: dict, script: str | None = None) -> dict:
+    """Runs ``kivi_xpu.vllm.offline`` (or ``tests/vllm/<script>``) on ``spec`` in .venv-vllm; its RESULT."""
+    return offline.run(spec, None if script is None else ROOT / "tests" / "vllm" / script, timeout=900)
+
+
+def _assert_own_answer(model, prompt: list[int], answer: dict) -> None:
+    """vLLM's ``answer`` (tokens, margins) equals the prompt's own greedy generate with KiviCache, or differs first
+    at a near-tie."""
+    new_tokens = len(answer["tokens"])
+    cache = KiviCache(model.config, backend="native")  # the kernels the vLLM environment runs
+    own = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, cache=cache)  # fmt: skip
+    expected, got = own[0, len(prompt) :].tolist(), answer["tokens"]
+    if got != expected:
+        first = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
+        margin = answer["margins"][first]
+        assert margin <= NEAR_TIE, f"{len(prompt)}-token prompt differs at token {first} (margin {margin:.3f})"
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
@@ -108,18 +114,37 @@ def test_vllm_answers_equal_own_generate(tmp_path):
     result = _run_engine(tmp_path, spec)
     assert result["block_size"] == 128
     for prompt, answer in zip(prompts, result["answers"], strict=True):
-        ids = torch.tensor([prompt])
-        cache = KiviCache(model.config, backend="native")  # the kernels the vLLM environment runs
-        own = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, cache=cache)
-        expected = own[0, len(prompt) :].tolist()
-        got = answer["tokens"]
-        if got != expected:
-            first = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
-            margin = answer["margins"][first]
-            assert margin <= NEAR_TIE, f"{len(prompt)}-token prompt differs at token {first} (margin {margin:.3f})"
+        _assert_own_answer(model, prompt, answer)
     # The same budget as vLLM's own fp32 pages holds many times the tokens.
     own_pages = _run_engine(tmp_path, dict(spec, kivi=None, prompts=prompts[:1], max_tokens=1))
     assert result["num_blocks"] * 128 >= 6 * own_pages["num_blocks"] * own_pages["block_size"]
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
+def test_faults_leave_the_pool_as_it_was(tmp_path):
+    """An abort mid-prefill, an abort mid-decode, requests preempted for want of pages and a request longer than the
+    model length: after each (and a short request run next), vLLM's free blocks and the plugin's free exact units are
+    those before it, and only that request holds units; the preempted requests still answer as their own generate."""
+    model = _model(tmp_path / "model")
+    engine = {"kv_cache_memory_bytes": KV_FOR_PREEMPTION, "max_model_len": 1024, "max_num_batched_tokens": 128,
+              "max_num_seqs": 4}  # fmt: skip
+    spec = {"model": str(tmp_path / "model"), "dtype": "float32", "engine": engine,
+            "kivi": {"staging_tokens": 1024, "max_requests": 4}, "long_prompt": 600, "crowd": 4,
+            "crowd_prompt": 300, "crowd_new": 260}  # fmt: skip
+    report = _run_engine(tmp_path, spec, "run_faults.py")
+    baseline = report["baseline"]  # the warm-up request's units come back with the next forward
+    assert baseline["requests"] == ["warm-up"] and baseline["free_units"] > 0
+    assert report["mid_prefill"]["requests"] == ["prefilling"]
+    assert report["mid_prefill"]["free_blocks"] < baseline["free_blocks"]
+    assert report["mid_decode_tokens"] >= 4
+    assert max(report["preempted_with_answer_tokens"], default=0) > 1, "the crowd was to be preempted mid-answer"
+    assert report["crowd_finished"] == [f"crowd-{i}" for i in range(4)]
+    for answer in report["crowd"]:  # a preempted request's answer is still its own generate's
+        _assert_own_answer(model, answer["prompt"], answer)
+    assert "ValidationError" in (report["oversized_error"] or "") and "1025" in report["oversized_error"]
+    for after in ("after_prefill_abort", "after_decode_abort", "after_crowd", "after_oversized"):
+        expected = dict(baseline, requests=[after.replace("_", "-")])  # the request run after the fault
+        assert report[after] == expected, f"{after}: {report[after]} != {expected}"
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class Request(NamedTuple):
     held: TokenSplit  # how its ``past`` tokens split (the rule)
     shared_pages: int = 0  # its first pages are a cached prefix's: read, never written
     keep_prompt: bool = False  # its whole prompt is staged (its units become cached prefixes)
+    replayed: bool = False  # one token of an answer computed again (after a preemption): stored and attended alone
 
     @property
     def in_prompt(self) -> bool:
@@ -49,8 +50,8 @@ class Request(NamedTuple):
     @property
     def decode_row(self) -> bool:
         """One token after full sinks and a stored prompt: stored and attended with every other decode row at once
-        (:class:`DecodePlan`)."""
-        return self.q_len == 1 and self.held.sinks_full and not self.in_prompt
+        (:class:`DecodePlan`); a replayed token is not (its request has other rows in the forward)."""
+        return self.q_len == 1 and self.held.sinks_full and not self.in_prompt and not self.replayed
 
 
 class RequestStep(NamedTuple):

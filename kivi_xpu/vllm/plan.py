@@ -8,9 +8,10 @@ shipped for the model) and two of the plugin's own:
   becomes this. Default: as many units as a third of the budget left after staging holds (at most
   ``max_num_seqs``);
 * ``staging_tokens``: exact prompt tokens kept while a prompt is prefilled in several chunks, so that every chunk
-  attends the exact states of the earlier ones, as ``KiviCache``'s one-shot prefill does. Default: vLLM's
-  ``max_num_batched_tokens`` (prompts of up to two default chunks). A chunked prompt that finds no room attends its
-  earlier chunks as stored (the log says which).
+  attends the exact states of the earlier ones, as ``KiviCache``'s one-shot prefill does (a prompt's units are
+  taken chunk by chunk, its last chunk needs none). Default: vLLM's ``max_num_batched_tokens`` (a prompt of up to
+  two default chunks at a time). A chunk that finds no room ends the exact prompt: the later chunks attend it as
+  stored (the log says so once).
 
 The budget (``--kv-cache-memory-bytes``, or ``VLLM_CPU_KVCACHE_SPACE``) covers both: vLLM is told the bytes left
 for pages, so its "KV cache size" counts packed tokens, and :meth:`KiviPlan.summary` logs the whole split.

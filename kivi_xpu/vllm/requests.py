@@ -83,33 +83,42 @@ class WorkerRequests:
             units += held.staging.tolist()
         self.units.give_back(units)
 
-    def _admit(self, request_id: str, prompt_end: int, first_chunk: int) -> Held:
-        """A request's first forward: its window unit and, for a prompt split into chunks, its staging units (or,
-        when the pool has none left, no staging: its later chunks then attend the earlier ones as stored)."""
+    def _admit(self, request_id: str, prompt_end: int) -> Held:
+        """A request's first forward (again, after a preemption: vLLM then prefills the prompt and the answer so far
+        in one go): its window unit."""
         if not self.pool.count_free_blocks(UNITS):
             raise RuntimeError(
                 f"KIVI exact units: none free for request {request_id} although vLLM runs at most "
                 f"{self.plan.max_requests} requests (max_num_seqs)"
             )
         held = Held(self.units.take(1)[0], prompt_end)
-        if first_chunk < prompt_end:
-            count = -(-prompt_end // self.plan.rows)
-            if self.pool.count_free_blocks(UNITS) >= count:
-                held.staging = torch.tensor(self.units.take(count), dtype=torch.int64, device=self.device)
-            else:
-                held.prompt_end = first_chunk  # later chunks are appends: they attend the stored history
-                if not self._staging_warned:
-                    self._staging_warned = True
-                    logger.warning(
-                        "KIVI pages: request %s's prompt of %d tokens arrives in chunks and the staging units are "
-                        "taken: its later chunks attend the earlier ones as stored (2-bit), not exact. Raise "
-                        '"staging_tokens" in --additional-config kivi (or --max-num-batched-tokens) to keep every '
-                        "chunked prompt exact (logged once)",
-                        request_id,
-                        prompt_end,
-                    )
         self.held[request_id] = held
         return held
+
+    def _stage(self, request_id: str, held: Held, past: int, end: int) -> None:
+        """A prompt chunk ``[past, end)`` before the prompt's last: staging units for the exact prompt up to ``end``,
+        taken as the chunks come, never those that the requests vLLM may still admit need for their windows. When
+        none are left, this chunk ends the exact prompt: it is stored with the chunks before it as ``KiviCache``'s
+        prefill of ``end`` tokens stores them, and the later chunks attend it as stored (2-bit, not exact)."""
+        have = 0 if held.staging is None else held.staging.numel()
+        need = -(-end // self.plan.rows) - have
+        if need <= 0:
+            return
+        windows_to_come = self.plan.max_requests - len(self.held)
+        if self.pool.count_free_blocks(UNITS) - windows_to_come >= need:
+            more = torch.tensor(self.units.take(need), dtype=torch.int64, device=self.device)
+            held.staging = more if held.staging is None else torch.cat([held.staging, more])
+            return
+        held.prompt_end = end
+        if not self._staging_warned:
+            self._staging_warned = True
+            logger.warning(
+                "KIVI pages: request %s's prompt arrives in chunks and the staging units are taken: its tokens after "
+                "%d attend the earlier ones as stored (2-bit), not exact. Raise \"staging_tokens\" in "
+                "--additional-config kivi to keep every chunked prompt exact (logged once)",
+                request_id,
+                end,
+            )
 
     # --------------------------------------------------------------- planning
 
@@ -134,13 +143,26 @@ class WorkerRequests:
                         f"KIVI pages: request {request_id} arrives with {past} tokens already computed (a prefix-cache "
                         "hit), which the plugin turns off"
                     )
-                # After a preemption vLLM prefills the prompt and the answer so far again, as one prompt.
-                prompt_end = len(state.prompt_token_ids) + len(state.output_token_ids)
-                held = self._admit(request_id, max(prompt_end, q_len), q_len)
+                held = self._admit(request_id, len(state.prompt_token_ids))
+            if past < held.prompt_end and past + q_len < len(state.prompt_token_ids):  # not the prompt's last chunk
+                self._stage(request_id, held, past, past + q_len)
             if held.staging is not None and past >= held.prompt_end:  # its prompt was stored in the last forward
                 self.units.give_back(held.staging.tolist())
                 held.staging = None
             blocks = block_table[row, : -(-seq_lens[row] // tokens)].to(torch.int64)
-            requests.append(Request(request_id, held.slot, past, q_start, q_len, blocks, held.prompt_end,
-                                    held.staging, settings.split(past)))  # fmt: skip
+            end = past + q_len
+            staged_end, prompt_end = min(end, held.prompt_end), min(end, len(state.prompt_token_ids))
+            if past < staged_end:  # prompt tokens attending the exact prompt (the staged chunks and these)
+                requests.append(Request(request_id, held.slot, past, q_start, staged_end - past, blocks,
+                                        held.prompt_end, held.staging, settings.split(past)))  # fmt: skip
+            start = max(past, staged_end)
+            if start < prompt_end:  # prompt tokens after the staged ones (no staging units): appended
+                requests.append(Request(request_id, held.slot, start, q_start + start - past, prompt_end - start,
+                                        blocks, held.prompt_end, None, settings.split(start)))  # fmt: skip
+            # Answer tokens: one a row, except when vLLM prefills a preempted request's answer so far again; then
+            # each token is replayed, stored and attended as its decode step was.
+            for position in range(max(past, prompt_end), end):
+                requests.append(Request(request_id, held.slot, position, q_start + position - past, 1, blocks,
+                                        held.prompt_end, None, settings.split(position),
+                                        replayed=q_len > 1))  # fmt: skip
         return requests
