@@ -52,6 +52,7 @@ import torch
 from kivi_xpu.integration import cache_kwargs
 from kivi_xpu.tools.cli import positive_int
 from kivi_xpu.tools.loading import resolve_model
+from kivi_xpu.tools.machine import lscpu_lines
 from kivi_xpu.tools.memory import MIB, accounted_bytes
 from kivi_xpu.tools.serve import add_arguments as add_kivi_arguments
 from kivi_xpu.tools.serve import cache_config
@@ -281,6 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cb-max-batch-tokens", type=positive_int, default=1024, help="CB batch tokens (1024)")
     add_kivi_arguments(parser)
     args = parser.parse_args(argv)
+    machine = lscpu_lines()
+    print("\n".join(machine), flush=True)
     # SIGTERM as an exit, so that the `finally` below stops the server this process started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     kivi = cache_config(args)
@@ -336,7 +339,8 @@ def main(argv=None) -> int:
     )
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "kivi_options"} | {"kivi": kivi}
-        record = {"settings": settings, "runs": runs, "kv": memory, "capacity": held, "batching": batching}
+        record = {"settings": settings, "machine": machine, "runs": runs, "kv": memory, "capacity": held,
+                  "batching": batching}  # fmt: skip
         Path(args.json).write_text(json.dumps(record, indent=2))
     return 0
 

@@ -13,7 +13,8 @@ and the reference's logit margin there between its token and the batch's. `--com
 continuous batching (its full-precision pool, SDPA) against its own `generate` with `DynamicCache` on the same
 prompts: the agreement that batching itself allows in that dtype. `--vllm` serves the prompts with vLLM's CPU engine
 and the plugin instead (.venv-vllm, `make vllm-env`; vLLM's default chunking of --max-num-batched-tokens 2048, the
-KV budget --kv-memory), against the own generate with the native kernels, which that environment runs:
+KV budget --kv-memory), against the own generate with the native kernels, which that environment runs; with
+`--compare`, vLLM's own pages against generate with DynamicCache too (the agreement that vLLM's engine allows):
 
     python benchmarks/bench_serve_exactness.py --model smollm2 --vllm --lengths 322 774 1503 2144 2969 3810
 """
@@ -133,7 +134,14 @@ def main(argv=None) -> int:
     if args.compare:
         model.set_attn_implementation("sdpa")
         dense = [own_generate(model, p, args.new_tokens, DynamicCache(config=model.config)) for p in prompts]
-        for max_batch_tokens in args.max_batch_tokens:
+    if args.compare and args.vllm:  # vLLM's own pages against generate with DynamicCache
+        started = time.perf_counter()
+        result = offline.run(dict(spec, kivi=None))
+        rows = compare([d[0] for d in dense], [d[1] for d in dense], [a["tokens"] for a in result["answers"]])
+        name = "vLLM's own pages vs DynamicCache, max_num_batched_tokens=2048 (its default)"
+        print(describe(name, prompts, rows, time.perf_counter() - started), flush=True)
+        record["runs"][name] = rows
+        for max_batch_tokens in [] if args.vllm else args.max_batch_tokens:
             config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens or None)
             started = time.perf_counter()
             results = model.generate_batch(prompts, generation_config=greedy(args.new_tokens),

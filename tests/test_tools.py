@@ -838,9 +838,11 @@ def test_last_level_cache_from_lscpu_without_sysfs(monkeypatch):
 
 
 def test_lscpu_lines_are_the_model_and_flags_lines_and_empty_without_lscpu(monkeypatch):
-    lscpu = "Architecture:  x86_64\nModel name:  AMD EPYC\nL2 cache:  1 MiB\nFlags:  fpu avx2 avx512f\n"
+    lscpu = ("Architecture:  x86_64\nModel name:  AMD EPYC\nCPU family:  25\nModel:  17\nL2 cache:  1 MiB\n"
+             "Flags:  fpu avx2 avx512f\n")  # fmt: skip
     monkeypatch.setattr(machine.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": lscpu}))
-    assert machine.lscpu_lines() == ["Model name:  AMD EPYC", "Flags:  fpu avx2 avx512f"]
+    expected = ["Model name:  AMD EPYC", "CPU family:  25", "Model:  17", "Flags:  fpu avx2 avx512f"]
+    assert machine.lscpu_lines() == expected
 
     def missing(*args, **kwargs):
         raise FileNotFoundError("lscpu")

@@ -121,6 +121,24 @@ def test_vllm_answers_equal_own_generate(tmp_path):
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
+def test_two_ranks_answer_as_own_generate_with_half_the_bytes_each(tmp_path):
+    """Tensor parallelism at 2 ranks on this host (gloo and shared memory, a core each): each rank stores its KV
+    heads' pages and units, half the bytes of one rank's, and the answers are still their own generate's."""
+    model = _model(tmp_path / "model")
+    prompts = [list(range(1, 300)), [(i * 7) % 500 + 1 for i in range(45)]]
+    engine = {"kv_cache_memory_bytes": 64 * MiB, "max_model_len": 1024, "max_num_batched_tokens": 256,
+              "tensor_parallel_size": 2}  # fmt: skip
+    spec = {"model": str(tmp_path / "model"), "dtype": "float32", "max_tokens": 16, "prompts": prompts,
+            "engine": engine, "kivi": {}}  # fmt: skip
+    result = _run_engine(tmp_path, spec)
+    for prompt, answer in zip(prompts, result["answers"], strict=True):
+        _assert_own_answer(model, prompt, answer)
+    one_rank = plan({}, model.config, PageShape(2, 32, 2), torch.float32, 64 * MiB, 128, 256, 1024)
+    assert 2 * result["block_bytes"] == one_rank.page_bytes * 2  # two layers
+    assert 2 * result["unit_bytes"] == one_rank.unit_bytes
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
 def test_faults_leave_the_pool_as_it_was(tmp_path):
     """An abort mid-prefill, an abort mid-decode, requests preempted for want of pages and a request longer than the
     model length: after each (and a short request run next), vLLM's free blocks and the plugin's free exact units are

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ..codec import dense_states
 from ..ops import kernel
@@ -45,6 +46,29 @@ def chunk_mask(past: int, length: int, device) -> torch.Tensor:
     """Causal bool mask ``[1, 1, length, past + length]`` of a chunk of ``length`` queries after ``past`` tokens."""
     rows = torch.arange(length, device=device).unsqueeze(1) + past
     return (torch.arange(past + length, device=device).unsqueeze(0) <= rows)[None, None]
+
+
+def chunk_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention of a chunk after ``past = n - m`` positions, as under :func:`chunk_mask`: ``rows [1, Hq, m, D]``
+    over ``keys`` / ``values [1, H, n, D]`` (``Hq`` a multiple of ``H``) -> ``[1, Hq, m, Dv]``. On CPU, as two
+    flash attentions merged by their log-sum-exp: the past unmasked, the chunk causal (an SDPA with the mask computes
+    every block of the rectangle: about twice the time for a chunk as long as its past)."""
+    m, n = rows.shape[2], keys.shape[2]
+    past, repeat = n - m, rows.shape[1] // keys.shape[1]
+    if rows.device.type != "cpu":
+        return F.scaled_dot_product_attention(rows, keys, values, attn_mask=chunk_mask(past, m, rows.device),
+                                              scale=scale, enable_gqa=True)  # fmt: skip
+    if repeat > 1:
+        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    chunk, chunk_lse = flash(rows, keys[:, :, past:], values[:, :, past:], is_causal=True, scale=scale)
+    if not past:
+        return chunk
+    before, before_lse = flash(rows, keys[:, :, :past], values[:, :, :past], scale=scale)
+    total = torch.logaddexp(before_lse, chunk_lse)
+    merged = before.float() * (before_lse - total).exp_().unsqueeze(-1)
+    merged += chunk.float() * (chunk_lse - total).exp_().unsqueeze(-1)
+    return merged.to(rows.dtype)
 
 
 def attend(step: LayerStep, query: torch.Tensor, scaling: float, sdpa: Sdpa, value_dim: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from .allocator import KiviPageAllocator
 from .attend import LayerStep
 from .budget import PAGES, UNITS, PageBudget, PageShape, layer_settings
 from .holdings import Holdings
-from .prefixes import chain_hash, unit_hashes
+from .prefixes import Entry, chain_hash, unit_hashes
 from .store import DecodePlan, PageWriter, Request
 from .windows import ExactUnits
 
@@ -162,10 +162,7 @@ class KiviPagedCache(PagedAttentionCache):
 
     def drop_cached_prefixes(self) -> int:
         """Evicts every cached prefix; returns how many."""
-        count = 0
-        while self.holdings.evict_one():
-            count += 1
-        return count
+        return self.holdings.drop_cached_prefixes()
 
     @property
     def requests_in_flight(self) -> int:
@@ -198,16 +195,10 @@ class KiviPagedCache(PagedAttentionCache):
                 f"no max_new_tokens; KIVI pages admit fresh requests of known length only"
             )
         prompt = max(len(state.remaining_prefill_tokens), request_len)  # (a dry run may ask for any length)
-        tokens = state.remaining_prefill_tokens
-        hashes = self._prompt_hashes(request_id, tokens) if not dry_run else []
-        tail_key = self._tail_key(hashes, self.salts.get(request_id), tokens) if not dry_run else None
-        staged = request_len < prompt or bool(hashes) or tail_key is not None
-        needs = self.budget.needs(prompt, state.max_new_tokens - len(state.generated_tokens), staged)
-        fits = self.holdings.fits(needs, evict=not dry_run)
-        if fits and not dry_run:
-            self.holdings.take(request_id, needs, prompt, staged, hashes, [], tail_key=tail_key)
-            self._waiting_hashes.pop(request_id, None)
-        return fits
+        return (
+            self._admit(state, state.remaining_prefill_tokens, prompt, request_len < prompt, dry_run=dry_run)
+            is not None
+        )
 
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
         """transformers' scheduler asks this for each new request before admission, and makes the request active at
@@ -228,15 +219,10 @@ class KiviPagedCache(PagedAttentionCache):
         tail = prefixes.match_tail(parent, salt, prompt_ids[len(chain) * rows :])
         if not chain and tail is None:
             return 0
-        prompt, new = len(prompt_ids), state.max_new_tokens - len(state.generated_tokens)
-        needs = self.budget.needs(prompt, new, True)
-        shared = len(prefixes.shared_pages(chain))
-        needs = needs._replace(pages=needs.pages - shared, units=needs.units - len(chain))
-        if not self.holdings.fits(needs, keep=chain if tail is None else [*chain, tail]):
+        prompt = len(prompt_ids)
+        cached = self._admit(state, prompt_ids, prompt, True, chain, tail)
+        if cached is None:
             return 0  # (admission from position 0 may still fit, evicting this prefix too)
-        cached = self.holdings.take(request_id, needs, prompt, True, hashes, chain, tail,
-                                    self._tail_key(hashes, salt, prompt_ids))  # fmt: skip
-        self._waiting_hashes.pop(request_id, None)
         self.cached_prompt_tokens[request_id] = cached
         while len(self.cached_prompt_tokens) > _CACHED_TOKENS_KEPT:
             self.cached_prompt_tokens.pop(next(iter(self.cached_prompt_tokens)))
@@ -244,6 +230,27 @@ class KiviPagedCache(PagedAttentionCache):
             "KIVI pages: request %s starts after %d cached tokens of its %d-token prompt (%.0f%% of the prompt tokens "
             "admitted so far were found cached)", request_id, cached, prompt, 100 * prefixes.hit_rate,
         )  # fmt: skip
+        return cached
+
+    def _admit(self, state, prompt_ids: list[int], prompt: int, staged: bool, chain: list[Entry] = (),
+               tail: Entry | None = None, dry_run: bool = False) -> int | None:  # fmt: skip
+        """Admits ``state``'s request (``prompt`` tokens, ``prompt_ids`` still to prefill, after the cached ``chain``
+        and ``tail`` of a hit) with all it will hold, evicting cached prefixes other than those if it must; returns
+        the prompt tokens found cached, or ``None`` when it does not fit (a ``dry_run`` only asks)."""
+        request_id = state.request_id
+        hashes = [] if dry_run else self._prompt_hashes(request_id, prompt_ids)
+        tail_key = None if dry_run else self._tail_key(hashes, self.salts.get(request_id), prompt_ids)
+        staged = staged or bool(hashes) or tail_key is not None  # a prompt kept as prefixes is staged whole
+        needs = self.budget.needs(prompt, state.max_new_tokens - len(state.generated_tokens), staged)
+        shared = len(self.holdings.prefixes.shared_pages(chain))
+        needs = needs._replace(pages=needs.pages - shared, units=needs.units - len(chain))
+        keep = list(chain) if tail is None else [*chain, tail]
+        if not self.holdings.fits(needs, keep=keep, evict=not dry_run):
+            return None
+        if dry_run:
+            return 0
+        cached = self.holdings.take(request_id, needs, prompt, staged, hashes, list(chain), tail, tail_key)
+        self._waiting_hashes.pop(request_id, None)
         return cached
 
     def _tail_key(self, hashes: list[int], salt: str | None, prompt_ids: list[int]) -> int | None:

@@ -65,27 +65,33 @@ class Holdings:
     def fits(self, needs: RequestNeeds, keep: list[Entry] = (), evict: bool = True) -> bool:
         """Whether the pool holds ``needs``; with ``evict``, after evicting cached prefixes (least recently used first,
         never ``keep``) until it does or none is left."""
-        while not self._fits_now(needs):
-            if not evict or not self.evict_one(keep):
-                return False
-        return True
+        if self._fits_now(needs):
+            return True
+        if evict:
+            for unit, pages in self.prefixes.evictable(keep):
+                self._give_back_evicted(unit, pages)
+                if self._fits_now(needs):
+                    return True
+        return False
 
-    def evict_one(self, keep: list[Entry] = ()) -> bool:
-        """Evicts the least recently used cached prefix not in ``keep`` (its unit, and its pages no one else holds)
-        back to the pool; ``False`` when there is none."""
-        evicted = self.prefixes.evict(keep)
-        if evicted is None:
-            return False
-        unit, pages = evicted
+    def _give_back_evicted(self, unit: int, pages: list[int]) -> None:
+        """An evicted prefix's unit, and its pages that no one else holds, back to the pool."""
         self.units.give_back([unit])
         self.pool.free_blocks(PAGES, pages)
         self.pool.try_to_free_sectors()
-        return True
+
+    def drop_cached_prefixes(self) -> int:
+        """Evicts every cached prefix; returns how many."""
+        count = 0
+        for unit, pages in self.prefixes.evictable():
+            self._give_back_evicted(unit, pages)
+            count += 1
+        return count
 
     def cached_pages(self) -> set[int]:
         """Pages that only cached prefixes hold."""
         listed = {block for table in self.allocator.block_table.values() for block in table}
-        return {block for e in self.prefixes.entries.values() for _, block in e.pages if block not in listed}
+        return self.prefixes.pages() - listed
 
     # ------------------------------------------------------------------ lending
 
@@ -114,11 +120,9 @@ class Holdings:
             if tail is not None:
                 self.units.copy_rows(tail.unit, units[1], tail.rows)
                 prefixes.touch([tail])
-            for key in hashes[len(chain) :]:
-                prefixes.pending.setdefault(key, request_id)
+            prefixes.expect(hashes[len(chain) :], request_id)
         cached = len(chain) * self.budget.rows + (0 if tail is None else tail.rows)
-        prefixes.prompt_tokens += prompt_end
-        prefixes.cached_tokens += cached
+        prefixes.count_admission(prompt_end, cached)
         self.held[request_id] = held
         return cached
 
@@ -130,20 +134,14 @@ class Holdings:
             return
         for depth in range(len(held.chain), min(staged_end // rows, len(held.hashes))):
             key = held.hashes[depth]
-            if key in prefixes.entries:
+            if key in prefixes:
                 held.keep_prompt = False
-                self._forget_pending(request_id, held)  # no one should wait for its units now
+                self.prefixes.forget(held.hashes, request_id)  # no one should wait for its units now
                 return
             unit = int(held.staging[depth])
             parent = held.chain[-1].key if held.chain else None
             held.chain.append(prefixes.register(key, parent, depth, unit, rows))
             held.own_units.remove(unit)
-
-    def _forget_pending(self, request_id: str, held: Held) -> None:
-        pending = self.prefixes.pending
-        for key in held.hashes:
-            if pending.get(key) == request_id:
-                del pending[key]
 
     def end_staging(self, request_id: str) -> None:
         """The prompt is stored: its unregistered staging units go back to the pool, its prefixes' units are no
@@ -161,7 +159,7 @@ class Holdings:
         depth, rows = len(held.hashes), held.prompt_end % self.budget.rows
         if not held.keep_prompt or held.tail_key is None or len(held.chain) != depth:
             return
-        if held.tail_key in self.prefixes.entries:
+        if held.tail_key in self.prefixes:
             return
         unit = int(held.staging[depth])
         parent = held.chain[-1].key if held.chain else None
@@ -188,7 +186,7 @@ class Holdings:
             if held.staging is not None:  # freed mid-prompt (cancelled, failed)
                 prefixes.release_units(held.chain)
                 self.units.give_back(held.own_units)
-            self._forget_pending(request_id, held)
+            self.prefixes.forget(held.hashes, request_id)
             self.units.give_back([held.slot])
         table = self.allocator.block_table.pop(request_id, [])
         self.pool.free_blocks(PAGES, prefixes.release_pages(table))

@@ -23,7 +23,9 @@ returns the unit, and each page whose last reference it held.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -86,6 +88,13 @@ class PrefixIndex:
             chain.append(entry)
         return chain
 
+    def __contains__(self, key: int) -> bool:
+        return key in self.entries
+
+    def pages(self) -> set[int]:
+        """Every page that some entry keeps."""
+        return {block for entry in self.entries.values() for _, block in entry.pages}
+
     def awaited(self, hashes: list[int], request_id: str) -> bool:
         """Whether another request is prefilling a unit of ``hashes`` that is not cached yet (then the request waits
         for it rather than computing the same states twice)."""
@@ -101,6 +110,24 @@ class PrefixIndex:
                     return blocks
                 blocks.append(block)
         return blocks
+
+    # ------------------------------------------------------------- admission
+
+    def expect(self, hashes: list[int], request_id: str) -> None:
+        """``request_id`` will register the units of ``hashes`` that no other request is prefilling already."""
+        for key in hashes:
+            self.pending.setdefault(key, request_id)
+
+    def forget(self, hashes: list[int], request_id: str) -> None:
+        """``request_id`` will register none of ``hashes`` after all (others should not wait for it)."""
+        for key in hashes:
+            if self.pending.get(key) == request_id:
+                del self.pending[key]
+
+    def count_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """An admitted prompt of ``prompt_tokens``, ``cached_tokens`` of which were found cached (the hit rate)."""
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
 
     # ------------------------------------------------------------- references
 
@@ -173,14 +200,28 @@ class PrefixIndex:
     def cached_units(self) -> int:
         return sum(1 for entry in self.entries.values() if entry.unit_refs == 0)
 
-    def evict(self, keep: list[Entry] = ()) -> tuple[int, list[int]] | None:
-        """Forgets the least recently used cached entry not in ``keep``; returns its unit and the pages that no one
-        holds any more (``None``: nothing to evict)."""
+    def evictable(self, keep: list[Entry] = ()) -> Iterator[tuple[int, list[int]]]:
+        """Forgets cached entries not in ``keep``, least recently used first, one for each step the caller takes:
+        yields each one's unit and the pages that no one holds any more. The entries are scanned once: an entry
+        that an eviction turns into a leaf joins the candidates as it does."""
         kept = {id(entry) for entry in keep}
-        candidates = [e for e in self.entries.values() if e.unit_refs == 0 and not e.children and id(e) not in kept]
-        if not candidates:
-            return None
-        victim = min(candidates, key=lambda e: e.last_used)
+
+        def candidate(entry: Entry) -> bool:
+            return entry.unit_refs == 0 and not entry.children and id(entry) not in kept
+
+        heap = [(e.last_used, e.key) for e in self.entries.values() if candidate(e)]
+        heapq.heapify(heap)
+        while heap:
+            _, key = heapq.heappop(heap)
+            victim = self.entries.get(key)
+            if victim is None or not candidate(victim):  # changed since it was pushed (the caller may admit between)
+                continue
+            yield self._forget(victim)
+            parent = self.entries.get(victim.parent) if victim.parent is not None else None
+            if parent is not None and candidate(parent):
+                heapq.heappush(heap, (parent.last_used, parent.key))
+
+    def _forget(self, victim: Entry) -> tuple[int, list[int]]:
         del self.entries[victim.key]
         if victim.parent is not None:
             self.entries[victim.parent].children -= 1

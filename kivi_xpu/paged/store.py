@@ -38,7 +38,7 @@ class Request(NamedTuple):
     blocks: torch.Tensor  # int64 block ids of its pages 0, 1, ...
     prompt_end: int  # its prompt's length: tokens before it are prompt tokens
     staging: torch.Tensor | None  # int64 units of its exact prompt while the prompt is staged
-    held: TokenSplit  # how its ``past`` tokens split (the rule)
+    split: TokenSplit  # how its ``past`` tokens split (the rule): sinks, packed, window
     shared_pages: int = 0  # its first pages are a cached prefix's: read, never written
     keep_prompt: bool = False  # its whole prompt is staged (its units become cached prefixes)
     replayed: bool = False  # one token of an answer computed again (after a preemption): stored and attended alone
@@ -51,7 +51,7 @@ class Request(NamedTuple):
     def decode_row(self) -> bool:
         """One token after full sinks and a stored prompt: stored and attended with every other decode row at once
         (:class:`DecodePlan`); a replayed token is not (its request has other rows in the forward)."""
-        return self.q_len == 1 and self.held.sinks_full and not self.in_prompt and not self.replayed
+        return self.q_len == 1 and self.split.sinks_full and not self.in_prompt and not self.replayed
 
 
 class RequestStep(NamedTuple):
@@ -96,9 +96,9 @@ class DecodePlan(NamedTuple):
         rows, bases, window_rows, leaving, key_blocks = [], [], [], [], []
         for i, r in enumerate(decode):
             table[i, : r.blocks.numel()] = r.blocks
-            qk0, qv0 = r.held.packed_keys, r.held.packed_values
+            qk0, qv0 = r.split.packed_keys, r.split.packed_values
             after = settings.split(r.past + 1)
-            base = units.value_base_for(r.held)  # where move_values puts the slot's value rows
+            base = units.value_base_for(r.split)  # where move_values puts the slot's value rows
             bases.append(base)
             window_rows.append((r.past - qk0, r.past - base))  # the new token's key and value rows
             rows.append((r.slot, s, qk0, s, qv0, s + qv0 - base, after.length))
@@ -140,16 +140,16 @@ class PageWriter:
         that fills its window is packed (per request, once in R steps)."""
         settings, s, units = self.settings, self.settings.sink_tokens, self.units
         key_windows, value_windows = units.keys[layer], units.values[layer]
-        held = units.value_base[layer]
+        bases_now = units.value_base[layer]
         for r, base in zip(plan.requests, plan.bases, strict=True):
-            if held[r.slot] != base:  # once in G steps per request: the value rows move down
-                units.move_values(layer, r.slot, r.held)
+            if bases_now[r.slot] != base:  # once in G steps per request: the value rows move down
+                units.move_values(layer, r.slot, r.split)
         key_windows[plan.slots, :, plan.window_rows[0]] = key_states[0, :, plan.q_index].transpose(0, 1)
         value_windows[plan.slots, :, plan.window_rows[1]] = value_states[0, :, plan.q_index].transpose(0, 1)
         if plan.leaving is not None:
             self._pack_leaving_values(pages, value_windows, plan.leaving)
         for r, qk0, count in plan.key_blocks:
-            private = _Private(r.blocks, r.shared_pages * self.tokens)  # a block may straddle them
+            private = WritablePages(r.blocks, r.shared_pages * self.tokens)  # a block may straddle them
             self._pack_keys(pages, private, qk0, key_windows[r.slot, :, s : s + count].unsqueeze(0))
         args = (
             key_windows,
@@ -216,10 +216,10 @@ class PageWriter:
         q_start, m, blocks = request.q_start, request.q_len, request.blocks
         new_k = key_states[:, :, q_start : q_start + m]
         new_v = value_states[:, :, q_start : q_start + m]
-        (key_tail, key_sinks), (value_tail, value_sinks) = self._append(layer, pages, request, request.held, new_k,
+        (key_tail, key_sinks), (value_tail, value_sinks) = self._append(layer, pages, request, request.split, new_k,
                                                                         new_v)  # fmt: skip
         t, k, v = self.tokens, self.key_codec, self.value_codec
-        key_count, value_count = request.held.packed_keys, request.held.packed_values
+        key_count, value_count = request.split.packed_keys, request.split.packed_values
         key_parts, value_parts = pages.keys(blocks[: -(-key_count // t)]), pages.values(blocks[: -(-value_count // t)])
         keys = KindOperands(key_sinks, *key_parts, key_count, k.group, k.bits, key_tail, self.key_rotation)
         values = KindOperands(value_sinks, *value_parts, value_count, v.group, v.bits, value_tail, self.value_rotation)
@@ -231,7 +231,7 @@ class PageWriter:
         bytes already). Returns per kind the exact tail (window rows, then the new tokens: the tokens leaving now are
         still in it, as attention reads them) and the sinks held before."""
         units, s, slot = self.units, self.settings.sink_tokens, request.slot
-        blocks = _Private(request.blocks, request.shared_pages * self.tokens)
+        blocks = WritablePages(request.blocks, request.shared_pages * self.tokens)
         after = self.settings.split(before.length + new_k.shape[2])
         units.move_values(layer, slot, before)
         base, base_after = units.value_base[layer][slot], units.value_base_for(after)
@@ -263,20 +263,20 @@ class PageWriter:
         rows[:, first_after : first_after + after.length - after.sinks - packed_after] = tail[0, :, start + leaving :]
         return tail, sinks
 
-    def _pack_keys(self, pages: LayerPages, blocks: _Private, start: int, keys) -> None:
+    def _pack_keys(self, pages: LayerPages, blocks: WritablePages, start: int, keys) -> None:
         """Quantizes ``keys [1, H, n, D]`` (packed positions ``[start, start + n)``, whole pages) into their pages,
         except into shared ones."""
-        start, keys = blocks.from_private(start, keys)
+        start, keys = blocks.writable_part(start, keys)
         if not keys.shape[2]:
             return
         t, blocks = self.tokens, blocks.blocks
         codes, scales, zeros = self.key_codec.quantize(keys)
         pages.store_keys(blocks[start // t : (start + keys.shape[2]) // t], codes, scales, zeros)
 
-    def _pack_values(self, pages: LayerPages, blocks: _Private, start: int, values) -> None:
+    def _pack_values(self, pages: LayerPages, blocks: WritablePages, start: int, values) -> None:
         """Quantizes ``values [1, H, n, D]`` (packed positions ``[start, start + n)``) into their pages' rows, except
         into shared pages."""
-        start, values = blocks.from_private(start, values)
+        start, values = blocks.writable_part(start, values)
         t, done, n, blocks = self.tokens, 0, values.shape[2], blocks.blocks
         while done < n:
             position = start + done
@@ -292,14 +292,15 @@ class PageWriter:
             done += count
 
 
-class _Private(NamedTuple):
+class WritablePages(NamedTuple):
     """A request's pages as the packers see them: ``blocks`` (int64), of which packed positions before ``shared`` are
-    a cached prefix's pages."""
+    a cached prefix's pages, read and never written."""
 
     blocks: torch.Tensor
     shared: int
 
-    def from_private(self, start: int, states: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Packed positions ``[start, start + n)`` of ``states [1, H, n, D]`` less those in shared pages."""
+    def writable_part(self, start: int, states: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Packed positions ``[start, start + n)`` of ``states [1, H, n, D]`` less those in shared pages: the first
+        position to write and the states to write there."""
         skip = min(states.shape[2], max(0, self.shared - start))
         return start + skip, states[:, :, skip:]

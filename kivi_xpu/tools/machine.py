@@ -70,9 +70,10 @@ def cpu_facts() -> dict:
 
 
 def lscpu_lines() -> list[str]:
-    """The ``Model name`` and ``Flags`` lines of ``lscpu``, which every measurement prints beside its numbers (empty
-    where ``lscpu`` is missing)."""
-    return [line for line in _lscpu().splitlines() if line.startswith(("Model name", "Flags"))]
+    """The ``Model name``, ``CPU family``, ``Model`` and ``Flags`` lines of ``lscpu``, which every measurement prints
+    beside its numbers (a VM's model name may say only "AMD EPYC": the family and model tell its generation); empty
+    where ``lscpu`` is missing."""
+    return [line for line in _lscpu().splitlines() if line.startswith(("Model name", "CPU family", "Model:", "Flags"))]
 
 
 def _lscpu(*options: str) -> str:

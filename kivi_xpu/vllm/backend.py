@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..backend import select
 from ..codec import KeyCodec, ValueCodec
-from ..paged.attend import LayerStep, attend
+from ..paged.attend import LayerStep, attend, chunk_attention
 from ..paged.pages import LayerPages
 from ..paged.store import DecodePlan, PageWriter, Request
 from . import state
@@ -156,7 +156,9 @@ class KiviAttentionImpl(AttentionImpl):
         return output
 
     def _sdpa(self, rows, keys, values, mask, is_causal):
-        result = torch.nn.functional.scaled_dot_product_attention(
-            rows, keys, values, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=True
-        )
+        if mask is None:
+            result = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, is_causal=is_causal,
+                                                                      scale=self.scale, enable_gqa=True)  # fmt: skip
+        else:  # attend's masks are those of a chunk after the rest of the keys
+            result = chunk_attention(rows, keys, values, self.scale)
         return result.transpose(1, 2)

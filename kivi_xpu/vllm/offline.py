@@ -17,12 +17,15 @@ VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "pyth
 
 def run(spec: dict, script: Path | None = None, timeout: float = 3600) -> dict:
     """From any environment: runs this module (or ``script``, which takes the same SPEC.json argument and prints
-    one ``RESULT`` line) on ``spec`` in .venv-vllm, the worker's threads on every core and the native kernels (the
-    vLLM environment has no SYCL runtime); its RESULT. ``RuntimeError`` with the engine's output if it failed."""
+    one ``RESULT`` line) on ``spec`` in .venv-vllm, the native kernels (the vLLM environment has no SYCL runtime) and
+    the workers' threads on every core (split between the ranks of ``tensor_parallel_size``); its RESULT.
+    ``RuntimeError`` with the engine's output if it failed."""
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm-env` first")
     env = dict(os.environ, KIVI_XPU_BACKEND="native", VLLM_PLUGINS="kivi")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    ranks, cores = spec["engine"].get("tensor_parallel_size", 1), os.cpu_count()
+    share = max(1, cores // ranks)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(f"{r * share}-{r * share + share - 1}" for r in range(ranks)))
     env.pop("KIVI_XPU_REQUIRE_SYCL", None)
     command = ["-m", "kivi_xpu.vllm.offline"] if script is None else [str(script)]
     with tempfile.TemporaryDirectory() as workdir:
@@ -46,7 +49,8 @@ def main() -> None:
         engine["additional_config"] = {"kivi": spec["kivi"]}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=spec.get("enforce_eager", True),
               dtype=spec["dtype"], **engine)  # fmt: skip
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, detokenize=False, logprobs=2)
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, detokenize=False, logprobs=2,
+                            ignore_eos=True)  # fmt: skip
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
     answers = []
     for output in outputs:
@@ -56,10 +60,14 @@ def main() -> None:
             top = sorted((lp.logprob for lp in step.values()), reverse=True)
             margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
         answers.append({"tokens": list(completion.token_ids), "margins": margins})
-    engine = llm.llm_engine
-    blocks = engine.vllm_config.cache_config.num_gpu_blocks
-    print("RESULT " + json.dumps({"answers": answers, "num_blocks": blocks,
-                                  "block_size": engine.vllm_config.cache_config.block_size}))  # fmt: skip
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    result = {"answers": answers, "num_blocks": cache_config.num_gpu_blocks, "block_size": cache_config.block_size}
+    if spec["kivi"] is not None:  # one rank's bytes (the plan of this process's config: every rank's is the same)
+        from . import state
+
+        plan = state.plan_of(llm.llm_engine.vllm_config)
+        result["block_bytes"], result["unit_bytes"] = plan.page_bytes * plan.shape.num_layers, plan.unit_bytes
+    print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":

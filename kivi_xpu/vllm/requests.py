@@ -114,7 +114,7 @@ class WorkerRequests:
             self._staging_warned = True
             logger.warning(
                 "KIVI pages: request %s's prompt arrives in chunks and the staging units are taken: its tokens after "
-                "%d attend the earlier ones as stored (2-bit), not exact. Raise \"staging_tokens\" in "
+                '%d attend the earlier ones as stored (2-bit), not exact. Raise "staging_tokens" in '
                 "--additional-config kivi to keep every chunked prompt exact (logged once)",
                 request_id,
                 end,
