@@ -305,7 +305,12 @@ def main(argv=None) -> int:
     if args.url:
         targets = [("url", None)]
     for name, command in targets:
-        server = Server(command, args.startup_timeout) if command else None
+        try:
+            server = Server(command, args.startup_timeout) if command else None
+        except RuntimeError as err:  # such as vLLM refusing a budget that cannot hold one request of its length
+            runs[name] = {"error": str(err).splitlines()[-1]}
+            print(f"{name:<11} did not start: {runs[name]['error']}", flush=True)
+            continue
         try:
             runs[name] = load(server.url if server else args.url, model, texts, args.concurrency, args.max_tokens)
         finally:
@@ -324,7 +329,10 @@ def main(argv=None) -> int:
             f"{run['cached_tokens']} of {run['prompt_tokens']})",
             flush=True,
         )
-    last_tokens = next(iter(runs.values()))["last_usage"]["completion_tokens"]
+    served = [run for run in runs.values() if "error" not in run]
+    if not served:
+        return 1
+    last_tokens = served[0]["last_usage"]["completion_tokens"]
     memory = kv_bytes(model, args.dtype, texts[-1], last_tokens, kivi)
     kivi_mib, dynamic_mib = memory["kivi_bytes"] / MIB, memory["dynamic_bytes"] / MIB
     print(

