@@ -39,6 +39,16 @@ def run(spec: dict, script: Path | None = None, timeout: float = 3600) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def margins(logprobs) -> list[float]:
+    """Per step of a completion's ``logprobs`` (each the top log-probabilities by token): the gap of the top two, the
+    greedy choice's margin."""
+    result = []
+    for step in logprobs:
+        top = sorted((lp.logprob for lp in step.values()), reverse=True)
+        result.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return result
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
@@ -52,14 +62,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, detokenize=False, logprobs=2,
                             ignore_eos=True)  # fmt: skip
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
-    answers = []
-    for output in outputs:
-        completion = output.outputs[0]
-        margins = []
-        for step in completion.logprobs:  # the top two log-probabilities' gap: the greedy choice's margin
-            top = sorted((lp.logprob for lp in step.values()), reverse=True)
-            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
-        answers.append({"tokens": list(completion.token_ids), "margins": margins})
+    answers = [{"tokens": list(o.outputs[0].token_ids), "margins": margins(o.outputs[0].logprobs)} for o in outputs]
     cache_config = llm.llm_engine.vllm_config.cache_config
     result = {"answers": answers, "num_blocks": cache_config.num_gpu_blocks, "block_size": cache_config.block_size}
     if spec["kivi"] is not None:  # one rank's bytes (the plan of this process's config: every rank's is the same)

@@ -135,7 +135,7 @@ class WorkerRequests:
             state = runner.requests.get(request_id) if request_id is not None else None
             if q_len == 0 or state is None:
                 continue
-            past = seq_lens[row] - q_len
+            past, end, prompt_len = seq_lens[row] - q_len, seq_lens[row], len(state.prompt_token_ids)
             held = self.held.get(request_id)
             if held is None:
                 if past:
@@ -143,15 +143,14 @@ class WorkerRequests:
                         f"KIVI pages: request {request_id} arrives with {past} tokens already computed (a prefix-cache "
                         "hit), which the plugin turns off"
                     )
-                held = self._admit(request_id, len(state.prompt_token_ids))
-            if past < held.prompt_end and past + q_len < len(state.prompt_token_ids):  # not the prompt's last chunk
-                self._stage(request_id, held, past, past + q_len)
+                held = self._admit(request_id, prompt_len)
+            if past < held.prompt_end and end < prompt_len:  # a chunk of the prompt before its last
+                self._stage(request_id, held, past, end)
             if held.staging is not None and past >= held.prompt_end:  # its prompt was stored in the last forward
                 self.units.give_back(held.staging.tolist())
                 held.staging = None
-            blocks = block_table[row, : -(-seq_lens[row] // tokens)].to(torch.int64)
-            end = past + q_len
-            staged_end, prompt_end = min(end, held.prompt_end), min(end, len(state.prompt_token_ids))
+            blocks = block_table[row, : -(-end // tokens)].to(torch.int64)
+            staged_end, prompt_end = min(end, held.prompt_end), min(end, prompt_len)
             if past < staged_end:  # prompt tokens attending the exact prompt (the staged chunks and these)
                 requests.append(Request(request_id, held.slot, past, q_start, staged_end - past, blocks,
                                         held.prompt_end, held.staging, settings.split(past)))  # fmt: skip

@@ -16,6 +16,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from kivi_xpu.vllm import state
+    from kivi_xpu.vllm.offline import margins
 
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec["dtype"],
               additional_config={"kivi": spec["kivi"]}, **spec["engine"])  # fmt: skip
@@ -37,10 +38,6 @@ def main() -> None:
     def params(new_tokens: int, logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0, detokenize=False,
                               logprobs=logprobs)  # fmt: skip
-
-    def margin(step: dict) -> float:  # the top two log-probabilities' gap: the greedy choice's margin
-        top = sorted((lp.logprob for lp in step.values()), reverse=True)
-        return top[0] - top[1] if len(top) > 1 else float("inf")
 
     def held() -> dict:
         units = state.live_requests()
@@ -73,9 +70,7 @@ def main() -> None:
 
     # Abort mid-prefill: the prompt arrives in chunks of max_num_batched_tokens; abort after the first.
     engine.add_request("prefilling", prompt(spec["long_prompt"], 1), params(8))
-    report["mid_prefill"] = step_until(
-        "prefilling", lambda now: any(r.startswith("prefilling") for r in now["requests"])
-    )
+    report["mid_prefill"] = step_until("prefilling", lambda now: "prefilling" in now["requests"])
     engine.abort_request(["prefilling"])
     short_request("after-prefill-abort")
     report["after_prefill_abort"] = held()
@@ -102,7 +97,7 @@ def main() -> None:
         {
             "prompt": crowd[i]["prompt_token_ids"],
             "tokens": list(out.token_ids),
-            "margins": list(map(margin, out.logprobs)),
+            "margins": margins(out.logprobs),
         }
         for i, out in sorted(outputs.items())
     ]
