@@ -50,10 +50,12 @@ from pathlib import Path
 import torch
 
 from kivi_xpu.integration import cache_kwargs
+from kivi_xpu.paged.budget import exact_token_bytes
 from kivi_xpu.tools.cli import positive_int
 from kivi_xpu.tools.loading import resolve_model
 from kivi_xpu.tools.machine import lscpu_lines
 from kivi_xpu.tools.memory import MIB, accounted_bytes
+from kivi_xpu.tools.plan import load_config, model_shape, plan_rows
 from kivi_xpu.tools.serve import add_arguments as add_kivi_arguments
 from kivi_xpu.tools.serve import cache_config
 
@@ -118,38 +120,23 @@ def vllm_command(name: str, model: str, dtype: str, kivi: dict, batching: dict) 
 
 
 def capacities(model_path: str, dtype: str, kivi: dict, batching: dict, prompt_tokens: int, new_tokens: int) -> dict:
-    """Requests of ``prompt_tokens + new_tokens`` tokens each budget holds at once: the full-precision pool's blocks,
-    and the KIVI pool's pages and exact windows (as its admission reserves them). Computed from the budgets (the
-    servers do not report it)."""
-    from transformers import AutoConfig
-
-    from kivi_xpu import KiviCache
-    from kivi_xpu.paged.budget import PageBudget
-    from kivi_xpu.paged.cache import page_shape
-
-    config = AutoConfig.from_pretrained(model_path).get_text_config()
-    torch_dtype = getattr(torch, dtype)
-    fp32_blocks_per_request = -(-(prompt_tokens + new_tokens) // batching["block_size"])
-    result = {"fp32_requests": batching["fp32_blocks"] // fp32_blocks_per_request}
-    kwargs = {k: v for k, v in cache_kwargs(kivi).items() if k not in ("backend", "device")}
-    settings = KiviCache(**kwargs).settings.for_model_dtype(torch_dtype)
-    budget = PageBudget.plan(
-        page_shape(config), settings, torch_dtype, batching["kv_memory_mib"] * MIB, batching["max_requests"]
-    )
-    result["kivi_requests"] = budget.requests_held(prompt_tokens, new_tokens)
-    result["kivi_sector_mib"] = budget.bytes_per_sector / MIB
-    return result
+    """Requests of ``prompt_tokens + new_tokens`` tokens each budget holds at once, as ``kivi-xpu plan`` computes them
+    (the servers do not report it): transformers' full-precision pool of ``fp32_blocks``, KIVI pages in transformers'
+    batching (capped by ``max_requests``), and vLLM's own pages and vLLM + KIVI at their defaults."""
+    settings = {k: v for k, v in cache_kwargs(kivi).items() if k not in ("backend", "device")}
+    rows = plan_rows(model_path, getattr(torch, dtype), [batching["kv_memory_mib"]], [(prompt_tokens, new_tokens)],
+                     settings, page_size=batching["block_size"])  # fmt: skip
+    held = {(row["engine"], row["pages"] == "KIVI 2-bit"): row["requests"] for row in rows if row["pages"] != "fp8"}
+    cap = batching["max_requests"]
+    kivi_requests = held["transformers", True] if cap is None else min(cap, held["transformers", True])
+    return {"fp32_requests": held["transformers", False], "kivi_requests": kivi_requests,
+            "vllm_requests": held["vllm", False], "vllm_kivi_requests": held["vllm", True]}  # fmt: skip
 
 
 def fp32_blocks(model_path: str, dtype: str, kv_memory_mib: int, block_size: int) -> int:
     """Full-precision blocks (``block_size`` tokens of keys and values of every layer) in ``kv_memory_mib`` MiB."""
-    from transformers import AutoConfig
-    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
-
-    config = AutoConfig.from_pretrained(model_path).get_text_config()
-    itemsize = getattr(torch, dtype).itemsize
-    per_block = config.num_hidden_layers * 2 * find_num_key_value_heads(config) * find_head_dim(config) * itemsize
-    return kv_memory_mib * MIB // (per_block * block_size)
+    shape = model_shape(load_config(model_path, None), 1)
+    return kv_memory_mib * MIB // (exact_token_bytes(shape, getattr(torch, dtype)) * block_size)
 
 
 class Server:
@@ -343,7 +330,8 @@ def main(argv=None) -> int:
     print(
         f"requests of {memory['prompt_tokens'] + last_tokens} tokens held at once in {batching['kv_memory_mib']} MiB "
         f"(continuous batching): full-precision pool {held['fp32_requests']} ({batching['fp32_blocks']} blocks of "
-        f"{args.cb_block_size}), KIVI pages {held['kivi_requests']}"
+        f"{args.cb_block_size}), KIVI pages {held['kivi_requests']}; vLLM {held['vllm_requests']}, vLLM + KIVI "
+        f"{held['vllm_kivi_requests']} (kivi-xpu plan)"
     )
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "kivi_options"} | {"kivi": kivi}

@@ -1,4 +1,4 @@
-"""Command line: ``python -m kivi_xpu {info,bench,eval-ppl,calibrate,serve}`` (also the ``kivi-xpu`` console script).
+"""Command line: ``python -m kivi_xpu {info,bench,eval-ppl,calibrate,plan,serve}`` (the ``kivi-xpu`` script).
 
 * ``info``: versions, SYCL devices, the chosen backend, whether the kernels compile, the kernel cache's variants;
 * ``bench``: prefill time, decode speed, KV memory, peak memory and token match of several caches
@@ -7,6 +7,8 @@
   (:mod:`kivi_xpu.tools.eval_ppl`, also ``python -m kivi_xpu.tools.eval_ppl``);
 * ``calibrate``: per-layer KIVI settings for a bits/element budget from a short calibration, written as a
   ``layer_overrides`` JSON file (:mod:`kivi_xpu.tools.calibrate`, also ``python -m kivi_xpu.tools.calibrate``);
+* ``plan``: how many requests of a given length a KV budget holds, with KIVI pages and without, in transformers'
+  batching and in vLLM, and the longest prompt (:mod:`kivi_xpu.tools.plan`);
 * ``serve``: transformers' OpenAI-compatible server (``transformers serve``) with the KIVI cache
   (:mod:`kivi_xpu.tools.serve`; its arguments go to that module unparsed, since most are transformers').
 """
@@ -23,6 +25,7 @@ from .ops.library import OPS
 from .tools import bench as bench_tool
 from .tools import calibrate as calibrate_tool
 from .tools import eval_ppl as evaluate_tool
+from .tools import plan as plan_tool
 from .tools import serve as serve_tool
 from .tools.cli import run_tool
 
@@ -78,6 +81,7 @@ def main(argv=None) -> int:
         ("bench", bench_tool, "decode speed, KV and peak memory, token match of several caches"),
         ("eval-ppl", evaluate_tool, "perplexity on a text with the cache in the loop (decode or streaming)"),
         ("calibrate", calibrate_tool, "per-layer KIVI settings for a bits/element budget (layer_overrides file)"),
+        ("plan", plan_tool, "requests and tokens a KV budget holds, KIVI pages or not, in each engine (no model run)"),
     ):
         sub = commands.add_parser(
             name, help=summary, description=tool.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kivi_xpu import KiviCache
 from kivi_xpu.paged.budget import PageShape
+from kivi_xpu.tools.plan import plan_rows
 from kivi_xpu.vllm import offline
 from kivi_xpu.vllm.plan import PLUGIN_KEYS, SETTINGS_KEYS, check_vllm_version, kivi_options, plan
 
@@ -118,6 +119,12 @@ def test_vllm_answers_equal_own_generate(tmp_path):
     # The same budget as vLLM's own fp32 pages holds many times the tokens.
     own_pages = _run_engine(tmp_path, dict(spec, kivi=None, prompts=prompts[:1], max_tokens=1))
     assert result["num_blocks"] * 128 >= 6 * own_pages["num_blocks"] * own_pages["block_size"]
+    # `kivi-xpu plan` says what both pools hold.
+    planned = plan_rows(str(tmp_path / "model"), torch.float32, [64], [(700, 16)], spec["kivi"], max_model_len=1024,
+                        max_batched_tokens=256, engines=("vllm",))  # fmt: skip
+    pool_tokens = {row["pages"]: row["pool_tokens"] for row in planned}
+    assert pool_tokens["KIVI 2-bit"] == result["num_blocks"] * result["block_size"]
+    assert pool_tokens["float32"] == own_pages["num_blocks"] * own_pages["block_size"]
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")

@@ -148,14 +148,20 @@ def _exact_scheduling(config: ContinuousBatchingConfig) -> None:
 
 
 def paged_layer_settings(model, kivi_settings: dict) -> tuple:
-    """The settings of each full-attention layer of ``model``, in order, resolved for its dtype: those the same layer
-    of ``KiviCache(model.config, **kivi_settings)`` has (its ``layer_overrides`` and defaults applied), so that a
+    """The settings of each full-attention layer of ``model``, in order, resolved for its dtype
+    (:func:`config_layer_settings` of its config)."""
+    return config_layer_settings(model.config, model.dtype, kivi_settings)
+
+
+def config_layer_settings(config, dtype, kivi_settings: dict) -> tuple:
+    """The settings of each full-attention layer of a model of ``config`` in ``dtype``, in order: those the same
+    layer of ``KiviCache(config, **kivi_settings)`` has (its ``layer_overrides`` and defaults applied), so that a
     request is stored as its own ``KiviCache`` would store it."""
-    cache = KiviCache(model.config, **kivi_settings)
-    config = model.config.get_text_config()
-    layers = group_layers_by_attn_type(config).get(FULL_ATTENTION, [])
-    head_dim = find_head_dim(config)
-    return tuple(cache.layer_settings(layer, head_dim).for_model_dtype(model.dtype) for layer in layers)
+    cache = KiviCache(config, **kivi_settings)
+    text = config.get_text_config()
+    layers = group_layers_by_attn_type(text).get(FULL_ATTENTION, [])
+    head_dim = find_head_dim(text)
+    return tuple(cache.layer_settings(layer, head_dim).for_model_dtype(dtype) for layer in layers)
 
 
 def _cache_options(model, kv_memory, max_requests, backend, kivi_settings: dict) -> tuple[dict, PageBudget]:
