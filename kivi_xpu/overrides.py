@@ -1,13 +1,16 @@
 """Per-layer settings from a file: :func:`load_layer_overrides` reads the ``layer_overrides`` JSON that
 ``kivi-xpu calibrate`` writes (or one written by hand), for ``KiviCache(config, layer_overrides="file.json")``;
-:func:`auto_layer_overrides` finds the calibration shipped for a model (``layer_overrides="auto"``, the default)."""
+:func:`auto_layer_overrides` finds the calibration shipped for a model (``layer_overrides="auto"``, the default) and
+logs, once per model, when none applies."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import logging
 import os
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,6 +20,8 @@ from .ops.checks import META_DTYPES
 
 # JSON holds no torch dtypes: a `meta_dtype` entry is written as its name ("float16" or "torch.float16").
 META_DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in META_DTYPES}
+
+logger = logging.getLogger("kivi_xpu")
 
 
 def load_layer_overrides(path: str | os.PathLike, config=None) -> list[dict | None]:
@@ -160,6 +165,7 @@ def auto_layer_overrides(config, settings) -> tuple[list[dict | None] | None, Pa
     fingerprint = model_fingerprint(config)
     found = _calibration_for(config, fingerprint)
     if found is None:
+        _log_uncalibrated(config, fingerprint, settings, None)
         return None, None
     path, data = found
     shipped = data.get("fingerprint", {}).get("config")
@@ -171,8 +177,86 @@ def auto_layer_overrides(config, settings) -> tuple[list[dict | None] | None, Pa
     base = {k: v for k, v in data.get("base", {}).items() if k not in _UNCOMPARED}
     ours = {k: v for k, v in settings_json(settings).items() if k not in _UNCOMPARED}
     if base != ours:
+        _log_uncalibrated(config, fingerprint, settings, path)
         return None, None
     return _entries(data, f"`layer_overrides` file {str(path)!r}", config), path
+
+
+_LOGGED: set[str] = set()  # the models (fingerprints) whose missing calibration was logged in this process
+
+
+def _log_uncalibrated(config, fingerprint: dict, settings, other_base: Path | None) -> None:
+    """Logs (WARNING, logger ``kivi_xpu``) once per model and process that ``"auto"`` found no calibration for it
+    (``other_base``: the one found was made on other base settings), what every layer takes instead, and the
+    ``kivi-xpu calibrate`` command that makes one. ``KiviCache`` and the vLLM plugin both come through here."""
+    key = json.dumps(fingerprint, sort_keys=True, default=str)
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    model = getattr(config, "_name_or_path", "") or ""
+    shape = fingerprint["config"]
+    layers = f"{shape['num_hidden_layers']} layers"
+    named = f"{model} ({shape['model_type']}, {layers})" if model else (
+        f"this {shape['model_type']} model ({layers}, hidden size {shape['hidden_size']})"
+    )  # fmt: skip
+    what = (
+        f"the calibration shipped for {named} ({str(other_base)!r}) was made on other base settings"
+        if other_base is not None
+        else f"no calibration is shipped for {named}"
+    )
+    logger.warning(
+        "kivi_xpu: %s, so every layer takes the same settings (%s). A calibration chooses per-layer settings for "
+        'the same memory: `%s`, then layer_overrides="calibration.json" (KiviCache, or vLLM\'s "kivi" config). '
+        "layer_overrides=None keeps every layer alike without this message.",
+        what,
+        describe_settings(settings),
+        calibrate_command(model or "CHECKPOINT", settings),
+    )
+
+
+def describe_settings(settings) -> str:
+    """A :class:`~kivi_xpu.KiviSettings` in a few words, e.g. ``"2-bit, G=32, R=128, 4 sinks, hadamard,
+    least_squares"`` (keys and values named apart where they differ)."""
+
+    def pair(key, value, form: str) -> str:
+        return form.format(key) if key == value else f"keys {form.format(key)}, values {form.format(value)}"
+
+    def rotation(name: str) -> str:
+        return "no rotation" if name == "none" else name
+
+    return ", ".join(
+        (
+            pair(settings.key_bits, settings.value_bits, "{}-bit"),
+            pair(settings.key_group_size, settings.value_group_size, "G={}"),
+            f"R={settings.residual_length}",
+            f"{settings.sink_tokens} sinks",
+            pair(rotation(settings.key_rotation), rotation(settings.value_rotation), "{}"),
+            settings.fit,
+        )
+    )
+
+
+_TOOL_DEFAULTS = {"bits": 2, "group_size": 32, "residual_length": 128}  # kivi-xpu calibrate's --bits, ...
+
+
+def calibrate_command(model: str, settings) -> str:
+    """The ``kivi-xpu calibrate`` command line whose base is ``settings`` (so that ``"auto"`` would apply its
+    output on them), for the checkpoint ``model``; the metadata dtype aside (it follows the model's dtype)."""
+    args = ["kivi-xpu calibrate", "--model", shlex.quote(model)]
+    for name, value in _TOOL_DEFAULTS.items():
+        if getattr(settings, name) != value:
+            args += ["--" + name.replace("_", "-"), str(getattr(settings, name))]
+    # The fields the tool has no flag for, as --kivi-option: the preset's first, then the per-kind ones that no
+    # longer follow them.
+    shared = {"sink_tokens", "rotation", "fit"}
+    derived = type(settings)(settings.bits, settings.group_size, settings.residual_length)
+    options = {f: getattr(settings, f) for f in sorted(shared) if getattr(settings, f) != getattr(derived, f)}
+    derived = derived.replace(**options)
+    per_kind = ("key_bits", "value_bits", "key_group_size", "value_group_size", "key_rotation", "value_rotation")
+    options |= {f: getattr(settings, f) for f in per_kind if getattr(settings, f) != getattr(derived, f)}
+    for name, value in options.items():
+        args += ["--kivi-option", f"{name}={value}"]
+    return " ".join([*args, "--output", "calibration.json"])
 
 
 def settings_for_layer(settings, overrides, layer_idx: int, head_dim: int | None = None):

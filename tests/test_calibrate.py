@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from transformers import LlamaForCausalLM
 from kivi_xpu import KiviCache, KiviSettings, load_layer_overrides
 from kivi_xpu.__main__ import main
 from kivi_xpu.assets import byte_tokenizer
-from kivi_xpu.tools.calibrate import Scorer, allocate
+from kivi_xpu.tools import calibrate as calibrate_tool
+from kivi_xpu.tools.calibrate import Scorer, allocate, duration
 
 # ---------------------------------------------------------------------------------------------------------------
 # allocation
@@ -195,6 +197,51 @@ def test_calibrate_writes_overrides_within_the_budget_that_caches_and_eval_ppl_u
     code, out, err = run([*ppl_args, "--kivi-option", f"layer_overrides={output}", "--no-progress"], capsys)
     assert code == 0, err
     assert f"layer_overrides={output}" in out
+
+
+@pytest.mark.parametrize("below_base", [False, True])
+def test_the_run_count_printed_first_is_the_runs_made(assets, tmp_path, capsys, monkeypatch, below_base):
+    """The count printed before the first run equals the runs made (counted here as the reference run and every
+    cache measured against it); the chosen run is left out only when every layer keeps the base. A budget below the
+    base's forces a change, so that run is made. Then the estimate, from the first KIVI run's time, before the rest."""
+    model_dir, text = assets
+    made, lines = [], []
+    init, measure = Scorer.__init__, Scorer.measure
+
+    def counted_init(self, *args, **kwargs):
+        made.append("reference")
+        init(self, *args, **kwargs)
+
+    def counted_measure(self, cache, *args, **kwargs):
+        lines.append(capsys.readouterr().err)  # what was printed before this run
+        made.append(cache.layer_overrides)
+        return measure(self, cache, *args, **kwargs)
+
+    monkeypatch.setattr(Scorer, "__init__", counted_init)
+    monkeypatch.setattr(Scorer, "measure", counted_measure)
+    output = tmp_path / "calibration.json"
+    budget = ["--budget", str(KiviSettings(2, 16, 64, torch.float16).bits_per_element() - 0.1)] if below_base else []
+    args = ["calibrate", "--model", model_dir, "--text", text, *RUN, *budget, "--output", output, "--no-progress"]
+    code, _, err = run(args, capsys)
+    assert code == 0, err
+    printed = re.search(r"calibrate: 1 reference \+ 1 all-base \+ 3 layers x 4 candidates \+ 1 chosen = (\d+) runs, "
+                        r"each 6 decode steps of 2 windows", lines[0])  # fmt: skip
+    assert printed, lines[0]
+    runs = int(printed.group(1))
+    assert runs == 3 + 3 * 4 == calibrate_tool.run_count(3, 4)
+    payload = json.loads(output.read_text())
+    keeps_base = not any(payload["layer_overrides"])
+    assert not (below_base and keeps_base)
+    assert len(made) == payload["runs"] == (runs - 1 if keeps_base else runs)
+    # The estimate comes after the all-base run (the first KIVI run) and before the layers' runs.
+    estimate = re.search(r"the first KIVI run took ([\d.e+-]+) s, so the (\d+) runs left take ~(\d+) x", lines[1])
+    assert estimate and "the first KIVI run" not in lines[0], lines[:2]
+    assert int(estimate.group(2)) == runs - 2 and float(estimate.group(1)) > 0
+
+
+def test_durations_read_as_seconds_minutes_or_hours():
+    seconds = (4.2, 89, 95, 5399, 5400, 36000)
+    assert [duration(s) for s in seconds] == ["4 s", "89 s", "2 min", "90 min", "1.5 h", "10.0 h"]
 
 
 def test_the_prefill_written_with_update_equals_a_model_prefill(assets):

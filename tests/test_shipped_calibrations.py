@@ -1,7 +1,10 @@
 """Shipped calibrations (``layer_overrides="auto"``, KiviCache's default): found for the model they were made for,
-applied only on the settings they were calibrated on, and never for another model."""
+applied only on the settings they were calibrated on, and never for another model; where none applies, one log
+line per model says what applies instead and how to calibrate."""
 
+import argparse
 import json
+import logging
 
 import pytest
 import torch
@@ -111,3 +114,87 @@ def test_the_shipped_smollm2_calibration_is_found_for_the_real_checkpoint():
 
     cache = KiviCache(AutoConfig.from_pretrained(checkpoint))
     assert cache.calibration is not None and cache.calibration.parent == CALIBRATIONS
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the log line when no calibration applies
+
+
+def _said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kivi_xpu" and "every layer takes" in r.getMessage()]
+
+
+def test_an_uncalibrated_model_is_logged_once_with_what_applies_and_the_command(tmp_path, caplog):
+    """Once per model, not per cache or layer; it names the settings every layer takes and how to calibrate."""
+    config = tiny_llama_config()
+    config._name_or_path = str(tmp_path)  # a model of its own: no earlier test logged it
+    with caplog.at_level(logging.WARNING, logger="kivi_xpu"):
+        for _ in range(3):
+            assert KiviCache(config).calibration is None
+        KiviCache(config, group_size=16)  # other settings, the same model
+    said = _said(caplog)
+    assert len(said) == 1, said
+    assert caplog.records[0].levelno == logging.WARNING
+    assert f"no calibration is shipped for {tmp_path} (llama, 2 layers)" in said[0]
+    assert "every layer takes the same settings (2-bit, G=32, R=128, 4 sinks, hadamard, least_squares)" in said[0]
+    assert f"`kivi-xpu calibrate --model {tmp_path} --output calibration.json`" in said[0]
+    assert 'layer_overrides="calibration.json"' in said[0]
+
+
+def test_the_command_logged_calibrates_on_the_cache_settings(tmp_path, caplog):
+    """Its flags give the calibration the cache's settings as its base, so that "auto" applies its output."""
+    from kivi_xpu.tools.calibrate import CalibrateOptions, add_arguments
+    from kivi_xpu.tools.specs import kivi_kwargs
+
+    config = tiny_llama_config()
+    config._name_or_path = str(tmp_path)
+    given = dict(bits=4, group_size=16, residual_length=64, preset="paper", key_bits=8, value_rotation="hadamard")
+    with caplog.at_level(logging.WARNING, logger="kivi_xpu"):
+        cache = KiviCache(config, **given)
+    (said,) = _said(caplog)
+    assert "(keys 8-bit, values 4-bit, G=16, R=64, 0 sinks, keys no rotation, values hadamard, minmax)" in said
+    command = said.split("`")[1].split()
+    assert command[:3] == ["kivi-xpu", "calibrate", "--model"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    options = CalibrateOptions.from_namespace(parser.parse_args(command[2:]))
+    assert KiviCache(config, **kivi_kwargs(options, options.bits[0]), layer_overrides=None).settings == cache.settings
+
+
+def test_a_calibration_made_on_other_settings_is_named_in_the_log(checkpoint, caplog):
+    config, path = checkpoint
+    with caplog.at_level(logging.WARNING, logger="kivi_xpu"):
+        KiviCache(config, preset="paper")
+    (said,) = _said(caplog)
+    assert f"the calibration shipped for {config._name_or_path} (llama, 2 layers) ({str(path)!r}) was made on " in said
+    assert "--kivi-option fit=minmax --kivi-option rotation=none --kivi-option sink_tokens=0" in said
+
+
+def test_no_log_when_a_calibration_applies_or_for_layer_overrides_none(checkpoint, tmp_path, caplog):
+    config, _ = checkpoint
+    shipped = next(iter(_shipped().values()))["fingerprint"]  # SmolLM2-135M-Instruct's shape and name
+    shape = dict(shipped["config"])
+    smollm2 = LlamaConfig(**{k: v for k, v in shape.items() if k not in ("model_type", "head_dim")})
+    smollm2._name_or_path = "HuggingFaceTB/" + shipped["name"]
+    uncalibrated = tiny_llama_config(num_hidden_layers=5)
+    uncalibrated._name_or_path = str(tmp_path / "other")
+    with caplog.at_level(logging.DEBUG, logger="kivi_xpu"):
+        assert KiviCache(config).calibration is not None
+        assert KiviCache(smollm2).calibration is not None
+        KiviCache(uncalibrated, layer_overrides=None)
+        KiviCache(uncalibrated, layer_overrides=[None] * 5)
+        KiviCache()  # no config: no model to name
+    assert _said(caplog) == []
+
+
+def test_the_vllm_plugin_logs_through_the_same_place(tmp_path, caplog):
+    from kivi_xpu.vllm.plan import resolve_layer_settings
+
+    config = tiny_llama_config()
+    config._name_or_path = str(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kivi_xpu"):
+        settings, calibration = resolve_layer_settings({}, config, 2, 32, torch.float32)
+        resolve_layer_settings({}, config, 2, 32, torch.float32)
+        KiviCache(config)
+    assert calibration is None and len(settings) == 2
+    assert len(_said(caplog)) == 1

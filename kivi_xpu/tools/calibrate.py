@@ -13,6 +13,12 @@ and, for every KIVI layer l and every candidate c of the menu, for the cache whe
 prefill's keys and values are computed once (with exact attention, as every cache's prefill attends to the exact
 states) and written into each fresh cache with ``cache.update``, so a configuration costs its D decode steps only.
 
+Cost: 3 + L x C runs of D decode steps (:func:`run_count`; each step one forward pass of the K windows as a batch)
+for L KIVI layers and C valid candidates: the reference (after the one prefill), the all-base cache, every layer x
+candidate, and the chosen configuration (left out when every layer keeps the base). A model with sliding-window
+layers prefills in every run. The tool prints the count before it starts, then the first KIVI run's time and what
+the runs left take at that pace.
+
 Allocation: one option (the base or a candidate) per layer, minimising the summed sensitivity increases
 ``KL(l takes c) - KL(all base)`` subject to the average bits/element (:meth:`KiviSettings.bits_per_element`,
 weighted per layer by kv heads x head_dim) <= ``--budget`` (default: the base's, i.e. the memory of the default
@@ -21,7 +27,8 @@ output shows the measured KL beside the predicted one. Solved exactly (:func:`al
 
 Output (``--output``): JSON with ``layer_overrides`` (one ``null`` or dict per decoder layer), ``base`` (the settings
 the overrides are relative to: give the file to a cache with these settings), ``budget``, ``bits_per_element``,
-``sensitivity`` (every measurement), ``measured`` (reference, all-base and chosen), ``settings``, ``environment``.
+``sensitivity`` (every measurement), ``measured`` (reference, all-base and chosen), ``runs`` (the runs made),
+``settings``, ``environment``.
 """
 
 from __future__ import annotations
@@ -276,8 +283,8 @@ def calibrate(options: CalibrateOptions) -> dict:
     apply_process_options(options)
     model, model_path = load_model(options.model, options.dtype, options.device)
     base_kwargs = kivi_kwargs(options, options.bits[0])
-    try:
-        base_cache = KiviCache(config=model.config, **base_kwargs)
+    try:  # layer_overrides=None: the base is every layer alike (and "auto" would log that there is no calibration)
+        base_cache = KiviCache(config=model.config, **base_kwargs, layer_overrides=None)
     except (ValueError, TypeError, RuntimeError) as err:
         shown = ", ".join(f"{k}={v!r}" for k, v in base_kwargs.items() if v is not None)
         raise ToolError(f"KiviCache({shown}): {err}") from None
@@ -296,19 +303,32 @@ def calibrate(options: CalibrateOptions) -> dict:
         raise ToolError(f"--budget {budget:g} is below the cheapest option's bits/element ({min(costs):g})")
     tokens = evaluation_tokens(options, model, model_path).to(model.device)
 
-    runs = 3 + len(kivi_layers) * len(menu)  # reference, all-base, each layer x candidate, the chosen
+    runs = run_count(len(kivi_layers), len(menu))
+    print(
+        f"calibrate: 1 reference + 1 all-base + {len(kivi_layers)} layers x {len(menu)} candidates + 1 chosen = "
+        f"{runs} runs, each {options.decode_steps} decode steps of {options.windows} windows (the chosen run is "
+        "left out when every layer keeps the base)",
+        file=sys.stderr,
+        flush=True,
+    )
+    made = 0
     start = time.perf_counter()
     with progress(not options.no_progress, total=runs * options.decode_steps, desc="calibrate", unit="step") as bar:
         bar.set_description_str("full precision")
         scorer = Scorer(model, tokens, options.prefill, bar)
+        made += 1
 
         def measure(overrides, what: str) -> dict:
+            nonlocal made
             bar.set_description_str(what)
             entries = None if overrides is None else [override_entry(e, "override") for e in overrides]
             cache = KiviCache(config=model.config, **base_kwargs, layer_overrides=entries)
+            made += 1
             return scorer.measure(cache)
 
+        first = time.perf_counter()
         all_base = measure(None, "all base")
+        _say(bar, estimate(time.perf_counter() - first, runs - made))
         layers = [None] * len(base_cache.layers)
         for n, layer in enumerate(kivi_layers):
             layers[layer] = {}
@@ -354,8 +374,41 @@ def calibrate(options: CalibrateOptions) -> dict:
             "chosen": measured_chosen,
             "chosen_predicted_kl": predicted,
         },
+        "runs": made,
         "seconds": seconds,
     }
+
+
+def run_count(kivi_layers: int, candidates: int) -> int:
+    """The runs (of D decode steps each) a calibration of ``kivi_layers`` KIVI layers and ``candidates`` valid
+    candidates makes at most: the reference, the all-base cache, every layer x candidate, the chosen configuration
+    (left out when every layer keeps the base)."""
+    return 3 + kivi_layers * candidates
+
+
+def estimate(seconds: float, left: int) -> str:
+    """The line that says what the ``left`` runs take at the pace of the first KIVI run, ``seconds`` long."""
+    return (
+        f"calibrate: the first KIVI run took {seconds:.3g} s, so the {left} runs left take ~{left} x {seconds:.3g} s "
+        f"= ~{duration(left * seconds)}"
+    )
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` for a reader: seconds up to 90, minutes up to 90, then hours."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _say(bar, line: str) -> None:
+    """``line`` on stderr, above the progress bar when one is drawn."""
+    if hasattr(bar, "write"):
+        bar.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
