@@ -74,24 +74,24 @@ def machine_line(payload: dict) -> str:
     return f"{cores}{cpu.get('model')}{family} ({', '.join(features)}), {threads} torch thread{'s' * (threads != 1)}"
 
 
-def least_disturbed(payload: dict) -> dict:
-    """The payload with, for each context, only the rows of its least disturbed round (``--rounds``): the round whose
-    caches' ms/step sum to the least. The caches' steps of one round are interleaved, so their ratios hold in any
-    round; the least disturbed round is the one whose absolute times other jobs on the machine inflated the least."""
-    totals: dict[tuple[int, int], float] = {}
+def over_rounds(payload: dict) -> dict:
+    """The payload with one row per context and cache: its ms/step the median over the ``--rounds`` (passes over
+    every context, one after another), ``ms_low`` / ``ms_high`` the fastest and slowest round. The caches' steps
+    of one round are interleaved, so their ratios hold in any round; the spread is what other jobs and the machine
+    did to the absolute times."""
+    groups: dict[tuple[int, str], list[dict]] = {}
     for row in payload["rows"]:
-        key = (row["context"], row.get("round", 0))
-        totals[key] = totals.get(key, 0.0) + row["ms_per_step"]
-    best = {}
-    for (context, round_), total in sorted(totals.items()):
-        if context not in best or total < totals[context, best[context]]:
-            best[context] = round_
-    rows = [r for r in payload["rows"] if r.get("round", 0) == best[r["context"]]]
+        groups.setdefault((row["context"], row["cache"]), []).append(row)
+    rows = []
+    for rounds in groups.values():
+        times = [r["ms_per_step"] for r in rounds]
+        rows.append(rounds[0] | {"ms_per_step": statistics.median(times), "ms_low": min(times), "ms_high": max(times),
+                                 "rounds": len(times)})  # fmt: skip
     return payload | {"rows": rows}
 
 
 def steps_payloads() -> list[dict]:
-    return [least_disturbed(load(RESULTS / f"steps-smollm2-b{batch}.json")) for batch in (1, 4)]
+    return [over_rounds(load(RESULTS / f"steps-smollm2-b{batch}.json")) for batch in (1, 4)]
 
 
 def steps_caption(payloads: list[dict], what: str, timed: bool = True) -> str:
@@ -104,10 +104,11 @@ def steps_caption(payloads: list[dict], what: str, timed: bool = True) -> str:
     )
     build = first["settings"].get("note") or f"commit {first['environment']['commit']}"
     rounds = first["settings"].get("rounds", 1)
+    spread = f" Per point the median of {rounds} rounds, bars from the fastest to the slowest."
     shared = " with other jobs" if rounds > 1 else ""
     return (
         f"{machine_line(first)}, the machine shared{shared}; {kernels}; {first['date'][:10]}; {build}.\n"
-        f"{what}{f' Per context the least disturbed of {rounds} rounds.' if timed and rounds > 1 else ''} Source: "
+        f"{what}{spread if timed and rounds > 1 else ''} Source: "
         "benchmarks/results/steps-smollm2-b1.json,"
         " -b4.json (benchmarks/bench_decode_steps.py)."
     )
@@ -119,7 +120,8 @@ def decode_speed(path: Path) -> None:
     for payload in payloads:
         series: dict[str, list[tuple[float, float]]] = {}
         for row in payload["rows"]:
-            series.setdefault(CACHE_LABELS[row["cache"]], []).append((row["context"], row["ms_per_step"]))
+            point = (row["context"], row["ms_per_step"], row["ms_low"], row["ms_high"])
+            series.setdefault(CACHE_LABELS[row["cache"]], []).append(point)
         panels.append((f"batch {payload['settings']['batch']}", series))
     lines_plot(
         panels,
@@ -179,30 +181,37 @@ def kv_memory(path: Path) -> None:
     )
 
 
+SERVING_ENGINES = {  # (engine, pages) of kivi-xpu plan's rows -> the label
+    ("transformers", "float32"): "transformers, fp32",
+    ("transformers", "KIVI 2-bit"): "kivi-xpu serve, KIVI",
+    ("vllm", "float32"): "vLLM, fp32",
+    ("vllm", "fp8"): "vLLM, fp8",
+    ("vllm", "KIVI 2-bit"): "vLLM + KIVI",
+}
+
+
 def serving(path: Path) -> None:
-    payloads = [load(RESULTS / name) for name in ("serve-cb-smollm2-short.json", "serve-cb-smollm2-4k-second-run.json")]
-    groups = [
-        f"{p['kv']['prompt_tokens']} + {p['kv']['new_tokens']} tokens\nKV budget {p['settings']['kv_memory']} MiB"
-        for p in payloads
-    ]
-    pool, kivi = "transformers' paged pool (fp32)", "KIVI pages (2-bit default)"
-    held = {
-        pool: [p["capacity"]["fp32_requests"] for p in payloads],
-        kivi: [p["capacity"]["kivi_requests"] for p in payloads],
-    }
-    speed = {
-        pool: [p["runs"]["dynamic-cb"]["completion_tokens_per_s"] for p in payloads],
-        kivi: [p["runs"]["kivi-cb"]["completion_tokens_per_s"] for p in payloads],
-    }
+    source = "plan-smollm2-fp32.json"
+    payload = load(RESULTS / source)
+    budgets = sorted({row["kv_memory_mib"] for row in payload["rows"]})
+    lengths = sorted({(row["prompt"], row["new_tokens"]) for row in payload["rows"]})
+    panels = []
+    for budget in budgets:
+        held = {(row["engine"], row["pages"], row["prompt"], row["new_tokens"]): row["requests"]
+                for row in payload["rows"] if row["kv_memory_mib"] == budget}  # fmt: skip
+        series = {label: [held[(*key, *length)] for length in lengths] for key, label in SERVING_ENGINES.items()}
+        panels.append((f"{budget} MiB of KV", "requests held at once", series))
     grouped_bars_plot(
-        [("requests held at once", "requests", held), ("16 concurrent requests", "completion tokens/s", speed)],
-        groups,
+        panels,
+        [f"{p} + {n}" for p, n in lengths],
         str(path),
-        title="Continuous batching at equal KV memory (SmolLM2-135M fp32)",
+        title="Requests (prompt + new tokens) a KV budget holds, by engine (SmolLM2-135M fp32)",
         caption=(
-            f"{SERVE_MACHINE}. benchmarks/bench_serve.py --servers dynamic-cb kivi-cb --requests 16 --concurrency 16;\n"
-            "transformers serve --continuous-batching vs kivi-xpu serve --continuous-batching, one run each. "
-            "Source: benchmarks/results/serve-cb-smollm2-short.json, serve-cb-smollm2-4k-second-run.json."
+            "Computed by kivi-xpu plan, the engines' own admission arithmetic (tests/test_plan.py checks it against "
+            "the pools); each request holding its whole length.\nvLLM at its CPU defaults (at most 128 requests); "
+            "vLLM + KIVI at the plugin's defaults (a third of the budget for exact windows, at most 32 requests "
+            "here).\nMeasured speeds: docs/measurements/serving.md. Source: "
+            f"benchmarks/results/{source} (kivi-xpu plan --dtype float32 --json)."
         ),
     )
 

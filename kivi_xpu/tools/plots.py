@@ -142,7 +142,7 @@ def _finish(fig, title: str, caption: str, path: str, top: float = 1.0) -> None:
 
 
 def lines_plot(
-    panels: list[tuple[str, dict[str, list[tuple[float, float]]]]],
+    panels: list[tuple[str, dict[str, list[tuple[float, ...]]]]],
     path: str,
     *,
     title: str,
@@ -155,21 +155,26 @@ def lines_plot(
     notes: list[str] | None = None,
 ) -> None:
     """One panel per ``(panel title, {series label: [(x, y), ...]})``, x on a log-2 axis with the measured points as
-    ticks, y from zero; ``styles`` maps a label to matplotlib line keywords; ``annotate_last`` writes each series'
+    ticks, y from zero (a point ``(x, y, low, high)`` has a bar from ``low`` to ``high``: a spread over runs);
+    ``styles`` maps a label to matplotlib line keywords; ``annotate_last`` writes each series'
     last value beside its last point; ``notes`` holds a text per panel, written at its left above the middle; the legend
     goes in the first panel."""
     fig, axes = _docs_figure(len(panels))
     for i, (ax, (panel_title, series)) in enumerate(zip(axes, panels, strict=True)):
         if notes and notes[i]:
             ax.text(0.04, 0.6, notes[i], transform=ax.transAxes, ha="left", va="center", fontsize=8)
-        xs = sorted({x for points in series.values() for x, _ in points})
+        xs = sorted({point[0] for points in series.values() for point in points})
         for label, points in series.items():
             points = sorted(points)
-            ax.plot(
-                [x for x, _ in points], [y for _, y in points], marker="o", label=label, **(styles or {}).get(label, {})
-            )
+            x, y = [p[0] for p in points], [p[1] for p in points]
+            style = (styles or {}).get(label, {})
+            if all(len(p) == 4 for p in points):
+                spread = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
+                ax.errorbar(x, y, yerr=spread, marker="o", capsize=3, label=label, **style)
+            else:
+                ax.plot(x, y, marker="o", label=label, **style)
             if annotate_last and points:
-                x, y = points[-1]
+                x, y = points[-1][:2]
                 ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(4, 0), va="center", fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
