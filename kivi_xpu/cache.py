@@ -98,8 +98,8 @@ class KiviCache(Cache):
             (``bits``, ``group_size``, ``residual_length``, ``meta_dtype``, ``key_bits``, ``value_bits``,
             ``key_group_size``, ``value_group_size``, ``sink_tokens``, ``rotation``, ``key_rotation``,
             ``value_rotation``, ``fit``, ``preset``): ``"auto"`` (default: the calibration shipped for this model,
-            when the settings above are those it was calibrated on, the metadata dtype aside; else every layer alike, which
-            is logged once per model with the ``kivi-xpu calibrate`` command that makes a calibration; see
+            when the settings above are those it was calibrated on, the metadata dtype aside; else every layer alike,
+            which is logged once per model with the ``kivi-xpu calibrate`` command that makes a calibration; see
             :func:`kivi_xpu.overrides.auto_layer_overrides`), ``None`` (every layer alike, not logged), a
             sequence with one entry per decoder layer of ``config`` (each ``None`` or a dict such as
             ``{"key_bits": 4}``), a callable ``layer_idx -> dict | None``, or the path of a JSON file of such a
