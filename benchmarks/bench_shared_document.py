@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     path = resolve_model(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    record = {"settings": vars(args), "runs": {}}
+    record = {"settings": vars(args), "machine": lscpu_lines(), "runs": {}}
     for count in args.requests:
         prompts = shared_document_prompts(tokenizer, count, args.document_tokens)
         rows = {}

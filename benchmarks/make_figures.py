@@ -7,18 +7,19 @@ Each picture names its machine, settings and source JSON in its caption. The sou
 them (docs/measurements/ gives the tables):
 
 - decode_speed.png, kv_memory.png: ``benchmarks/results/steps-smollm2-b{1,4}.json``, written by
-  ``python benchmarks/bench_decode_steps.py --ctx 1024 2048 4096 8064 --threads 1 --rounds 3 --json ...`` with
+  ``python benchmarks/bench_decode_steps.py --ctx 1024 2048 4096 8064 --threads 2 --rounds 3 --json ...`` with
   ``--batch 1 --steps 24`` and ``--batch 4 --steps 16 --shared-prompt`` (SmolLM2-135M fp32, one prefill fills the
   three caches, then the decode steps of DynamicCache, StaticCache and the default KiviCache interleaved; median
-  ms/step, and the KV bytes each cache holds after the prompt; per context the least disturbed round is drawn).
-- serving.png: ``benchmarks/results/serve-cb-smollm2-short.json`` and ``serve-cb-smollm2-4k-second-run.json``,
-  written by ``benchmarks/bench_serve.py --servers dynamic-cb kivi-cb`` (requests held at once at the KV budget, and
-  completion tokens/s of 16 concurrent requests). Those files do not record the CPU; the caption's machine is the
-  one docs/measurements/serving.md names for them.
-- quality.png: ``benchmarks/results/quality/ppl-wikipedia-xeon-{default,paper}.json``, written by
-  ``kivi-xpu eval-ppl --text wikipedia --eval-mode decode --prefill 512 --decode-steps 256 --windows 8 --threads 1
-  --caches dynamic kivi-fused --bits 2 4 [--kivi-option preset=paper]``; bits per element from
-  ``KiviSettings.bits_per_element()``.
+  ms/step, and the KV bytes each cache holds after the prompt; per point the median of the rounds, with bars from
+  the fastest to the slowest).
+- serving.png: ``benchmarks/results/plan-smollm2-fp32.json``, written by ``kivi-xpu plan smollm2 --dtype float32
+  --kv-memory 768 4096 --requests 408+128 1222+512 3796+256 --json ...`` (requests of each length each engine holds
+  at once at the budget, computed by the engines' admission arithmetic).
+- quality.png: ``benchmarks/results/quality/ppl-wikipedia-zen4-{default,uncalibrated,paper,bf16}.json``, written by
+  ``kivi-xpu eval-ppl --text wikipedia --eval-mode decode --prefill 512 --decode-steps 256 --windows 8 --threads 2
+  --caches dynamic kivi-fused --bits 2 4`` with nothing more, ``--kivi-option layer_overrides=None --bits 2``,
+  ``--kivi-option preset=paper`` and ``--dtype bfloat16 --bits 2``; bits per element from
+  ``KiviSettings.bits_per_element()`` (a shipped calibration keeps the default's).
 - vllm_budget.png: ``benchmarks/results/vllm-budget-{512,1024,2048}.json``, written by
   ``benchmarks/bench_serve.py --servers vllm-kivi vllm --kv-memory MIB --requests 16 --concurrency 16 --max-tokens 128
   --prompt-words 950`` (completion tokens/s of vLLM's CPU engine with its own pages and with the plugin's, at each
@@ -30,6 +31,7 @@ Needs matplotlib (``pip install matplotlib``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -53,8 +55,6 @@ CACHE_STYLES = {
 # serve-cb-*.json hold no machine facts: the machine docs/measurements/serving.md names for them.
 # eval-ppl's JSON records the CPU's model name and flags, not lscpu's family and model: those of the quality runs,
 # printed by lscpu on that machine at the time.
-QUALITY_CPU_FAMILY = "family 6 model 207"
-SERVE_MACHINE = "2-core AMD EPYC VM, lscpu family 25 model 17 (Zen 4, AVX-512), 2 torch threads, 2026-11-25"
 
 
 def load(path: Path) -> dict:
@@ -105,9 +105,8 @@ def steps_caption(payloads: list[dict], what: str, timed: bool = True) -> str:
     build = first["settings"].get("note") or f"commit {first['environment']['commit']}"
     rounds = first["settings"].get("rounds", 1)
     spread = f" Per point the median of {rounds} rounds, bars from the fastest to the slowest."
-    shared = " with other jobs" if rounds > 1 else ""
     return (
-        f"{machine_line(first)}, the machine shared{shared}; {kernels}; {first['date'][:10]}; {build}.\n"
+        f"{machine_line(first)}; {kernels}; {first['date'][:10]}; {build}.\n"
         f"{what}{spread if timed and rounds > 1 else ''} Source: "
         "benchmarks/results/steps-smollm2-b1.json,"
         " -b4.json (benchmarks/bench_decode_steps.py)."
@@ -249,58 +248,53 @@ def vllm_budget(path: Path) -> None:
     )
 
 
-def quality_points(payload: dict, dynamic: dict, series: str, names: dict[int, str]) -> list[dict]:
-    """A point per KIVI row: bits per element, the perplexity increase over ``dynamic`` (%) and the standard
-    deviation of the per-window increases (% of each window's full-precision perplexity)."""
+QUALITY_RUNS = (  # (JSON of kivi-xpu eval-ppl under benchmarks/results/quality, bits, label, series, label offset)
+    ("ppl-wikipedia-zen4-default.json", 2, "2-bit default (shipped calibration)", "default", 0),
+    ("ppl-wikipedia-zen4-uncalibrated.json", 2, "2-bit default, every layer alike", "uncalibrated", 14),
+    ("ppl-wikipedia-zen4-bf16.json", 2, "2-bit default, bf16 model and cache", "bf16", -14),
+    ("ppl-wikipedia-zen4-paper.json", 2, "2-bit paper preset", "paper", 0),
+    ("ppl-wikipedia-zen4-default.json", 4, "4-bit default", "default", 0),
+    ("ppl-wikipedia-zen4-paper.json", 4, "4-bit paper preset", "paper", 10),
+)
+
+
+def quality_point(payload: dict, bits: int) -> dict:
+    """The 2- or 4-bit KIVI row of an eval-ppl run: bits per element (of its settings; a shipped calibration keeps
+    the default's), the perplexity increase over the run's own DynamicCache (%) and the standard deviation of the
+    per-window increases (% of each window's full-precision perplexity)."""
     settings = payload["settings"]
     meta = getattr(torch, settings["meta_dtype"]) if settings.get("meta_dtype") else None
-    points = []
-    for row in payload["rows"]:
-        if row["name"] == "dynamic":
-            continue
-        kivi = KiviSettings(
-            bits=row["bits"],
-            group_size=settings["group_size"],
-            residual_length=settings["residual_length"],
-            meta_dtype=meta,
-            **settings.get("kivi_options", {}),
-        )
-        points.append(
-            {
-                "label": names[row["bits"]],
-                "series": series,
-                "bits": kivi.bits_per_element(),
-                "delta": 100 * row["relative_delta_vs_dynamic"],
-                "error": 100
-                * statistics.pstdev(
-                    d / ppl
-                    for d, ppl in zip(row["window_deltas_vs_dynamic"], dynamic["window_perplexities"], strict=True)
-                ),
-            }
-        )
-    return points
+    fields = {f.name for f in dataclasses.fields(KiviSettings) if f.init and f.name != "_"}
+    options = {k: v for k, v in settings.get("kivi_options", {}).items() if k in fields}
+    kivi = KiviSettings(bits=bits, group_size=settings["group_size"], residual_length=settings["residual_length"],
+                        meta_dtype=meta, **options)  # fmt: skip
+    dynamic = next(r for r in payload["rows"] if r["name"] == "dynamic")
+    row = next(r for r in payload["rows"] if r["name"] != "dynamic" and r["bits"] == bits)
+    spread = statistics.pstdev(
+        d / ppl for d, ppl in zip(row["window_deltas_vs_dynamic"], dynamic["window_perplexities"], strict=True)
+    )
+    return {"bits": kivi.bits_per_element(), "delta": 100 * row["relative_delta_vs_dynamic"], "error": 100 * spread}
 
 
 def quality(path: Path) -> None:
-    default = load(RESULTS / "quality" / "ppl-wikipedia-xeon-default.json")
-    paper = load(RESULTS / "quality" / "ppl-wikipedia-xeon-paper.json")
-    dynamic = next(r for r in default["rows"] if r["name"] == "dynamic")
-    points = quality_points(default, dynamic, "default", {2: "KIVI 2-bit, default", 4: "KIVI 4-bit, default"})
-    points += quality_points(paper, dynamic, "paper", {2: "KIVI 2-bit, paper preset", 4: "KIVI 4-bit, paper preset"})
-    for p in points:  # the two presets at the same bits: their labels above and below the marker
-        p["dy"] = 8 if "paper" in p["label"] else -8
-    evaluated = default["evaluated"]
-    machine = machine_line(default).replace(" (", f", {QUALITY_CPU_FAMILY} (", 1)
+    payloads = {name: load(RESULTS / "quality" / name) for name, *_ in QUALITY_RUNS}
+    points = [
+        quality_point(payloads[name], bits) | {"label": label, "series": series, "dy": dy}
+        for name, bits, label, series, dy in QUALITY_RUNS
+    ]
+    first = payloads[QUALITY_RUNS[0][0]]
+    dynamic = next(r for r in first["rows"] if r["name"] == "dynamic")
+    evaluated = first["evaluated"]
     quality_plot(
         points,
         str(path),
-        title="Perplexity cost of the KV cache against its size (SmolLM2-135M fp32, Wikipedia)",
+        title="Perplexity cost of the KV cache against its size (SmolLM2-135M, Wikipedia)",
         caption=(
-            f"{machine}; {default['date'][:10]}. kivi-xpu eval-ppl --eval-mode decode: "
+            f"{machine_line(first)}; {first['date'][:10]}. kivi-xpu eval-ppl --eval-mode decode: "
             f"{evaluated['windows']} windows x ({evaluated['prefill']} prefilled + {evaluated['decode_steps']} scored "
-            f"decode steps);\nfp32 DynamicCache perplexity {dynamic['perplexity']:.3f} = 0 %. Bars: ± the standard "
-            "deviation of the per-window increases. quanto and HQQ: not installed on this machine, not drawn.\n"
-            "Source: benchmarks/results/quality/ppl-wikipedia-xeon-default.json, ppl-wikipedia-xeon-paper.json."
+            f"decode steps), held out;\nfp32 DynamicCache perplexity {dynamic['perplexity']:.3f} = 0 % (bf16: its own "
+            "bf16 DynamicCache). Bars: ± the standard deviation of the per-window increases.\nSource: "
+            "benchmarks/results/quality/ppl-wikipedia-zen4-{default,uncalibrated,paper,bf16}.json."
         ),
     )
 

@@ -1,6 +1,7 @@
 """The README and docs/ stay true: the README's usage runs, its commands parse, its make targets exist, every relative
 link and anchor resolves, every `kivi-xpu` flag the docs name exists, the README keeps its word budget, every page
-of docs/ is linked from the README, and CI runs the README's test command verbatim.
+of docs/ is linked from the README, every row of its results table names its source JSON and build, and CI
+runs the README's test command verbatim.
 
 Each checker is a function of the text it checks, so that the tests at the end can plant an error and see it found.
 """
@@ -282,10 +283,50 @@ def test_relative_links_and_anchors_resolve(page):
         assert len(LINK.findall(prose(text))) >= 10
 
 
+RESULTS_SECTION = "What you get"  # the README's table of results: each row names its source JSON and build
+BUILD = re.compile(r"build `([0-9a-f]{7,40})`")
+
+
+def unsourced_result_rows(text: str, root: Path = ROOT) -> list[str]:
+    """The rows of the README's results table without a link to a committed JSON under ``benchmarks/results/`` or
+    without the build it measured (``build `<commit>```, a commit of this repository when git knows it)."""
+    rows = [line for line in section(text, RESULTS_SECTION).splitlines() if line.startswith("|")][2:]
+    problems = []
+    for row in rows:
+        sources = [t for t in LINK.findall(row) if t.startswith("benchmarks/results/") and t.endswith(".json")]
+        if not sources or not all((root / t).is_file() for t in sources):
+            problems.append(f"no committed source JSON: {row[:80]}")
+        builds = BUILD.findall(row)
+        if not builds:
+            problems.append(f"no build: {row[:80]}")
+        for build in builds:
+            known = subprocess.run(["git", "cat-file", "-e", f"{build}^{{commit}}"], cwd=root, capture_output=True)
+            if (root / ".git").exists() and known.returncode != 0:
+                problems.append(f"build {build} is not a commit here: {row[:80]}")
+    if not rows:
+        problems.append("no results table")
+    return problems
+
+
 def test_every_docs_page_is_linked_from_the_readme():
     linked = {Path(t.partition("#")[0]) for t in LINK.findall(README.read_text())}
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert page.relative_to(ROOT) in linked, f"README.md does not link {page.relative_to(ROOT)}"
+
+
+def test_every_readme_result_row_names_its_source_json_and_build():
+    assert unsourced_result_rows(README.read_text()) == []
+
+
+def test_a_result_row_without_its_source_or_build_is_found():
+    readme = README.read_text()
+    rows = [line for line in section(readme, RESULTS_SECTION).splitlines() if line.startswith("|")]
+    unsourced = readme.replace(rows[2], re.sub(r"\(benchmarks/results/[^)]*\)", "(docs/measurements.md)", rows[2]))
+    assert any("no committed source JSON" in p for p in unsourced_result_rows(unsourced))
+    unbuilt = readme.replace(rows[2], BUILD.sub("the latest build", rows[2]))
+    assert any("no build" in p for p in unsourced_result_rows(unbuilt))
+    missing = readme.replace(rows[2], rows[2].replace(".json)", "-missing.json)", 1))
+    assert any("no committed source JSON" in p for p in unsourced_result_rows(missing))
 
 
 def test_the_readme_keeps_its_budget():

@@ -609,7 +609,7 @@ def check_step_ratios(rows):
 
 def check_machine_facts(payload, out):
     env = payload["environment"]
-    assert set(env["cpu"]) == {"model", "isa"} and isinstance(env["cpu"]["isa"], list)
+    assert set(env["cpu"]) == {"model", "CPU family", "Model", "isa"} and isinstance(env["cpu"]["isa"], list)
     assert env["kivi_kernels"]["backend"] in ("sycl", "reference", "native")
     assert f"CPU: {env['cpu']['model']}; ISA: " in out and f"KIVI kernels: {env['kivi_kernels']['backend']}" in out
 

@@ -59,14 +59,21 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_v
 
 
 def cpu_facts() -> dict:
-    """``{"model": ..., "isa": [...]}``: the CPU model name and which of ``ISA_FLAGS`` (and AMX) it has, from
-    ``/proc/cpuinfo`` (else ``lscpu``; else the model from :mod:`platform` and no flags)."""
+    """``{"model": ..., "CPU family": ..., "Model": ..., "isa": [...]}``: the CPU model name, family and model number
+    (as ``lscpu`` names them) and which of ``ISA_FLAGS`` (and AMX) it has, from ``/proc/cpuinfo`` (else ``lscpu``;
+    else the model from :mod:`platform` and no flags)."""
     text = _read_cpuinfo()
     model = _field(text, ("model name", "Model name")) or platform.processor() or None
     flags = set((_field(text, ("flags", "Flags")) or "").split())
     isa = [f for f in ISA_FLAGS if f in flags]
     amx = sorted(f for f in flags if f.startswith("amx"))
-    return {"model": model, "isa": isa + (["amx (" + ", ".join(amx) + ")"] if amx else [])}
+    family, number = _field(text, ("cpu family", "CPU family")), _field(text, ("model", "Model"))
+    return {
+        "model": model,
+        "CPU family": family,
+        "Model": number,
+        "isa": isa + (["amx (" + ", ".join(amx) + ")"] if amx else []),
+    }
 
 
 def lscpu_lines() -> list[str]:
