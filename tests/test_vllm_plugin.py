@@ -5,7 +5,15 @@ there, eager, on a tiny random Llama written by this test): each answer equals t
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import socket
+import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -102,6 +110,19 @@ def _assert_own_answer(model, prompt: list[int], answer: dict) -> None:
         assert margin <= NEAR_TIE, f"{len(prompt)}-token prompt differs at token {first} (margin {margin:.3f})"
 
 
+def _assert_own_answer_by_own_margins(model, prompt: list[int], tokens: list[int]) -> None:
+    """``tokens`` (an answer without log-probabilities) equal the prompt's own greedy generate with KiviCache, or
+    differ first where that generate's own top two logits are a near-tie."""
+    cache = KiviCache(model.config, backend="native")
+    own = model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), min_new_tokens=len(tokens),
+                         do_sample=False, cache=cache, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    expected = own.sequences[0, len(prompt) :].tolist()
+    if tokens != expected:
+        first = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b)
+        top = own.scores[first][0].topk(2).values
+        assert top[0] - top[1] <= NEAR_TIE, f"differs at token {first} (own margin {top[0] - top[1]:.3f})"
+
+
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
 def test_vllm_answers_equal_own_generate(tmp_path):
     """Three prompts (45, 300 and 700 tokens) in chunks of at most 256 tokens, 16 new tokens each: every answer
@@ -170,6 +191,72 @@ def test_faults_leave_the_pool_as_it_was(tmp_path):
     for after in ("after_prefill_abort", "after_decode_abort", "after_crowd", "after_oversized"):
         expected = dict(baseline, requests=[after.replace("_", "-")])  # the request run after the fault
         assert report[after] == expected, f"{after}: {report[after]} != {expected}"
+
+
+def _serve(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` of .venv-vllm with the plugin on ``model_dir`` (eager, a free port); the process and its URL
+    once the server is up."""
+    with socket.socket() as probe:  # vLLM takes no port 0
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, KIVI_XPU_BACKEND="native", VLLM_PLUGINS="kivi", HF_HUB_OFFLINE="1",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")  # fmt: skip
+    env.pop("KIVI_XPU_REQUIRE_SYCL", None)
+    command = [str(VLLM_PYTHON.parent / "vllm"), "serve", str(model_dir), "--dtype", "float32", "--enforce-eager",
+               "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", "64M",
+               "--max-model-len", "1024", "--enable-prompt-tokens-details", "--additional-config",
+               json.dumps({"kivi": {"staging_tokens": 1024}})]  # fmt: skip
+    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while "Application startup complete" not in log.read_text():
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise AssertionError(f"vllm serve did not start:\n{log.read_text()[-4000:]}")
+        time.sleep(1)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
+def test_the_openai_server_answers_counts_and_refuses_with_the_plugin(tmp_path):
+    """`vllm serve --additional-config '{"kivi": {...}}'`: a completion is its own generate's, its usage counts the
+    tokens (cached_tokens 0: prefix caching is off with KIVI pages), /metrics counts them too and shows the plugin's
+    pool (block 128, its blocks), and a prompt over max_model_len gets HTTP 400."""
+    model = _model(tmp_path / "model")
+    server, url = _serve(tmp_path / "model", tmp_path / "server.log")
+    try:
+        prompt = [(i * 11) % 500 + 1 for i in range(300)]
+        status, answer = _post(f"{url}/v1/completions", {"model": str(tmp_path / "model"), "prompt": prompt,
+                                                         "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                                         "return_token_ids": True})  # fmt: skip
+        assert status == 200, answer
+        _assert_own_answer_by_own_margins(model, prompt, answer["choices"][0]["token_ids"])
+        usage = answer["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (300, 12)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        status, refused = _post(f"{url}/v1/completions", {"model": str(tmp_path / "model"), "prompt": [1] * 1025,
+                                                          "max_tokens": 4})  # fmt: skip
+        assert status == 400, refused
+        with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+            metrics = response.read().decode()
+        assert re.search(r"^vllm:prompt_tokens_total\{[^}]*\} 300\.0$", metrics, re.M), metrics[:2000]
+        assert re.search(r"^vllm:generation_tokens_total\{[^}]*\} 12\.0$", metrics, re.M)
+        assert re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} 0\.0$", metrics, re.M)  # every block given back
+        planned = plan_rows(str(tmp_path / "model"), torch.float32, [64], [(300, 12)], {"staging_tokens": 1024},
+                            max_model_len=1024, engines=("vllm",))[0]  # fmt: skip
+        info = re.search(r"^vllm:cache_config_info\{([^}]*)\}", metrics, re.M).group(1)
+        assert 'block_size="128"' in info and f'num_gpu_blocks="{planned["pool_tokens"] // 128}"' in info, info
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 if __name__ == "__main__":
