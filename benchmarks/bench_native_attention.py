@@ -21,7 +21,12 @@ one says little): the median over 3 interleaved rounds, each ``--repeats / 5`` t
 default), one layer's history is read again and again from the caches: the arithmetic alone.
 
     python benchmarks/bench_native_attention.py [--batch 1 4] [--context 1024 4096 8192] [--isa avx2]
-        [--dot int8 fp32] [--cold] [--paged] [--shape llama-3.2-3b]
+        [--dot int8 fp32] [--cold] [--paged] [--shape llama-3.2-3b] [--json PATH]
+
+The roofline (``--json``, then ``python benchmarks/make_figures.py roofline``): bytes each op reads per call divided
+by its time, the fused op's packed history (codes + scales + zeros) against SDPA's fp32 K/V of the same tokens, beside
+the machine's read bandwidth (``kivi_xpu.tools.machine.read_bandwidth``). Warm calls read a history that fits in the
+caches faster than DRAM allows: the figure says which sizes exceed the last-level cache.
 
 Prints the CPU model, its SIMD flags and the ISA used. Not a test: numbers depend on the machine and its load.
 """
@@ -29,9 +34,11 @@ Prints the CPU model, its SIMD flags and the ISA used. Not a test: numbers depen
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,7 +47,7 @@ from kivi_xpu.algorithm import KiviSettings
 from kivi_xpu.ops.reference import quantize_keys, quantize_values
 from kivi_xpu.paged.pages import LayerPages, PageLayout
 from kivi_xpu.storage import padded_channel_row
-from kivi_xpu.tools.machine import lscpu_lines
+from kivi_xpu.tools.machine import last_level_cache_bytes, lscpu_lines, read_bandwidth
 
 BITS, GROUP, RESIDUAL = 2, 32, 128
 # Attention shapes (query heads, KV heads, head_dim) of --shape: SmolLM2-135M's and a realistic layer's.
@@ -141,6 +148,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="read 30 layers' histories in turn, from DRAM (see above)")
     parser.add_argument("--paged", action="store_true", help="also time paged_decode_attention (see above)")
     parser.add_argument("--shape", choices=list(LAYER_SHAPES), default="smollm2-135m", help="the layer's heads")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows, lscpu and the read bandwidth as JSON")
     args = parser.parse_args()
     global Q_HEADS, KV_HEADS, HEAD_DIM
     Q_HEADS, KV_HEADS, HEAD_DIM = LAYER_SHAPES[args.shape]
@@ -153,8 +161,11 @@ def main() -> None:
     print(*lscpu_lines(), sep="\n")
     print(f"ISA: {native.isa()}  threads: {torch.get_num_threads()}  torch {torch.__version__}")
     print(f"{'cold: median call, 30 layers in turn' if args.cold else 'warm: best call, one layer'}")
-    print("| batch | context | arithmetic | native ms | dense SDPA ms | dense/native | native GB/s (packed) |")
-    print("|---|---|---|---|---|---|---|")
+    columns = ("batch", "context", "arithmetic", "native ms", "dense SDPA ms", "dense/native", "native GB/s (packed)",
+               "dense GB/s")  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
     capacity = padded_capacity(max(args.context))
     layers = LAYERS if args.cold else 1
     weights = torch.ones(WEIGHT_BYTES // 4) if args.cold else None
@@ -189,12 +200,22 @@ def main() -> None:
                 dense_s.append(seconds(dense_calls))
             pick = statistics.median if args.cold else min
             d = pick(dense_s)
+            dense_bytes = 2 * batch * KV_HEADS * n * HEAD_DIM * 4  # fp32 keys and values of the n tokens
             for name, _ in variants:
                 f = pick(fused_s[name])
                 print(
                     f"| {batch} | {n} | {name} | {f * 1e3:.3f} | {d * 1e3:.3f} | {d / f:.2f}x "
-                    f"| {packed_bytes / f / 1e9:.1f} |"
+                    f"| {packed_bytes / f / 1e9:.1f} | {dense_bytes / d / 1e9:.1f} |"
                 )
+                rows.append(dict(batch=batch, context=n, arithmetic=name, native_seconds=f, dense_seconds=d,
+                                 packed_bytes=packed_bytes, dense_bytes=dense_bytes))  # fmt: skip
+    if args.json:
+        bandwidth = read_bandwidth()
+        print(f"read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s ({bandwidth['method']})")
+        record = {"settings": vars(args), "machine": lscpu_lines(), "isa": native.isa(),
+                  "threads": torch.get_num_threads(), "read_bandwidth": bandwidth,
+                  "last_level_cache_bytes": last_level_cache_bytes(), "rows": rows}  # fmt: skip
+        Path(args.json).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

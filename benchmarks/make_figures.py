@@ -1,7 +1,7 @@
 """Draws the docs' pictures (docs/images/*.png) from the committed JSON of the measurements; never measures.
 
-    python benchmarks/make_figures.py            # all five
-    python benchmarks/make_figures.py quality    # one of decode_speed, kv_memory, serving, quality, vllm_budget
+    python benchmarks/make_figures.py            # all six
+    python benchmarks/make_figures.py quality    # or decode_speed, kv_memory, serving, vllm_budget, roofline
 
 Each picture names its machine, settings and source JSON in its caption. The sources, and the commands that wrote
 them (docs/measurements/ gives the tables):
@@ -24,6 +24,9 @@ them (docs/measurements/ gives the tables):
   ``benchmarks/bench_serve.py --servers vllm-kivi vllm --kv-memory MIB --requests 16 --concurrency 16 --max-tokens 128
   --prompt-words 950`` (completion tokens/s of vLLM's CPU engine with its own pages and with the plugin's, at each
   budget; the JSON records lscpu's lines).
+- roofline.png: ``benchmarks/results/roofline-llama-3.2-3b.json``, written by ``python
+  benchmarks/bench_native_attention.py --shape llama-3.2-3b --dot int8 --batch 1 4 16 --context 1024 ... 32768 --json
+  ...`` (bytes each op reads per call over its time, for the CPU it ran on, beside its read bandwidth).
 
 Needs matplotlib (``pip install matplotlib``).
 """
@@ -215,6 +218,14 @@ def serving(path: Path) -> None:
     )
 
 
+def lscpu_machine(lines: list[str]) -> str:
+    """ "AMD EPYC, lscpu family 25 model 17 (AVX-512)" from lscpu's lines as the benchmarks record them."""
+    lscpu = {key: value.strip() for key, value in (line.split(":", 1) for line in lines)}
+    isa = "AVX-512" if "avx512f" in lscpu.get("Flags", "").split() else "AVX2"
+    amx = ", AMX" if "amx_tile" in lscpu.get("Flags", "").split() else ""
+    return f"{lscpu.get('Model name')}, lscpu family {lscpu.get('CPU family')} model {lscpu.get('Model')} ({isa}{amx})"
+
+
 VLLM_BUDGETS = (512, 1024, 2048)  # MiB of KV: vllm-budget-<MiB>.json
 
 
@@ -228,10 +239,7 @@ def vllm_budget(path: Path) -> None:
     }
     dtype, requests = first["settings"]["dtype"], first["settings"]["requests"]
     prompt = round(first["runs"]["vllm"]["prompt_tokens"] / requests)
-    lscpu = dict(line.split(":", 1) for line in first["machine"])
-    lscpu = {key: value.strip() for key, value in lscpu.items()}
-    isa = "AVX-512" if "avx512f" in lscpu.get("Flags", "").split() else "AVX2"
-    machine = f"{lscpu.get('Model name')}, lscpu family {lscpu.get('CPU family')} model {lscpu.get('Model')} ({isa})"
+    machine = lscpu_machine(first["machine"])
     lines_plot(
         [(f"{requests} concurrent requests of ~{prompt} + {first['settings']['max_tokens']} tokens", series)],
         str(path),
@@ -299,12 +307,47 @@ def quality(path: Path) -> None:
     )
 
 
+ROOFLINE = "roofline-llama-3.2-3b.json"
+
+
+def roofline(path: Path) -> None:
+    payload = load(RESULTS / ROOFLINE)
+    rows = [r for r in payload["rows"] if r["arithmetic"] == "int8"]
+    bandwidth = payload["read_bandwidth"]["gb_per_s"]
+    panels = []
+    for title, seconds, nbytes in (("fused op: packed 2-bit history", "native_seconds", "packed_bytes"),
+                                   ("SDPA: fp32 K/V, the same tokens", "dense_seconds", "dense_bytes")):  # fmt: skip
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            series.setdefault(f"batch {r['batch']}", []).append((r["context"], r[nbytes] / r[seconds] / 1e9))
+        contexts = sorted({r["context"] for r in rows})
+        series["read bandwidth (a float32 sum)"] = [(c, bandwidth) for c in contexts]
+        panels.append((title, series))
+    llc = payload.get("last_level_cache_bytes")
+    lines_plot(
+        panels,
+        str(path),
+        title="Bytes read per call / time, Llama-3.2-3B's attention layer (24 query, 8 KV heads)",
+        ylabel="GB/s",
+        styles={"read bandwidth (a float32 sum)": {"color": "black", "linestyle": "--", "marker": ""}},
+        caption=(
+            f"2-core {lscpu_machine(payload['machine'])}, {payload['threads']} threads, native kernels "
+            f"{payload['isa']} (int8 dot products); warm: the best of {payload['settings']['repeats']} calls in each "
+            "of 3 interleaved rounds, one layer's history read again and again\n(a history below the last-level "
+            f"cache{f' of {llc / 2**20:.0f} MiB' if llc else ''} is read faster than DRAM allows). "
+            "benchmarks/bench_native_attention.py --shape llama-3.2-3b --dot int8 --json ...\n"
+            f"Source: benchmarks/results/{ROOFLINE}."
+        ),
+    )
+
+
 FIGURES = {
     "decode_speed": decode_speed,
     "kv_memory": kv_memory,
     "serving": serving,
     "quality": quality,
     "vllm_budget": vllm_budget,
+    "roofline": roofline,
 }
 
 

@@ -170,9 +170,9 @@ def lines_plot(
             style = (styles or {}).get(label, {})
             if all(len(p) == 4 for p in points):
                 spread = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
-                ax.errorbar(x, y, yerr=spread, marker="o", capsize=3, label=label, **style)
+                ax.errorbar(x, y, yerr=spread, capsize=3, label=label, **({"marker": "o"} | style))
             else:
-                ax.plot(x, y, marker="o", label=label, **style)
+                ax.plot(x, y, label=label, **({"marker": "o"} | style))
             if annotate_last and points:
                 x, y = points[-1][:2]
                 ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(4, 0), va="center", fontsize=7)
