@@ -115,6 +115,13 @@ def test_plan_prints_every_engine_and_writes_json(tmp_path, capsys):
     assert vllm_fp32["pool_tokens"] == 17_408  # what vLLM 0.32 logged for SmolLM2 fp32 at 768 MiB
 
 
+def test_vllm_holds_no_request_longer_than_its_model_length():
+    rows = plan_rows(smollm2_config(), torch.float32, [768], [(8000, 193), (8000, 192)], {}, engines=("vllm",))
+    held = {(row["pages"], row["prompt"] + row["new_tokens"]): row["requests"] for row in rows}
+    assert held["KIVI 2-bit", 8193] == held["float32", 8193] == held["fp8", 8193] == 0
+    assert held["KIVI 2-bit", 8192] > 0 and held["fp8", 8192] > 0
+
+
 def test_bad_plan_arguments_are_named(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--requests", "4000"])

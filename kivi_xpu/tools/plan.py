@@ -118,6 +118,7 @@ def vllm_rows(config, shape: PageShape, dtype, kv_memory: int, prompt: int, new_
     from ..vllm.plan import plan
 
     length = prompt + new_tokens
+    fits = length <= max_model_len  # vLLM refuses a longer request (HTTP 400)
     rows = []
     try:
         kivi = plan(kivi_settings, config, shape, dtype, kv_memory, max_num_seqs, max_batched_tokens, max_model_len)
@@ -126,7 +127,7 @@ def vllm_rows(config, shape: PageShape, dtype, kv_memory: int, prompt: int, new_
             raise ToolError(f"vLLM + KIVI: {error}") from None
         rows.append(Row("vllm", "KIVI 2-bit", 0, 0, 0, -1))
     else:
-        held = min(kivi.max_requests, kivi.num_blocks // _ceil_div(length, kivi.block_tokens))
+        held = min(kivi.max_requests, kivi.num_blocks // _ceil_div(length, kivi.block_tokens)) * fits
         pool_tokens = kivi.num_blocks * kivi.block_tokens
         rows.append(Row("vllm", "KIVI 2-bit", held, held * length, pool_tokens,
                         min(max_model_len, pool_tokens) - new_tokens,
@@ -139,7 +140,7 @@ def vllm_rows(config, shape: PageShape, dtype, kv_memory: int, prompt: int, new_
         if pool_tokens < max_model_len:  # vLLM refuses to start: one request of max_model_len must fit
             rows.append(Row("vllm", name, 0, 0, pool_tokens, -1))
             continue
-        held = min(max_num_seqs, blocks // _ceil_div(length, VLLM_BLOCK))
+        held = min(max_num_seqs, blocks // _ceil_div(length, VLLM_BLOCK)) * fits
         rows.append(Row("vllm", name, held, held * length, pool_tokens, max_model_len - new_tokens))
     return rows
 
