@@ -50,12 +50,11 @@ from pathlib import Path
 import torch
 
 from kivi_xpu.integration import cache_kwargs
-from kivi_xpu.paged.budget import exact_token_bytes
 from kivi_xpu.tools.cli import positive_int
 from kivi_xpu.tools.loading import resolve_model
 from kivi_xpu.tools.machine import lscpu_lines
 from kivi_xpu.tools.memory import MIB, accounted_bytes
-from kivi_xpu.tools.plan import load_config, model_shape, plan_rows
+from kivi_xpu.tools.plan import full_precision_blocks, load_config, model_shape, plan_rows
 from kivi_xpu.tools.serve import add_arguments as add_kivi_arguments
 from kivi_xpu.tools.serve import cache_config
 
@@ -136,7 +135,7 @@ def capacities(model_path: str, dtype: str, kivi: dict, batching: dict, prompt_t
 def fp32_blocks(model_path: str, dtype: str, kv_memory_mib: int, block_size: int) -> int:
     """Full-precision blocks (``block_size`` tokens of keys and values of every layer) in ``kv_memory_mib`` MiB."""
     shape = model_shape(load_config(model_path, None), 1)
-    return kv_memory_mib * MIB // (exact_token_bytes(shape, getattr(torch, dtype)) * block_size)
+    return full_precision_blocks(shape, getattr(torch, dtype), kv_memory_mib * MIB, block_size)
 
 
 class Server:

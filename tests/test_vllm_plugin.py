@@ -6,7 +6,6 @@ there, eager, on a tiny random Llama written by this test): each answer equals t
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -97,30 +96,21 @@ def _run_engine(tmp_path: Path, spec: dict, script: str | None = None) -> dict:
 
 
 def _assert_own_answer(model, prompt: list[int], answer: dict) -> None:
-    """vLLM's ``answer`` (tokens, margins) equals the prompt's own greedy generate with KiviCache, or differs first
-    at a near-tie."""
+    """vLLM's ``answer`` (its tokens, and per step its margins when it has log-probabilities) equals the prompt's own
+    greedy generate with KiviCache, or differs first at a near-tie: of vLLM's margins, else of the own logits."""
     new_tokens = len(answer["tokens"])
     cache = KiviCache(model.config, backend="native")  # the kernels the vLLM environment runs
     own = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, cache=cache)  # fmt: skip
-    expected, got = own[0, len(prompt) :].tolist(), answer["tokens"]
+                         do_sample=False, cache=cache, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    expected, got = own.sequences[0, len(prompt) :].tolist(), answer["tokens"]
     if got != expected:
         first = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
-        margin = answer["margins"][first]
+        if "margins" in answer:
+            margin = answer["margins"][first]
+        else:
+            top = own.scores[first][0].topk(2).values
+            margin = float(top[0] - top[1])
         assert margin <= NEAR_TIE, f"{len(prompt)}-token prompt differs at token {first} (margin {margin:.3f})"
-
-
-def _assert_own_answer_by_own_margins(model, prompt: list[int], tokens: list[int]) -> None:
-    """``tokens`` (an answer without log-probabilities) equal the prompt's own greedy generate with KiviCache, or
-    differ first where that generate's own top two logits are a near-tie."""
-    cache = KiviCache(model.config, backend="native")
-    own = model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), min_new_tokens=len(tokens),
-                         do_sample=False, cache=cache, output_scores=True, return_dict_in_generate=True)  # fmt: skip
-    expected = own.sequences[0, len(prompt) :].tolist()
-    if tokens != expected:
-        first = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b)
-        top = own.scores[first][0].topk(2).values
-        assert top[0] - top[1] <= NEAR_TIE, f"differs at token {first} (own margin {top[0] - top[1]:.3f})"
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
@@ -199,9 +189,7 @@ def _serve(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as probe:  # vLLM takes no port 0
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = dict(os.environ, KIVI_XPU_BACKEND="native", VLLM_PLUGINS="kivi", HF_HUB_OFFLINE="1",
-               VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")  # fmt: skip
-    env.pop("KIVI_XPU_REQUIRE_SYCL", None)
+    env = offline.engine_env(ranks=1) | {"HF_HUB_OFFLINE": "1"}
     command = [str(VLLM_PYTHON.parent / "vllm"), "serve", str(model_dir), "--dtype", "float32", "--enforce-eager",
                "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", "64M",
                "--max-model-len", "1024", "--enable-prompt-tokens-details", "--additional-config",
@@ -238,7 +226,7 @@ def test_the_openai_server_answers_counts_and_refuses_with_the_plugin(tmp_path):
                                                          "max_tokens": 12, "temperature": 0, "ignore_eos": True,
                                                          "return_token_ids": True})  # fmt: skip
         assert status == 200, answer
-        _assert_own_answer_by_own_margins(model, prompt, answer["choices"][0]["token_ids"])
+        _assert_own_answer(model, prompt, {"tokens": answer["choices"][0]["token_ids"]})
         usage = answer["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (300, 12)
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0

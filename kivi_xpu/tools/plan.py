@@ -23,6 +23,8 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
+import torch
+
 from ..paged.budget import PageBudget, PageShape, exact_token_bytes
 from .cli import kivi_option, positive_int
 from .options import DTYPES, ToolError
@@ -32,7 +34,7 @@ VLLM_BLOCK = 128  # vLLM's CPU block size (its default; the plugin's block is R 
 VLLM_MAX_NUM_SEQS = 128  # vLLM's CPU defaults (scheduler_config)
 VLLM_MAX_BATCHED_TOKENS = 2048
 TRANSFORMERS_PAGE = 256  # ContinuousBatchingConfig.page_size's default
-FP8 = 1  # bytes per element of vLLM's fp8 pages
+FP8 = torch.float8_e4m3fn  # vLLM's fp8 pages (e4m3 and e5m2 alike: one byte an element)
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,24 @@ def load_config(model, max_model_len: int | None):
                         f"whose config can be read: {error}") from None  # fmt: skip
 
 
+def cache_settings(kivi_settings: dict) -> dict:
+    """``kivi_settings`` without the vLLM plugin's own keys: ``KiviCache``'s arguments."""
+    from ..vllm.plan import PLUGIN_KEYS
+
+    return {k: v for k, v in kivi_settings.items() if k not in PLUGIN_KEYS}
+
+
+def full_precision_blocks(shape: PageShape, dtype, kv_memory: int, block_tokens: int) -> int:
+    """Blocks of ``block_tokens`` tokens in ``dtype`` (keys and values of every layer) in ``kv_memory`` bytes:
+    transformers' full-precision pool and vLLM's own pages."""
+    return kv_memory // (exact_token_bytes(shape, dtype) * block_tokens)
+
+
 def calibration_of(model, kivi_settings: dict) -> str | None:
     """The calibration ``KiviCache`` applies to ``model`` with these settings (its path; ``None``: none)."""
     from ..cache import KiviCache
-    from ..vllm.plan import PLUGIN_KEYS
 
-    settings = {k: v for k, v in kivi_settings.items() if k not in PLUGIN_KEYS}
-    calibration = KiviCache(load_config(model, None), **settings).calibration
+    calibration = KiviCache(load_config(model, None), **cache_settings(kivi_settings)).calibration
     return None if calibration is None else str(calibration)
 
 
@@ -97,15 +110,13 @@ def transformers_rows(config, shape: PageShape, dtype, kv_memory: int, prompt: i
                       kivi_settings: dict, max_batch_tokens: int, page_size: int) -> list[Row]:  # fmt: skip
     """KIVI pages in transformers' batching (the server's :class:`PageBudget`) and its full-precision pool."""
     from ..paged.manager import config_layer_settings
-    from ..vllm.plan import PLUGIN_KEYS
 
-    settings = config_layer_settings(config, dtype, {k: v for k, v in kivi_settings.items() if k not in PLUGIN_KEYS})
+    settings = config_layer_settings(config, dtype, cache_settings(kivi_settings))
     budget = PageBudget.plan(shape, settings, dtype, kv_memory, None)
     held = budget.requests_held(prompt, new_tokens)
     kivi = Row("transformers", "KIVI 2-bit", held, held * (prompt + new_tokens), None,
                budget.longest_prompt(new_tokens, max_batch_tokens), unit_bytes=budget.unit_bytes)  # fmt: skip
-    block_bytes = exact_token_bytes(shape, dtype) * page_size
-    blocks = kv_memory // block_bytes
+    blocks = full_precision_blocks(shape, dtype, kv_memory, page_size)
     full_held = blocks // _ceil_div(prompt + new_tokens, page_size)
     full = Row("transformers", str(dtype).removeprefix("torch."), full_held, full_held * (prompt + new_tokens),
                blocks * page_size, max(0, blocks * page_size - new_tokens))  # fmt: skip
@@ -133,9 +144,8 @@ def vllm_rows(config, shape: PageShape, dtype, kv_memory: int, prompt: int, new_
                         min(max_model_len, pool_tokens) - new_tokens,
                         _exact_prompt(kivi.staging_units * kivi.rows, max_batched_tokens, max_model_len),
                         kivi.unit_bytes))  # fmt: skip
-    element_bytes = exact_token_bytes(shape, dtype) // dtype.itemsize
-    for name, itemsize in ((str(dtype).removeprefix("torch."), dtype.itemsize), ("fp8", FP8)):
-        blocks = kv_memory // (element_bytes * itemsize * VLLM_BLOCK)
+    for name, page_dtype in ((str(dtype).removeprefix("torch."), dtype), ("fp8", FP8)):
+        blocks = full_precision_blocks(shape, page_dtype, kv_memory, VLLM_BLOCK)
         pool_tokens = blocks * VLLM_BLOCK
         if pool_tokens < max_model_len:  # vLLM refuses to start: one request of max_model_len must fit
             rows.append(Row("vllm", name, 0, 0, pool_tokens, -1))

@@ -15,18 +15,24 @@ from pathlib import Path
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # `make vllm-env`
 
 
+def engine_env(ranks: int) -> dict:
+    """The environment of a vLLM process of .venv-vllm with the plugin: the native kernels (the vLLM environment has
+    no SYCL runtime) and the workers' threads on every core, split between ``ranks`` (unless the caller's environment
+    binds them)."""
+    env = dict(os.environ, KIVI_XPU_BACKEND="native", VLLM_PLUGINS="kivi")
+    share = max(1, os.cpu_count() // ranks)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(f"{r * share}-{r * share + share - 1}" for r in range(ranks)))
+    env.pop("KIVI_XPU_REQUIRE_SYCL", None)
+    return env
+
+
 def run(spec: dict, script: Path | None = None, timeout: float = 3600) -> dict:
     """From any environment: runs this module (or ``script``, which takes the same SPEC.json argument and prints
-    one ``RESULT`` line) on ``spec`` in .venv-vllm, the native kernels (the vLLM environment has no SYCL runtime) and
-    the workers' threads on every core (split between the ranks of ``tensor_parallel_size``); its RESULT.
+    one ``RESULT`` line) on ``spec`` in .venv-vllm (:func:`engine_env`, ``tensor_parallel_size`` ranks); its RESULT.
     ``RuntimeError`` with the engine's output if it failed."""
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm-env` first")
-    env = dict(os.environ, KIVI_XPU_BACKEND="native", VLLM_PLUGINS="kivi")
-    ranks, cores = spec["engine"].get("tensor_parallel_size", 1), os.cpu_count()
-    share = max(1, cores // ranks)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(f"{r * share}-{r * share + share - 1}" for r in range(ranks)))
-    env.pop("KIVI_XPU_REQUIRE_SYCL", None)
+    env = engine_env(spec["engine"].get("tensor_parallel_size", 1))
     command = ["-m", "kivi_xpu.vllm.offline"] if script is None else [str(script)]
     with tempfile.TemporaryDirectory() as workdir:
         spec_file = Path(workdir) / "spec.json"
