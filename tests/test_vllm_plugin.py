@@ -115,20 +115,26 @@ def _assert_own_answer(model, prompt: list[int], answer: dict) -> None:
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
 def test_vllm_answers_equal_own_generate(tmp_path):
-    """Three prompts (45, 300 and 700 tokens) in chunks of at most 256 tokens, 16 new tokens each: every answer
+    """Three prompts (45, 300 and 700 tokens) in chunks of at most 256 tokens, 16 new tokens each, then two that
+    share the 700's first 600 tokens (prefix-cache hits: one ends in the hit's chunk, one chunk later): every answer
     equals the request's own generate with KiviCache, the same settings, or differs first at a near-tie."""
     model = _model(tmp_path / "model")
-    prompts = [[(i * 13) % 500 + 1 for i in range(45)], list(range(1, 300)), [(i * 7) % 500 + 1 for i in range(700)]]
+    document = [(i * 7) % 500 + 1 for i in range(700)]
+    prompts = [[(i * 13) % 500 + 1 for i in range(45)], list(range(1, 300)), document]
+    then = [document[:600] + [(i * 11) % 500 + 1 for i in range(100)], document[:600] + list(range(3, 303))]
     new_tokens = 16
     engine = {"kv_cache_memory_bytes": 64 * MiB, "max_model_len": 1024, "max_num_batched_tokens": 256}
     spec = {"model": str(tmp_path / "model"), "dtype": "float32", "max_tokens": new_tokens, "prompts": prompts,
-            "engine": engine, "kivi": {"staging_tokens": 1024}}  # fmt: skip
+            "then": then, "engine": engine, "kivi": {"staging_tokens": 1024}}  # fmt: skip
     result = _run_engine(tmp_path, spec)
     assert result["block_size"] == 128
-    for prompt, answer in zip(prompts, result["answers"], strict=True):
+    for prompt, answer in zip(prompts + then, result["answers"], strict=True):
         _assert_own_answer(model, prompt, answer)
+    # The shared 600 tokens are 4 whole blocks, whose pages the 700's prompt completed after the same sinks' worth
+    # of tokens: both later prompts start after them.
+    assert [answer["cached"] for answer in result["answers"]] == [0, 0, 0, 512, 512]
     # The same budget as vLLM's own fp32 pages holds many times the tokens.
-    own_pages = _run_engine(tmp_path, dict(spec, kivi=None, prompts=prompts[:1], max_tokens=1))
+    own_pages = _run_engine(tmp_path, dict(spec, kivi=None, prompts=prompts[:1], then=[], max_tokens=1))
     assert result["num_blocks"] * 128 >= 6 * own_pages["num_blocks"] * own_pages["block_size"]
     # `kivi-xpu plan` says what both pools hold.
     planned = plan_rows(str(tmp_path / "model"), torch.float32, [64], [(700, 16)], spec["kivi"], max_model_len=1024,

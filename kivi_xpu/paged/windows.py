@@ -31,7 +31,8 @@ from .budget import UNITS
 
 class ExactUnits:
     """The exact units of the pool (see the module docstring): lent by transformers' ``CachePool`` (index
-    :data:`~kivi_xpu.paged.budget.UNITS`), a sector at a time."""
+    :data:`~kivi_xpu.paged.budget.UNITS`), a sector at a time; or, with ``pool`` ``None``, by a lender elsewhere
+    (the vLLM plugin's scheduler, :mod:`kivi_xpu.vllm.ledger`), which calls :meth:`reset` on the units it lends."""
 
     def __init__(self, budget, cache_tensor: torch.Tensor, pool, layers: list[int], heads: int, head_dim: int,
                  dtype):  # fmt: skip
@@ -44,7 +45,8 @@ class ExactUnits:
         self.values = {layer: units[:, i, 1] for i, layer in enumerate(layers)}
         self.value_base = {layer: [0] * count for layer in layers}  # base of each slot's value rows
         self.units_per_sector = budget.units_per_sector
-        pool.set_blocks_per_sector(UNITS, self.units_per_sector)
+        if pool is not None:
+            pool.set_blocks_per_sector(UNITS, self.units_per_sector)
 
     # ------------------------------------------------------------------ lending
 
@@ -54,10 +56,14 @@ class ExactUnits:
         for _ in range(-(-max(0, missing) // self.units_per_sector)):
             self.pool.allocate_sector(UNITS)
         units = self.pool.get_free_blocks(UNITS, count)
+        self.reset(units)
+        return units
+
+    def reset(self, units: list[int]) -> None:
+        """Units lent anew: their value rows start at row 0 again."""
         for bases in self.value_base.values():
             for unit in units:
                 bases[unit] = 0
-        return units
 
     def give_back(self, units: list[int]) -> None:
         self.pool.free_blocks(UNITS, units)

@@ -1,8 +1,9 @@
 """Runs vLLM's CPU engine offline in the vLLM environment (.venv-vllm) and prints what it answered as JSON:
 ``.venv-vllm/bin/python -m kivi_xpu.vllm.offline SPEC.json``, where the spec names the model, the prompts (token
 ids), the new tokens, the engine's options, ``"kivi"`` (``null``: vLLM's own pages) and optionally
-``"enforce_eager"`` (default true). Each answer has its tokens and, per step, the greedy choice's margin (the gap
-of the top two log-probabilities, which is the logits' gap). tests/test_vllm_plugin.py and
+``"enforce_eager"`` (default true) and ``"then"`` (prompts sent once the first have been answered). Each answer has
+its tokens, per step the greedy choice's margin (the gap of the top two log-probabilities, which is the logits'
+gap), and the prompt tokens that vLLM's prefix cache held (``"cached"``). tests/test_vllm_plugin.py and
 benchmarks/bench_serve_exactness.py --vllm run it from the other environment."""
 
 import json
@@ -67,8 +68,11 @@ def main() -> None:
               dtype=spec["dtype"], **engine)  # fmt: skip
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, detokenize=False, logprobs=2,
                             ignore_eos=True)  # fmt: skip
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
-    answers = [{"tokens": list(o.outputs[0].token_ids), "margins": margins(o.outputs[0].logprobs)} for o in outputs]
+    outputs = []
+    for prompts in (spec["prompts"], spec.get("then", [])):
+        outputs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    answers = [{"tokens": list(o.outputs[0].token_ids), "margins": margins(o.outputs[0].logprobs),
+                "cached": o.num_cached_tokens or 0} for o in outputs]  # fmt: skip
     cache_config = llm.llm_engine.vllm_config.cache_config
     result = {"answers": answers, "num_blocks": cache_config.num_gpu_blocks, "block_size": cache_config.block_size}
     if spec["kivi"] is not None:  # one rank's bytes (the plan of this process's config: every rank's is the same)

@@ -1,11 +1,22 @@
-"""The ``vllm.general_plugins`` entry point: three hooks into vLLM's CPU engine, each active only when the config has
+"""The ``vllm.general_plugins`` entry point: hooks into vLLM's CPU engine, each active only when the config has
 ``"kivi"`` in ``--additional-config`` (vLLM loads general plugins in every process, before any config exists).
+
+In the process that reads the arguments:
 
 * ``CpuPlatform.check_and_update_config``: after vLLM's own, checks the version, the model and the settings, plans
   the budget (:func:`configure`) and changes the config accordingly (block size, requests in flight, the bytes vLLM
-  is told, prefix caching off);
+  is told);
+
+in the scheduler's (the engine core), the :class:`~kivi_xpu.vllm.ledger.UnitLedger` of the exact units:
+
+* ``Scheduler.__init__`` makes it; ``Scheduler.schedule`` lends the step's units and sends them with its output;
+* ``KVCacheManager.get_computed_blocks`` cuts vLLM's prefix-cache hit to what the ledger can back;
+  ``BlockPool._maybe_evict_cached_block`` tells it which cached blocks vLLM lends anew;
+
+in each worker:
+
 * ``CpuPlatform.get_attn_backend_cls``: :class:`~kivi_xpu.vllm.backend.KiviAttentionBackend`;
-* ``CPUModelRunner._update_states``: tells this worker's exact units which requests ended before each forward.
+* ``CPUModelRunner._update_states``: hands the step's units to this worker's exact units before each forward.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from .plan import KiviPlan, check_vllm_version, kivi_options
 
 logger = logging.getLogger("vllm.kivi_xpu")  # under vLLM's logger, which has the handlers
 BACKEND_PATH = "kivi_xpu.vllm.backend.KiviAttentionBackend"
+STEP_UNITS = "kivi_units"  # the SchedulerOutput attribute that carries the ledger's StepUnits to the workers
 _registered = False
 
 
@@ -32,6 +44,7 @@ def register() -> None:
     check_config = CpuPlatform.check_and_update_config.__func__
     backend_cls = CpuPlatform.get_attn_backend_cls.__func__
     update_states = CPUModelRunner._update_states
+    _hook_scheduler()
 
     @functools.wraps(check_config)
     def check_and_update_config(cls, vllm_config) -> None:
@@ -55,13 +68,65 @@ def register() -> None:
         requests = state.live_requests()
         if requests is not None:
             requests.runner = self
-            requests.release(scheduler_output.finished_req_ids)
-            requests.release(scheduler_output.preempted_req_ids or ())
+            requests.begin_step(getattr(scheduler_output, STEP_UNITS, None))
         return update_states(self, scheduler_output)
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     CPUModelRunner._update_states = _update_states
+
+
+def _hook_scheduler() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from .ledger import UnitLedger
+
+    init, schedule = Scheduler.__init__, Scheduler.schedule
+    computed_blocks, evict = KVCacheManager.get_computed_blocks, BlockPool._maybe_evict_cached_block
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if kivi_options(self.vllm_config) is not None:
+            from . import state
+
+            ledger = UnitLedger(state.plan_of(self.vllm_config), self.cache_config.enable_prefix_caching)
+            self.kivi_ledger = self.kv_cache_manager.kivi_ledger = self.kv_cache_manager.block_pool.kivi_ledger = ledger
+
+    @functools.wraps(schedule)
+    def schedule_step(self, *args, **kwargs):
+        output = schedule(self, *args, **kwargs)
+        ledger = getattr(self, "kivi_ledger", None)
+        if ledger is not None:
+            ledger.release(output.finished_req_ids | (output.preempted_req_ids or set()))
+            scheduled = [(rid, self.requests[rid], count) for rid, count in output.num_scheduled_tokens.items()]
+            step = ledger.schedule(scheduled, lambda rid: self.kv_cache_manager.get_block_ids(rid)[0])
+            setattr(output, STEP_UNITS, step)
+        return output
+
+    @functools.wraps(computed_blocks)
+    def get_computed_blocks(self, request):
+        blocks, hit, *rest = computed_blocks(self, request)
+        ledger = getattr(self, "kivi_ledger", None)
+        if ledger is None or not hit:
+            return (blocks, hit, *rest)
+        usable = ledger.cap_hit(request, blocks.get_block_ids()[0], hit)
+        if usable != hit:
+            blocks = self.truncate_computed_blocks(blocks, usable) if usable else self.empty_kv_cache_blocks
+        return (blocks, usable, *rest)
+
+    @functools.wraps(evict)
+    def _maybe_evict_cached_block(self, block):
+        ledger = getattr(self, "kivi_ledger", None)
+        if ledger is not None:
+            ledger.forget_block(block.block_id)
+        return evict(self, block)
+
+    Scheduler.__init__, Scheduler.schedule = __init__, schedule_step
+    KVCacheManager.get_computed_blocks = get_computed_blocks
+    BlockPool._maybe_evict_cached_block = _maybe_evict_cached_block
 
 
 def _refuse_model(vllm_config) -> None:
@@ -104,9 +169,6 @@ def configure(vllm_config) -> KiviPlan:
     vllm_config.additional_config["kivi"].setdefault(
         state.PLANNED, {"kv_budget": result.kv_budget, "max_requests": result.max_requests}
     )
-    if cache.enable_prefix_caching:
-        logger.info("KIVI pages: prefix caching is off (a cached packed block is not the exact prompt a hit needs)")
-        cache.enable_prefix_caching = False
     cache.block_size = result.block_tokens
     cache.kv_cache_memory_bytes = result.page_budget
     scheduler.max_num_seqs = result.max_requests

@@ -15,7 +15,6 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kivi_xpu.vllm import state
     from kivi_xpu.vllm.offline import margins
 
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec["dtype"],
@@ -40,10 +39,12 @@ def main() -> None:
                               logprobs=logprobs)  # fmt: skip
 
     def held() -> dict:
-        units = state.live_requests()
-        # vLLM suffixes request ids; the worker hears of a finished request at the next forward
-        return {"free_blocks": blocks.get_num_free_blocks(), "free_units": len(units.pool.free),
-                "requests": sorted(r.rsplit("-", 1)[0] for r in units.held)}  # fmt: skip
+        ledger = scheduler.kivi_ledger
+        # vLLM suffixes request ids; the ledger hears of a finished request at the next step; kept prompts' units
+        # are free for the asking
+        kept = sum(len(entry.units) for entry in ledger.entries.values())
+        return {"free_blocks": blocks.get_num_free_blocks(), "free_units": ledger.free_units + kept,
+                "requests": sorted(r.rsplit("-", 1)[0] for r in ledger.held)}  # fmt: skip
 
     def finish(outputs: list) -> list:
         """Steps the engine until every request is done; the outputs of finished requests."""

@@ -1,0 +1,312 @@
+"""Who holds which exact unit, decided once per step in vLLM's scheduler and sent to every worker with the step.
+
+vLLM lends the blocks (2-bit pages); this ledger lends the exact units (:mod:`kivi_xpu.paged.windows`) beside them,
+in the scheduler's process, so that every rank of a step stores alike and a prefix-cache hit can be checked where
+vLLM decides it. Per step (:meth:`UnitLedger.schedule`) each scheduled request gets an :class:`Assignment`: its
+window unit, the units of its exact prompt while it is staged, and its shared pages; the worker
+(:mod:`.requests`) only reads them.
+
+**Cached prefixes.** A request's page ``p`` holds packed tokens ``[S + Tp, S + Tp + T)``: it depends on ``S`` tokens
+of the next block, which vLLM's block hash does not cover, and it is written only when those tokens leave the
+window. And a prompt that extends a cached one attends the exact states of the cached part (its own ``generate``
+prefills in one go). So a hit that vLLM finds is used only as far as
+
+* a kept :class:`PrefixEntry` (a finished prompt's exact states, kept in free units, evicted least recently used
+  first when windows or staging need the units) starts with the same tokens, and
+* each hit block's page is complete and was written after the same ``S`` tokens (:meth:`page_written`).
+
+:meth:`cap_hit` cuts vLLM's hit to that, in whole blocks, and pins the entry until the request's prompt is stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+logger = logging.getLogger("vllm.kivi_xpu")  # under vLLM's logger, which has the handlers
+
+
+class Assignment(NamedTuple):
+    """A scheduled request's units in this step: its window ``slot``; ``prompt_end``, the end of its exact prompt
+    (the prompt's length unless staging ran out); ``staging``, the units of its exact prompt so far, in order (its
+    own, or a cached prefix's, read only); ``shared_pages``, its first pages that a cached prefix's blocks hold;
+    ``keep``: its last prompt chunk is staged too (its units become a cached prefix)."""
+
+    slot: int
+    prompt_end: int
+    staging: tuple[int, ...]
+    shared_pages: int
+    keep: bool
+
+
+class StepUnits(NamedTuple):
+    """What the workers apply before a step's forward: the units lent anew (``lent``: their value rows start at 0),
+    ``copies`` ``(source units, target units, tokens)`` of a cached prefix's exact rows, and each scheduled request's
+    :class:`Assignment`."""
+
+    lent: list[int]
+    copies: list[tuple[tuple[int, ...], tuple[int, ...], int]]
+    requests: dict[str, Assignment]
+
+
+@dataclass(eq=False)
+class PrefixEntry:
+    """A stored prompt's exact states: token ``i`` in unit ``units[i // W]``, row ``i % W``."""
+
+    tokens: list[int]
+    units: list[int]
+    pins: int = 0  # requests reading it until their prompts are stored
+
+
+@dataclass
+class Held:
+    """A request's units (see :class:`Assignment`) and what the ledger remembers of it between steps."""
+
+    slot: int
+    prompt_len: int
+    prompt_end: int
+    prompt_tokens: list[int]  # what a kept prompt is matched by
+    staging: list[int] = field(default_factory=list)  # its own units
+    entry: PrefixEntry | None = None  # a cached prefix it reads while its prompt is not stored
+    shared_pages: int = 0
+    keep: bool = False
+    stored: bool = False  # its (exact) prompt's last chunk was scheduled
+    flagged_pages: int = 0  # pages recorded as complete (:meth:`UnitLedger.page_written`)
+    blocks_seen: int = 0
+
+
+class UnitLedger:
+    """The exact units of every rank (each rank's pool holds the same unit ids), lent per step; see the module
+    docstring. ``plan``: the :class:`~kivi_xpu.vllm.plan.KiviPlan`; ``prefix_caching``: vLLM's setting (without it
+    there are no hits, and no prompt is kept)."""
+
+    def __init__(self, plan, prefix_caching: bool):
+        self.plan, self.prefix_caching = plan, prefix_caching
+        self.rows, self.tokens = plan.rows, plan.block_tokens
+        self.settings = plan.settings[0]  # S and R are alike in every layer, so are the counts
+        self.free = list(range(plan.num_units - 1, -1, -1))  # pop() lends the lowest first
+        self.held: dict[str, Held] = {}
+        self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recently used first
+        self.pins: dict[str, PrefixEntry] = {}  # hits granted to requests not yet scheduled
+        self.page_spill: dict[int, tuple[int, ...]] = {}  # complete page's block -> the S tokens after its block
+        self._lent: list[int] = []
+        self._copies: list = []
+        self._staging_warned = False
+
+    # ------------------------------------------------------------------ units
+
+    @property
+    def free_units(self) -> int:
+        return len(self.free)
+
+    def _spare(self, window: bool) -> int:
+        """Units that a request's ``window`` (or staging and kept prompts) may take: the free ones less a window for
+        every other request vLLM may still admit."""
+        return len(self.free) - (self.plan.max_requests - len(self.held) - window)
+
+    def _take(self, count: int, window: bool = False) -> list[int] | None:
+        """``count`` spare units, evicting unpinned cached prefixes (least recently used first) if need be; ``None``
+        (nothing taken) if even that leaves too few."""
+        while self._spare(window) < count:
+            victim = next((key for key, entry in self.entries.items() if not entry.pins), None)
+            if victim is None:
+                return None
+            self.free.extend(self.entries.pop(victim).units)
+        units = [self.free.pop() for _ in range(count)]
+        self._lent += units
+        return units
+
+    def _give_back(self, units: list[int]) -> None:
+        self.free.extend(units)
+
+    def _unpin(self, entry: PrefixEntry | None) -> None:
+        if entry is not None:
+            entry.pins -= 1
+
+    # -------------------------------------------------------------- lifecycle
+
+    def release(self, request_ids) -> None:
+        """Gives back the units of requests that vLLM finished, aborted or preempted (a stored prompt to keep
+        becomes a cached prefix)."""
+        for request_id in request_ids:
+            self._unpin(self.pins.pop(request_id, None))
+            held = self.held.pop(request_id, None)
+            if held is None:
+                continue
+            self._unpin(held.entry)
+            self._give_back([held.slot])
+            self._end_staging(held)
+
+    def _end_staging(self, held: Held) -> None:
+        """The staging of a stored prompt (or of a request that ended) goes back, or becomes a cached prefix."""
+        if held.keep and held.stored:
+            self._keep(held)
+        else:
+            self._give_back(held.staging)
+        held.staging, held.keep = [], False
+
+    def _keep(self, held: Held) -> None:
+        tokens = held.prompt_tokens
+        for key, entry in list(self.entries.items()):  # a cached prompt this one extends serves nobody more
+            if not entry.pins and tokens[: len(entry.tokens)] == entry.tokens:
+                self.free.extend(self.entries.pop(key).units)
+        entry = PrefixEntry(tokens, held.staging)
+        self.entries[id(entry)] = entry
+
+    # ------------------------------------------------------------------ steps
+
+    def schedule(self, scheduled: list, block_ids) -> StepUnits:
+        """One step's assignments. ``scheduled``: ``(request_id, request, new_tokens)`` of each scheduled request,
+        ``request`` vLLM's (``num_computed_tokens`` already counts this step's tokens); ``block_ids(request_id)``:
+        its blocks (the first KV cache group's)."""
+        assignments = {}
+        new = [item for item in scheduled if item[0] not in self.held]
+        for request_id, request, count in new:
+            self._admit(request_id, request, request.num_computed_tokens - count)
+        for request_id, request, count in scheduled:
+            end = request.num_computed_tokens
+            held = self.held[request_id]
+            self._step(request_id, held, request, end - count, end)
+            if self.prefix_caching:
+                self._record_pages(held, request, end, block_ids(request_id))
+            staging = held.entry.units if held.entry is not None else held.staging
+            assignments[request_id] = Assignment(held.slot, held.prompt_end, tuple(staging), held.shared_pages,
+                                                 held.keep)  # fmt: skip
+        step = StepUnits(self._lent, self._copies, assignments)
+        self._lent, self._copies = [], []
+        return step
+
+    def _admit(self, request_id: str, request, past: int) -> None:
+        """A request's first step (again after a preemption): its window unit; with ``past`` tokens computed, the
+        cached prefix that :meth:`cap_hit` pinned for it."""
+        entry = self.pins.pop(request_id, None)
+        if past and (entry is None or len(entry.tokens) < past):
+            raise RuntimeError(f"KIVI pages: request {request_id} starts after {past} cached tokens, no exact prefix")
+        if not past:
+            self._unpin(entry)
+            entry = None
+        units = self._take(1, window=True)
+        if units is None:
+            raise RuntimeError(
+                f"KIVI exact units: none free for request {request_id} although vLLM runs at most "
+                f"{self.plan.max_requests} requests (max_num_seqs)"
+            )
+        prompt_len = request.num_prompt_tokens
+        shared = past // self.tokens
+        held = Held(units[0], prompt_len, prompt_len, list(request.prompt_token_ids or ()), entry=entry,
+                    shared_pages=shared, blocks_seen=shared)  # fmt: skip
+        self.held[request_id] = held
+
+    def _step(self, request_id: str, held: Held, request, past: int, end: int) -> None:
+        if past >= held.prompt_end:  # its prompt was stored in an earlier step
+            self._unpin(held.entry)
+            held.entry = None
+            if held.staging:
+                self._end_staging(held)
+            return
+        if end < held.prompt_len:  # a prompt chunk before the last
+            self._stage(request_id, held, past, end)
+        elif held.prompt_end == held.prompt_len and self._worth_keeping(held, request):
+            held.keep = self._stage(request_id, held, past, end, keep=True)
+        if end >= held.prompt_end:
+            held.stored = True
+
+    def _worth_keeping(self, held: Held, request) -> bool:
+        """A prompt is kept when prefix caching is on, it read no cached prefix, and another prompt could share a
+        page of it (a block and the ``S`` tokens after it)."""
+        return (self.prefix_caching and held.entry is None and held.shared_pages == 0 and request.prompt_token_ids
+                is not None and held.prompt_len > self.tokens + self.settings.sink_tokens)  # fmt: skip
+
+    def _stage(self, request_id: str, held: Held, past: int, end: int, keep: bool = False) -> bool:
+        """Units for the exact prompt up to ``end`` (own ones: a cached prefix's rows are copied first). When none
+        are spare, a prompt to keep is not kept, and a chunk before the last ends the exact prompt: it is stored with
+        the chunks before it as ``KiviCache``'s prefill of ``end`` tokens stores them, and the later chunks attend it
+        as stored (2-bit, not exact)."""
+        entry = held.entry
+        if entry is not None and entry.pins == 1:  # no other reader: its units become the request's own
+            self.entries.pop(id(entry))
+            held.staging, held.entry = entry.units, None
+        need = -(-end // self.rows) - len(held.staging)
+        if need <= 0:
+            return True
+        units = self._take(need)
+        if units is not None:
+            if held.entry is not None:  # its own copy of the cached prefix's rows before staging after them
+                self._copies.append((tuple(held.entry.units), tuple(units), past))
+                self._unpin(held.entry)
+                held.entry = None
+            held.staging += units
+            return True
+        if not keep:
+            held.prompt_end = end
+            if not self._staging_warned:
+                self._staging_warned = True
+                logger.warning(
+                    "KIVI pages: request %s's prompt arrives in chunks and the staging units are taken: its tokens "
+                    'after %d attend the earlier ones as stored (2-bit), not exact. Raise "staging_tokens" in '
+                    "--additional-config kivi to keep every chunked prompt exact (logged once)",
+                    request_id,
+                    end,
+                )
+        return False
+
+    # -------------------------------------------------------------- prefixes
+
+    def _record_pages(self, held: Held, request, end: int, blocks: list[int]) -> None:
+        """Forgets what was recorded of blocks new to the request (vLLM lends them anew) and records its pages that
+        this step completes (:meth:`page_written`)."""
+        for block in blocks[held.blocks_seen :]:
+            self.page_spill.pop(block, None)
+        held.blocks_seen = len(blocks)
+        split, t, s = self.settings.split(end), self.tokens, self.settings.sink_tokens
+        complete = min(split.packed_keys, split.packed_values) // t
+        tokens = request.all_token_ids
+        for page in range(max(held.flagged_pages, held.shared_pages), complete):
+            after = t * (page + 1)
+            self.page_spill[blocks[page]] = tuple(tokens[after : after + s])
+        held.flagged_pages = max(held.flagged_pages, complete)
+
+    def page_written(self, block: int, tokens: list[int], page: int) -> bool:
+        """Whether ``block``, holding page ``page`` of a request whose tokens begin with ``tokens``, is complete and
+        was written after the same ``S`` tokens as those (vLLM's block hash vouches for the tokens before)."""
+        after = self.tokens * (page + 1)
+        return self.page_spill.get(block) == tuple(tokens[after : after + self.settings.sink_tokens])
+
+    def forget_block(self, block: int) -> None:
+        """vLLM evicted ``block`` from its prefix cache (to lend it anew)."""
+        self.page_spill.pop(block, None)
+
+    def cap_hit(self, request, block_ids: list[int], hit_tokens: int) -> int:
+        """The tokens of vLLM's hit (``hit_tokens``, blocks ``block_ids``) that ``request`` may use (see the module
+        docstring): whole blocks, at most its prompt less one token, backed by a cached prefix's exact states and
+        complete pages. Pins that prefix for the request."""
+        self._unpin(self.pins.pop(request.request_id, None))
+        prompt = request.prompt_token_ids
+        if not self.prefix_caching or not hit_tokens or prompt is None:
+            return 0
+        t = self.tokens
+        limit = min(hit_tokens, request.num_prompt_tokens - 1) // t * t
+        best, best_common = None, 0
+        for entry in self.entries.values():
+            common = _common_blocks(entry.tokens, prompt, min(limit, len(entry.tokens)), t)
+            if common > best_common:
+                best, best_common = entry, common
+        tokens, pages = request.all_token_ids, 0
+        while pages * t < best_common and self.page_written(block_ids[pages], tokens, pages):
+            pages += 1
+        if not pages:
+            return 0
+        best.pins += 1
+        self.pins[request.request_id] = best
+        self.entries.move_to_end(id(best))
+        return pages * t
+
+
+def _common_blocks(kept: list[int], prompt: list[int], limit: int, tokens: int) -> int:
+    """The tokens, in whole blocks of ``tokens`` and at most ``limit``, that ``prompt`` shares with ``kept``."""
+    common = 0
+    while common + tokens <= limit and kept[common : common + tokens] == prompt[common : common + tokens]:
+        common += tokens
+    return common

@@ -1,0 +1,171 @@
+"""The vLLM plugin's unit ledger (kivi_xpu.vllm.ledger), driven as vLLM's scheduler drives it, without vLLM: units
+lent and given back, prompts kept as cached prefixes, and prefix-cache hits cut to what the kept exact states and the
+complete pages back."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kivi_xpu.paged.budget import PageShape
+from kivi_xpu.vllm.ledger import UnitLedger
+from kivi_xpu.vllm.plan import plan
+
+T, S = 128, 4  # the plan's block tokens and KiviCache's default sinks
+
+
+def _ledger(max_requests: int = 4, staging_tokens: int = 1024, prefix_caching: bool = True,
+            max_model_len: int = 1024) -> UnitLedger:  # fmt: skip
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
+    options = {"max_requests": max_requests, "staging_tokens": staging_tokens, "layer_overrides": None}
+    return UnitLedger(plan(options, config, PageShape(2, 32, 2), torch.float32, 64 * 2**20, 256, 256, max_model_len),
+                      prefix_caching)  # fmt: skip
+
+
+class _Engine:
+    """vLLM's side: requests, their blocks (fresh ids, or a hit's), and steps of at most ``chunk`` tokens each."""
+
+    def __init__(self, ledger: UnitLedger, chunk: int = 256):
+        self.ledger, self.chunk, self.blocks, self.next_block = ledger, chunk, {}, 1000
+
+    def add(self, request_id: str, tokens: list[int], hit_blocks: list[int] = (), hit: int = 0):
+        request = SimpleNamespace(request_id=request_id, prompt_token_ids=list(tokens), num_prompt_tokens=len(tokens),
+                                  all_token_ids=list(tokens), num_computed_tokens=0)  # fmt: skip
+        usable = self.ledger.cap_hit(request, list(hit_blocks), hit) if hit else 0
+        request.num_computed_tokens = usable
+        self.blocks[request_id] = list(hit_blocks[: usable // T])
+        return request, usable
+
+    def step(self, *requests) -> object:
+        """One step: each request's next chunk of its prompt, or one answer token."""
+        scheduled = []
+        for request in requests:
+            done = request.num_computed_tokens
+            count = min(self.chunk, request.num_prompt_tokens - done) if done < request.num_prompt_tokens else 1
+            if done >= request.num_prompt_tokens:
+                request.all_token_ids.append(7)
+            request.num_computed_tokens += count
+            blocks = self.blocks[request.request_id]
+            while len(blocks) * T < request.num_computed_tokens:
+                blocks.append(self.next_block)
+                self.next_block += 1
+            scheduled.append((request.request_id, request, count))
+        return self.ledger.schedule(scheduled, self.blocks.__getitem__)
+
+
+DOCUMENT = [(i * 7) % 500 + 1 for i in range(700)]
+
+
+def _stored_document(ledger: UnitLedger, engine: _Engine):
+    """The 700-token document's request, its prompt stored in three chunks and kept, then one answer token."""
+    request, _ = engine.add("doc", DOCUMENT)
+    for _ in range(3):
+        engine.step(request)
+    engine.step(request)  # the prompt was stored: its staging becomes a cached prefix
+    return request
+
+
+def test_units_come_back_and_a_stored_prompt_is_kept():
+    ledger = _ledger()
+    engine = _Engine(ledger)
+    everything = ledger.free_units
+    request, _ = engine.add("doc", DOCUMENT)
+    first = engine.step(request)
+    assert first.requests["doc"].staging and not first.requests["doc"].keep  # a chunk before the last is staged
+    engine.step(request)
+    last = engine.step(request).requests["doc"]
+    assert last.keep and len(last.staging) == -(-700 // ledger.rows)  # the last chunk is staged too
+    engine.step(request)
+    assert len(ledger.entries) == 1 and next(iter(ledger.entries.values())).units == list(last.staging)
+    ledger.release(["doc"])
+    kept = sum(len(entry.units) for entry in ledger.entries.values())
+    assert ledger.free_units + kept == everything and not ledger.held
+
+
+def test_a_hit_is_cut_to_complete_pages_written_after_the_same_tokens():
+    ledger = _ledger()
+    engine = _Engine(ledger)
+    document = _stored_document(ledger, engine)
+    blocks = engine.blocks["doc"]
+    # 700 tokens stored: keys packed to 640, values to 568, so pages 0-3 are complete.
+    assert all(ledger.page_written(blocks[p], DOCUMENT, p) for p in range(4))
+    assert not ledger.page_written(blocks[4], DOCUMENT, 4)
+    shares = DOCUMENT[:600] + [9] * 100
+    _, usable = engine.add("a", shares, blocks[:4], 512)
+    assert usable == 512
+    # The same 512 tokens but other tokens right after them: page 3 holds those, so it cannot be shared.
+    other = DOCUMENT[:512] + [9] * 200
+    _, usable = engine.add("b", other, blocks[:4], 512)
+    assert usable == 384
+    # No kept prompt starts with these tokens: no hit at all.
+    _, usable = engine.add("c", [3] * 700, blocks[:4], 512)
+    assert usable == 0
+    assert next(iter(ledger.entries.values())).pins == 2  # "a" and "b" read it until their prompts are stored
+    ledger.release(["a", "b", "c"])  # vLLM aborted them before they ran
+    assert next(iter(ledger.entries.values())).pins == 0
+    ledger.release([document.request_id])
+
+
+def test_a_hit_reads_the_cached_prefix_then_copies_it_to_stage_after_it():
+    ledger = _ledger(staging_tokens=2048, max_model_len=4096)  # room for the prefix and a copy of it
+    engine = _Engine(ledger)
+    _stored_document(ledger, engine)
+    entry = next(iter(ledger.entries.values()))
+    blocks = engine.blocks["doc"]
+    short, _ = engine.add("short", DOCUMENT[:600] + [9] * 100, blocks[:4], 512)
+    long, _ = engine.add("long", DOCUMENT[:600] + [9] * 300, blocks[:4], 512)
+    step = engine.step(short, long)
+    assert step.requests["short"].staging == tuple(entry.units) and step.requests["short"].shared_pages == 4
+    # "long" stages a chunk after the prefix: a copy of its rows, since "short" still reads the prefix
+    assert step.copies == [(tuple(entry.units), step.requests["long"].staging, 512)]
+    assert step.requests["long"].staging != tuple(entry.units) and entry.pins == 1
+    engine.step(short, long)
+    assert entry.pins == 0  # both prompts are stored (the short one's in the first step)
+
+
+def test_the_only_reader_of_a_prefix_takes_its_units_over_to_stage_after_it():
+    ledger = _ledger(max_requests=2)
+    engine = _Engine(ledger)
+    document = _stored_document(ledger, engine)
+    entry = next(iter(ledger.entries.values()))
+    long, usable = engine.add("long", DOCUMENT[:600] + [9] * 300, engine.blocks["doc"][:4], 512)
+    step = engine.step(long)
+    assert step.copies == [] and step.requests["long"].staging[: len(entry.units)] == tuple(entry.units)
+    assert not ledger.entries  # its units are the request's own now
+    ledger.release([document.request_id, "long"])
+
+
+def test_kept_prompts_give_way_to_staging():
+    ledger = _ledger(max_requests=2)
+    engine = _Engine(ledger)
+    document = _stored_document(ledger, engine)
+    ledger.release([document.request_id])
+    assert ledger.entries
+    # Two long prompts at once: their staging evicts the kept prompt, never a window.
+    first, _ = engine.add("x", [5] * 900)
+    second, _ = engine.add("y", [6] * 900)
+    engine.step(first, second)
+    assert not ledger.entries and len(ledger.held) == 2
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_without_prefix_caching_nothing_is_kept_or_hit(prefix_caching):
+    ledger = _ledger(prefix_caching=prefix_caching)
+    engine = _Engine(ledger)
+    _stored_document(ledger, engine)
+    assert bool(ledger.entries) == prefix_caching
+    _, usable = engine.add("a", DOCUMENT[:600] + [9] * 100, engine.blocks["doc"][:4], 512)
+    assert usable == (512 if prefix_caching else 0)
+
+
+def test_a_hit_without_its_pinned_prefix_is_refused():
+    ledger = _ledger()
+    engine = _Engine(ledger)
+    request, _ = engine.add("stray", DOCUMENT)
+    request.num_computed_tokens = 256  # as if vLLM used a hit the ledger never backed
+    with pytest.raises(RuntimeError, match="no exact prefix"):
+        ledger.schedule([("stray", request, 0)], engine.blocks.__getitem__)
