@@ -116,12 +116,13 @@ def _assert_own_answer(model, prompt: list[int], answer: dict) -> None:
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
 def test_vllm_answers_equal_own_generate(tmp_path):
     """Three prompts (45, 300 and 700 tokens) in chunks of at most 256 tokens, 16 new tokens each, then two that
-    share the 700's first 600 tokens (prefix-cache hits: one ends in the hit's chunk, one chunk later): every answer
-    equals the request's own generate with KiviCache, the same settings, or differs first at a near-tie."""
+    start with the 700 (prefix-cache hits: the whole 700 and 100 more, its prompt ending in the hit's chunk; its first
+    600 and 300 more, a chunk later): every answer equals the request's own generate with KiviCache, the same
+    settings, or differs first at a near-tie."""
     model = _model(tmp_path / "model")
     document = [(i * 7) % 500 + 1 for i in range(700)]
     prompts = [[(i * 13) % 500 + 1 for i in range(45)], list(range(1, 300)), document]
-    then = [document[:600] + [(i * 11) % 500 + 1 for i in range(100)], document[:600] + list(range(3, 303))]
+    then = [document + [(i * 11) % 500 + 1 for i in range(100)], document[:600] + list(range(3, 303))]
     new_tokens = 16
     engine = {"kv_cache_memory_bytes": 64 * MiB, "max_model_len": 1024, "max_num_batched_tokens": 256}
     spec = {"model": str(tmp_path / "model"), "dtype": "float32", "max_tokens": new_tokens, "prompts": prompts,
@@ -130,9 +131,9 @@ def test_vllm_answers_equal_own_generate(tmp_path):
     assert result["block_size"] == 128
     for prompt, answer in zip(prompts + then, result["answers"], strict=True):
         _assert_own_answer(model, prompt, answer)
-    # The shared 600 tokens are 4 whole blocks, whose pages the 700's prompt completed after the same sinks' worth
-    # of tokens: both later prompts start after them.
-    assert [answer["cached"] for answer in result["answers"]] == [0, 0, 0, 512, 512]
+    # The 700's pages 0-3 were complete when its prompt was stored, page 4 when vLLM freed it (its window packed):
+    # a hit reads whole blocks whose pages were written after the same sinks' worth of tokens.
+    assert [answer["cached"] for answer in result["answers"]] == [0, 0, 0, 640, 512]
     # The same budget as vLLM's own fp32 pages holds many times the tokens.
     own_pages = _run_engine(tmp_path, dict(spec, kivi=None, prompts=prompts[:1], then=[], max_tokens=1))
     assert result["num_blocks"] * 128 >= 6 * own_pages["num_blocks"] * own_pages["block_size"]
@@ -166,7 +167,7 @@ def test_two_ranks_answer_as_own_generate_with_half_the_bytes_each(tmp_path):
 def test_faults_leave_the_pool_as_it_was(tmp_path):
     """An abort mid-prefill, an abort mid-decode, requests preempted for want of pages and a request longer than the
     model length: after each (and a short request run next), vLLM's free blocks and the plugin's free exact units are
-    those before it, and only that request holds units; the preempted requests still answer as their own generate."""
+    those before it, and no request holds units; the preempted requests still answer as their own generate."""
     model = _model(tmp_path / "model")
     engine = {"kv_cache_memory_bytes": KV_FOR_PREEMPTION, "max_model_len": 1024, "max_num_batched_tokens": 128,
               "max_num_seqs": 4}  # fmt: skip
@@ -174,8 +175,8 @@ def test_faults_leave_the_pool_as_it_was(tmp_path):
             "kivi": {"staging_tokens": 1024, "max_requests": 4}, "long_prompt": 600, "crowd": 4,
             "crowd_prompt": 300, "crowd_new": 260}  # fmt: skip
     report = _run_engine(tmp_path, spec, "run_faults.py")
-    baseline = report["baseline"]  # the warm-up request's units come back with the next forward
-    assert baseline["requests"] == ["warm-up"] and baseline["free_units"] > 0
+    baseline = report["baseline"]  # the warm-up request's units came back as vLLM freed its blocks
+    assert baseline["requests"] == [] and baseline["free_units"] > 0
     assert report["mid_prefill"]["requests"] == ["prefilling"]
     assert report["mid_prefill"]["free_blocks"] < baseline["free_blocks"]
     assert report["mid_decode_tokens"] >= 4
@@ -185,8 +186,7 @@ def test_faults_leave_the_pool_as_it_was(tmp_path):
         _assert_own_answer(model, answer["prompt"], answer)
     assert "ValidationError" in (report["oversized_error"] or "") and "1025" in report["oversized_error"]
     for after in ("after_prefill_abort", "after_decode_abort", "after_crowd", "after_oversized"):
-        expected = dict(baseline, requests=[after.replace("_", "-")])  # the request run after the fault
-        assert report[after] == expected, f"{after}: {report[after]} != {expected}"
+        assert report[after] == baseline, f"{after}: {report[after]} != {baseline}"
 
 
 def _serve(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:

@@ -263,6 +263,21 @@ class PageWriter:
         rows[:, first_after : first_after + after.length - after.sinks - packed_after] = tail[0, :, start + leaving :]
         return tail, sinks
 
+    def flush(self, layer: int, pages: LayerPages, slot: int, blocks: torch.Tensor, length: int, shared_pages: int,
+              upto: int) -> None:  # fmt: skip
+        """Packs the exact tokens of the window of ``slot`` (a request holding ``length`` tokens, its pages
+        ``blocks``) at packed positions up to ``upto`` (whole pages) into their pages, as its later steps would have
+        (not into its first ``shared_pages``, a cached prefix's)."""
+        split, s = self.settings.split(length), self.settings.sink_tokens
+        writable = WritablePages(blocks, shared_pages * self.tokens)
+        qk, qv = split.packed_keys, split.packed_values
+        if upto > qk:  # key rows start at S: position S + qk
+            self._pack_keys(pages, writable, qk, self.units.keys[layer][slot][:, s : s + upto - qk].unsqueeze(0))
+        if upto > qv:  # value rows start at S + qv - base
+            first = s + qv - self.units.value_base[layer][slot]
+            rows = self.units.values[layer][slot][:, first : first + upto - qv]
+            self._pack_values(pages, writable, qv, rows.unsqueeze(0))
+
     def _pack_keys(self, pages: LayerPages, blocks: WritablePages, start: int, keys) -> None:
         """Quantizes ``keys [1, H, n, D]`` (packed positions ``[start, start + n)``, whole pages) into their pages,
         except into shared ones."""

@@ -41,11 +41,24 @@ class Assignment(NamedTuple):
     keep: bool
 
 
-class StepUnits(NamedTuple):
-    """What the workers apply before a step's forward: the units lent anew (``lent``: their value rows start at 0),
-    ``copies`` ``(source units, target units, tokens)`` of a cached prefix's exact rows, and each scheduled request's
-    :class:`Assignment`."""
+class Flush(NamedTuple):
+    """A request that vLLM freed: its window's tokens that complete pages (packed positions up to ``upto``, whole
+    pages) are packed into them, as the request would have packed them had it gone on, so that its cached blocks
+    serve hits whole. ``length``: the tokens it held; ``shared_pages``: its first pages, another's (not written)."""
 
+    slot: int
+    blocks: tuple[int, ...]
+    length: int
+    shared_pages: int
+    upto: int
+
+
+class StepUnits(NamedTuple):
+    """What the workers apply before a step's forward, in this order: ``flushes`` of requests that ended
+    (:class:`Flush`), the units lent anew (``lent``: their value rows start at 0), ``copies`` ``(source units,
+    target units, tokens)`` of a cached prefix's exact rows; and each scheduled request's :class:`Assignment`."""
+
+    flushes: list[Flush]
     lent: list[int]
     copies: list[tuple[tuple[int, ...], tuple[int, ...], int]]
     requests: dict[str, Assignment]
@@ -75,6 +88,9 @@ class Held:
     stored: bool = False  # its (exact) prompt's last chunk was scheduled
     flagged_pages: int = 0  # pages recorded as complete (:meth:`UnitLedger.page_written`)
     blocks_seen: int = 0
+    length: int = 0  # tokens stored after its last scheduled step
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # vLLM's list of its tokens (prompt and answer)
 
 
 class UnitLedger:
@@ -91,6 +107,7 @@ class UnitLedger:
         self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recently used first
         self.pins: dict[str, PrefixEntry] = {}  # hits granted to requests not yet scheduled
         self.page_spill: dict[int, tuple[int, ...]] = {}  # complete page's block -> the S tokens after its block
+        self._flushes: list[Flush] = []
         self._lent: list[int] = []
         self._copies: list = []
         self._staging_warned = False
@@ -135,6 +152,8 @@ class UnitLedger:
             held = self.held.pop(request_id, None)
             if held is None:
                 continue
+            if self.prefix_caching and held.stored:
+                self._flush(held)
             self._unpin(held.entry)
             self._give_back([held.slot])
             self._end_staging(held)
@@ -174,8 +193,8 @@ class UnitLedger:
             staging = held.entry.units if held.entry is not None else held.staging
             assignments[request_id] = Assignment(held.slot, held.prompt_end, tuple(staging), held.shared_pages,
                                                  held.keep)  # fmt: skip
-        step = StepUnits(self._lent, self._copies, assignments)
-        self._lent, self._copies = [], []
+        step = StepUnits(self._flushes, self._lent, self._copies, assignments)
+        self._flushes, self._lent, self._copies = [], [], []
         return step
 
     def _admit(self, request_id: str, request, past: int) -> None:
@@ -259,14 +278,25 @@ class UnitLedger:
         this step completes (:meth:`page_written`)."""
         for block in blocks[held.blocks_seen :]:
             self.page_spill.pop(block, None)
-        held.blocks_seen = len(blocks)
-        split, t, s = self.settings.split(end), self.tokens, self.settings.sink_tokens
-        complete = min(split.packed_keys, split.packed_values) // t
-        tokens = request.all_token_ids
+        held.blocks_seen, held.blocks, held.length, held.tokens = len(blocks), blocks, end, request.all_token_ids
+        split = self.settings.split(end)
+        self._record_complete(held, min(split.packed_keys, split.packed_values) // self.tokens)
+
+    def _record_complete(self, held: Held, complete: int) -> None:
+        t, s = self.tokens, self.settings.sink_tokens
         for page in range(max(held.flagged_pages, held.shared_pages), complete):
             after = t * (page + 1)
-            self.page_spill[blocks[page]] = tuple(tokens[after : after + s])
+            self.page_spill[held.blocks[page]] = tuple(held.tokens[after : after + s])
         held.flagged_pages = max(held.flagged_pages, complete)
+
+    def _flush(self, held: Held) -> None:
+        """A request vLLM frees: its pages that its tokens fill but its window still holds are to be packed
+        (:class:`Flush`, before the next forward lends its blocks or its slot again) and are recorded as complete."""
+        pages = max(0, held.length - self.settings.sink_tokens) // self.tokens
+        if pages > max(held.flagged_pages, held.shared_pages):
+            upto = pages * self.tokens
+            self._flushes.append(Flush(held.slot, tuple(held.blocks), held.length, held.shared_pages, upto))
+            self._record_complete(held, pages)
 
     def page_written(self, block: int, tokens: list[int], page: int) -> bool:
         """Whether ``block``, holding page ``page`` of a request whose tokens begin with ``tokens``, is complete and

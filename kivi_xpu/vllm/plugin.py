@@ -10,6 +10,7 @@ In the process that reads the arguments:
 in the scheduler's (the engine core), the :class:`~kivi_xpu.vllm.ledger.UnitLedger` of the exact units:
 
 * ``Scheduler.__init__`` makes it; ``Scheduler.schedule`` lends the step's units and sends them with its output;
+  ``Scheduler._free_request_blocks`` gives a request's units back as vLLM frees its blocks;
 * ``KVCacheManager.get_computed_blocks`` cuts vLLM's prefix-cache hit to what the ledger can back;
   ``BlockPool._maybe_evict_cached_block`` tells it which cached blocks vLLM lends anew;
 
@@ -83,7 +84,7 @@ def _hook_scheduler() -> None:
 
     from .ledger import UnitLedger
 
-    init, schedule = Scheduler.__init__, Scheduler.schedule
+    init, schedule, free_blocks = Scheduler.__init__, Scheduler.schedule, Scheduler._free_request_blocks
     computed_blocks, evict = KVCacheManager.get_computed_blocks, BlockPool._maybe_evict_cached_block
 
     @functools.wraps(init)
@@ -106,6 +107,13 @@ def _hook_scheduler() -> None:
             setattr(output, STEP_UNITS, step)
         return output
 
+    @functools.wraps(free_blocks)
+    def _free_request_blocks(self, request):
+        ledger = getattr(self, "kivi_ledger", None)
+        if ledger is not None:  # before vLLM may lend the blocks again: the request's pages are completed first
+            ledger.release([request.request_id])
+        return free_blocks(self, request)
+
     @functools.wraps(computed_blocks)
     def get_computed_blocks(self, request):
         blocks, hit, *rest = computed_blocks(self, request)
@@ -125,6 +133,7 @@ def _hook_scheduler() -> None:
         return evict(self, block)
 
     Scheduler.__init__, Scheduler.schedule = __init__, schedule_step
+    Scheduler._free_request_blocks = _free_request_blocks
     KVCacheManager.get_computed_blocks = get_computed_blocks
     BlockPool._maybe_evict_cached_block = _maybe_evict_cached_block
 

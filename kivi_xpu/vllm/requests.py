@@ -28,12 +28,18 @@ class WorkerRequests:
                                 plan.shape.head_dim, plan.dtype)  # fmt: skip
         self.settings = plan.settings[0]  # the sinks and R, alike in every layer
         self.runner = None  # vLLM's model runner of this worker (set by the plugin's hook)
-        self.step = StepUnits([], [], {})
+        self.step = StepUnits([], [], [], {})
+        self.layers: dict[int, tuple] = {}  # layer index -> (LayerPages, PageWriter), as the layers make them
 
     def begin_step(self, step: StepUnits | None) -> None:
-        """Before a forward: the step's units (``None``: a step without requests, such as a dummy run); the units
-        lent anew start empty, and a cached prefix's rows are copied where a request stages after them."""
-        self.step = step if step is not None else StepUnits([], [], {})
+        """Before a forward: the step's units (``None``: a step without requests, such as a dummy run). The pages of
+        requests that ended are completed from their windows, the units lent anew start empty, and a cached prefix's
+        rows are copied where a request stages after them."""
+        self.step = step if step is not None else StepUnits([], [], [], {})
+        for flush in self.step.flushes:
+            blocks = torch.tensor(flush.blocks, dtype=torch.int64)
+            for layer, (pages, writer) in self.layers.items():
+                writer.flush(layer, pages, flush.slot, blocks, flush.length, flush.shared_pages, flush.upto)
         self.units.reset(self.step.lent)
         for source, target, tokens in self.step.copies:
             for index in range(-(-tokens // self.plan.rows)):

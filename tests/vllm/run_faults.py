@@ -40,8 +40,7 @@ def main() -> None:
 
     def held() -> dict:
         ledger = scheduler.kivi_ledger
-        # vLLM suffixes request ids; the ledger hears of a finished request at the next step; kept prompts' units
-        # are free for the asking
+        # vLLM suffixes request ids; kept prompts' units are free for the asking
         kept = sum(len(entry.units) for entry in ledger.entries.values())
         return {"free_blocks": blocks.get_num_free_blocks(), "free_units": ledger.free_units + kept,
                 "requests": sorted(r.rsplit("-", 1)[0] for r in ledger.held)}  # fmt: skip
@@ -61,7 +60,7 @@ def main() -> None:
                 return now
         raise RuntimeError(f"{request_id}: the state awaited never came")
 
-    def short_request(request_id: str) -> None:  # its forwards hand the units of the requests ended before back
+    def short_request(request_id: str) -> None:  # a short request after each fault
         engine.add_request(request_id, prompt(20, 3), params(4))
         finish([])
 
