@@ -148,16 +148,19 @@ def test_vllm_answers_equal_own_generate(tmp_path):
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm-env)")
 def test_two_ranks_answer_as_own_generate_with_half_the_bytes_each(tmp_path):
     """Tensor parallelism at 2 ranks on this host (gloo and shared memory, a core each): each rank stores its KV
-    heads' pages and units, half the bytes of one rank's, and the answers are still their own generate's."""
+    heads' pages and units, half the bytes of one rank's, and the answers are still their own generate's, a
+    prefix-cache hit's too."""
     model = _model(tmp_path / "model")
     prompts = [list(range(1, 300)), [(i * 7) % 500 + 1 for i in range(45)]]
     engine = {"kv_cache_memory_bytes": 64 * MiB, "max_model_len": 1024, "max_num_batched_tokens": 256,
               "tensor_parallel_size": 2}  # fmt: skip
+    then = [prompts[0] + [(i * 5) % 500 + 1 for i in range(100)]]  # a prefix-cache hit: the ledger serves both ranks
     spec = {"model": str(tmp_path / "model"), "dtype": "float32", "max_tokens": 16, "prompts": prompts,
-            "engine": engine, "kivi": {}}  # fmt: skip
+            "then": then, "engine": engine, "kivi": {}}  # fmt: skip
     result = _run_engine(tmp_path, spec)
-    for prompt, answer in zip(prompts, result["answers"], strict=True):
+    for prompt, answer in zip(prompts + then, result["answers"], strict=True):
         _assert_own_answer(model, prompt, answer)
+    assert [answer["cached"] for answer in result["answers"]] == [0, 0, 256]
     one_rank = plan({}, model.config, PageShape(2, 32, 2), torch.float32, 64 * MiB, 128, 256, 1024)
     assert 2 * result["block_bytes"] == one_rank.page_bytes * 2  # two layers
     assert 2 * result["unit_bytes"] == one_rank.unit_bytes
