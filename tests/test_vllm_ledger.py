@@ -169,3 +169,61 @@ def test_a_hit_without_its_pinned_prefix_is_refused():
     request.num_computed_tokens = 256  # as if vLLM used a hit the ledger never backed
     with pytest.raises(RuntimeError, match="no exact prefix"):
         ledger.schedule([("stray", request, 0)], engine.blocks.__getitem__)
+
+
+def test_a_freed_request_packs_the_full_pages_of_its_prompt():
+    ledger = _ledger()
+    engine = _Engine(ledger)
+    document = _stored_document(ledger, engine)
+    for _ in range(10):
+        engine.step(document)
+    blocks = engine.blocks["doc"]
+    assert not ledger.page_written(blocks[4], document.all_token_ids, 4)  # values of tokens 572-644 in the window
+    ledger.release(["doc"])
+    (flush,) = engine.step().flushes
+    assert (flush.upto, flush.shared_pages, flush.blocks) == (640, 0, tuple(blocks))  # page 4 packed from it
+    assert ledger.page_written(blocks[4], document.all_token_ids, 4)
+    ledger.forget_block(blocks[4])  # vLLM lends it anew
+    assert not ledger.page_written(blocks[4], document.all_token_ids, 4)
+
+
+def test_pages_holding_answer_tokens_serve_no_hit():
+    ledger = _ledger()
+    engine = _Engine(ledger)
+    document = _stored_document(ledger, engine)
+    for _ in range(210):  # 910 tokens: pages 0-5 are complete, page 5 (tokens 644-772) mostly answer tokens
+        engine.step(document)
+    blocks = engine.blocks["doc"]
+    assert ledger.page_written(blocks[4], document.all_token_ids, 4)
+    assert not ledger.page_written(blocks[5], document.all_token_ids, 5)
+    ledger.release(["doc"])
+    assert engine.step().flushes == []
+
+
+def test_nothing_is_flushed_or_recorded_past_the_exact_prompt():
+    ledger = _ledger(staging_tokens=256)  # two units: the exact prompt of 900 ends after its second chunk
+    engine = _Engine(ledger)
+    early, _ = engine.add("early", [(i * 3) % 500 + 1 for i in range(900)])
+    for _ in range(8):
+        engine.step(early)
+    assert ledger.held["early"].prompt_end == 512
+    blocks = engine.blocks["early"]
+    assert ledger.page_written(blocks[2], early.all_token_ids, 2)  # tokens 260-388, of the exact 512
+    assert not ledger.page_written(blocks[3], early.all_token_ids, 3)
+    unstored, _ = engine.add("unstored", [5] * 900)
+    engine.step(unstored)  # its first chunk is staged: nothing in its window or pages yet
+    ledger.release(["early", "unstored"])
+    assert engine.step().flushes == []
+
+
+def test_a_reset_prefix_cache_forgets_every_kept_prompt_and_page():
+    ledger = _ledger()
+    engine = _Engine(ledger)
+    document = _stored_document(ledger, engine)
+    ledger.release([document.request_id])
+    everything = ledger.plan.num_units
+    assert ledger.entries and ledger.page_spill
+    ledger.forget()
+    assert not ledger.entries and not ledger.page_spill and ledger.free_units == everything
+    _, usable = engine.add("a", DOCUMENT[:600] + [9] * 100, engine.blocks["doc"][:4], 512)
+    assert usable == 0

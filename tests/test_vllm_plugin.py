@@ -179,7 +179,7 @@ def test_faults_leave_the_pool_as_it_was(tmp_path):
             "crowd_prompt": 300, "crowd_new": 260}  # fmt: skip
     report = _run_engine(tmp_path, spec, "run_faults.py")
     baseline = report["baseline"]  # the warm-up request's units came back as vLLM freed its blocks
-    assert baseline["requests"] == [] and baseline["free_units"] > 0
+    assert baseline["requests"] == [] and baseline["free_units"] > 0 and baseline["pins"] == 0
     assert report["mid_prefill"]["requests"] == ["prefilling"]
     assert report["mid_prefill"]["free_blocks"] < baseline["free_blocks"]
     assert report["mid_decode_tokens"] >= 4

@@ -228,7 +228,7 @@ class UnitLedger:
         if end < held.prompt_len:  # a prompt chunk before the last
             self._stage(request_id, held, past, end)
         elif held.prompt_end == held.prompt_len and self._worth_keeping(held, request):
-            held.keep = self._stage(request_id, held, past, end, keep=True)
+            held.keep = self._stage(request_id, held, past, held.prompt_len, keep=True)  # (a resumed one: answer too)
         if end >= held.prompt_end:
             held.stored = True
 
@@ -283,7 +283,11 @@ class UnitLedger:
         self._record_complete(held, min(split.packed_keys, split.packed_values) // self.tokens)
 
     def _record_complete(self, held: Held, complete: int) -> None:
+        """Records the request's pages before ``complete`` that hold its exact prompt only: answer tokens, and prompt
+        tokens after an exact prompt that ended early, were computed attending 2-bit history, where the own
+        ``generate`` of a prompt that contains them computes them exactly."""
         t, s = self.tokens, self.settings.sink_tokens
+        complete = min(complete, max(0, held.prompt_end - s) // t)
         for page in range(max(held.flagged_pages, held.shared_pages), complete):
             after = t * (page + 1)
             self.page_spill[held.blocks[page]] = tuple(held.tokens[after : after + s])
@@ -292,7 +296,8 @@ class UnitLedger:
     def _flush(self, held: Held) -> None:
         """A request vLLM frees: its pages that its tokens fill but its window still holds are to be packed
         (:class:`Flush`, before the next forward lends its blocks or its slot again) and are recorded as complete."""
-        pages = max(0, held.length - self.settings.sink_tokens) // self.tokens
+        s = self.settings.sink_tokens
+        pages = max(0, min(held.length, held.prompt_end) - s) // self.tokens  # filled, of its exact prompt
         if pages > max(held.flagged_pages, held.shared_pages):
             upto = pages * self.tokens
             self._flushes.append(Flush(held.slot, tuple(held.blocks), held.length, held.shared_pages, upto))
@@ -303,6 +308,15 @@ class UnitLedger:
         was written after the same ``S`` tokens as those (vLLM's block hash vouches for the tokens before)."""
         after = self.tokens * (page + 1)
         return self.page_spill.get(block) == tuple(tokens[after : after + self.settings.sink_tokens])
+
+    def forget(self) -> None:
+        """vLLM reset its prefix cache (with no request running, as it requires): no hit may use what was kept or
+        recorded before, which a weight update, the reason for a reset, has made stale."""
+        for entry in self.entries.values():  # no request holds units, so none reads them
+            self.free.extend(entry.units)
+        self.entries.clear()
+        self.pins.clear()
+        self.page_spill.clear()
 
     def forget_block(self, block: int) -> None:
         """vLLM evicted ``block`` from its prefix cache (to lend it anew)."""

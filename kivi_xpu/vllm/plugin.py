@@ -12,7 +12,8 @@ in the scheduler's (the engine core), the :class:`~kivi_xpu.vllm.ledger.UnitLedg
 * ``Scheduler.__init__`` makes it; ``Scheduler.schedule`` lends the step's units and sends them with its output;
   ``Scheduler._free_request_blocks`` gives a request's units back as vLLM frees its blocks;
 * ``KVCacheManager.get_computed_blocks`` cuts vLLM's prefix-cache hit to what the ledger can back;
-  ``BlockPool._maybe_evict_cached_block`` tells it which cached blocks vLLM lends anew;
+  ``BlockPool._maybe_evict_cached_block`` tells it which cached blocks vLLM lends anew, ``reset_prefix_cache`` that
+  nothing kept may serve again;
 
 in each worker:
 
@@ -86,6 +87,7 @@ def _hook_scheduler() -> None:
 
     init, schedule, free_blocks = Scheduler.__init__, Scheduler.schedule, Scheduler._free_request_blocks
     computed_blocks, evict = KVCacheManager.get_computed_blocks, BlockPool._maybe_evict_cached_block
+    reset = BlockPool.reset_prefix_cache
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
@@ -101,7 +103,7 @@ def _hook_scheduler() -> None:
         output = schedule(self, *args, **kwargs)
         ledger = getattr(self, "kivi_ledger", None)
         if ledger is not None:
-            ledger.release(output.finished_req_ids | (output.preempted_req_ids or set()))
+            ledger.release(output.finished_req_ids)  # (freed already, save those aborted before they ran)
             scheduled = [(rid, self.requests[rid], count) for rid, count in output.num_scheduled_tokens.items()]
             step = ledger.schedule(scheduled, lambda rid: self.kv_cache_manager.get_block_ids(rid)[0])
             setattr(output, STEP_UNITS, step)
@@ -132,10 +134,18 @@ def _hook_scheduler() -> None:
             ledger.forget_block(block.block_id)
         return evict(self, block)
 
+    @functools.wraps(reset)
+    def reset_prefix_cache(self, *args, **kwargs):
+        done = reset(self, *args, **kwargs)
+        ledger = getattr(self, "kivi_ledger", None)
+        if done and ledger is not None:
+            ledger.forget()
+        return done
+
     Scheduler.__init__, Scheduler.schedule = __init__, schedule_step
     Scheduler._free_request_blocks = _free_request_blocks
     KVCacheManager.get_computed_blocks = get_computed_blocks
-    BlockPool._maybe_evict_cached_block = _maybe_evict_cached_block
+    BlockPool._maybe_evict_cached_block, BlockPool.reset_prefix_cache = _maybe_evict_cached_block, reset_prefix_cache
 
 
 def _refuse_model(vllm_config) -> None:

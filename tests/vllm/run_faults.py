@@ -42,8 +42,9 @@ def main() -> None:
         ledger = scheduler.kivi_ledger
         # vLLM suffixes request ids; kept prompts' units are free for the asking
         kept = sum(len(entry.units) for entry in ledger.entries.values())
+        pins = len(ledger.pins) + sum(entry.pins for entry in ledger.entries.values())
         return {"free_blocks": blocks.get_num_free_blocks(), "free_units": ledger.free_units + kept,
-                "requests": sorted(r.rsplit("-", 1)[0] for r in ledger.held)}  # fmt: skip
+                "requests": sorted(r.rsplit("-", 1)[0] for r in ledger.held), "pins": pins}  # fmt: skip
 
     def finish(outputs: list) -> list:
         """Steps the engine until every request is done; the outputs of finished requests."""
