@@ -116,7 +116,7 @@ def test_a_hit_reads_the_cached_prefix_then_copies_it_to_stage_after_it():
     _stored_document(ledger, engine)
     entry = next(iter(ledger.entries.values()))
     blocks = engine.blocks["doc"]
-    short, _ = engine.add("short", DOCUMENT[:600] + [9] * 100, blocks[:4], 512)
+    short, _ = engine.add("short", DOCUMENT[:600] + [9] * 20, blocks[:4], 512)  # adds too little to be kept
     long, _ = engine.add("long", DOCUMENT[:600] + [9] * 300, blocks[:4], 512)
     step = engine.step(short, long)
     assert step.requests["short"].staging == tuple(entry.units) and step.requests["short"].shared_pages == 4
@@ -227,3 +227,22 @@ def test_a_reset_prefix_cache_forgets_every_kept_prompt_and_page():
     assert not ledger.entries and not ledger.page_spill and ledger.free_units == everything
     _, usable = engine.add("a", DOCUMENT[:600] + [9] * 100, engine.blocks["doc"][:4], 512)
     assert usable == 0
+
+
+def test_a_chat_turn_that_extends_a_kept_prompt_is_kept_in_its_place():
+    ledger = _ledger()
+    engine = _Engine(ledger)
+    first = _stored_document(ledger, engine)
+    ledger.release([first.request_id])  # its window packs page 4: five whole blocks serve
+    turn = DOCUMENT + [9] * 200
+    second, usable = engine.add("second", turn, engine.blocks["doc"][:5], 640)
+    assert usable == 640
+    step = engine.step(second)  # a chunk before its last: its only reader takes the kept prompt's units over
+    assert step.copies == [] and not ledger.entries
+    assert engine.step(second).requests["second"].keep
+    engine.step(second)
+    (entry,) = ledger.entries.values()
+    assert entry.tokens == turn and len(entry.units) == -(-900 // ledger.rows)
+    ledger.release(["second"])
+    third, usable = engine.add("third", turn + [8] * 50, engine.blocks["second"][:7], 896)
+    assert usable == 896  # the pages the second turn wrote (5 and 6) serve the third

@@ -233,18 +233,20 @@ class UnitLedger:
             held.stored = True
 
     def _worth_keeping(self, held: Held, request) -> bool:
-        """A prompt is kept when prefix caching is on, it read no cached prefix, and another prompt could share a
-        page of it (a block and the ``S`` tokens after it)."""
-        return (self.prefix_caching and held.entry is None and held.shared_pages == 0 and request.prompt_token_ids
-                is not None and held.prompt_len > self.tokens + self.settings.sink_tokens)  # fmt: skip
+        """A prompt is kept when prefix caching is on and another prompt could share a page of it beyond what it read
+        itself (a block and the ``S`` tokens after it): a chat's next turn extends the turn it read."""
+        read = held.shared_pages * self.tokens
+        return (self.prefix_caching and request.prompt_token_ids is not None
+                and held.prompt_len - read >= self.tokens + self.settings.sink_tokens)  # fmt: skip
 
     def _stage(self, request_id: str, held: Held, past: int, end: int, keep: bool = False) -> bool:
-        """Units for the exact prompt up to ``end`` (own ones: a cached prefix's rows are copied first). When none
-        are spare, a prompt to keep is not kept, and a chunk before the last ends the exact prompt: it is stored with
-        the chunks before it as ``KiviCache``'s prefill of ``end`` tokens stores them, and the later chunks attend it
-        as stored (2-bit, not exact)."""
+        """Units for the exact prompt up to ``end``, its own: a cached prefix it read is copied, or, when no units
+        are spare for that and no other request reads it, taken over for staging (it serves no hit meanwhile). When
+        none are spare, a prompt to keep is not kept, and a chunk before the last ends the exact prompt: it is stored
+        with the chunks before it as ``KiviCache``'s prefill of ``end`` tokens stores them, and the later chunks
+        attend it as stored (2-bit, not exact)."""
         entry = held.entry
-        if entry is not None and entry.pins == 1:  # no other reader: its units become the request's own
+        if entry is not None and entry.pins == 1 and not keep and self._spare(False) < -(-end // self.rows):
             self.entries.pop(id(entry))
             held.staging, held.entry = entry.units, None
         need = -(-end // self.rows) - len(held.staging)
