@@ -246,3 +246,13 @@ def test_a_chat_turn_that_extends_a_kept_prompt_is_kept_in_its_place():
     ledger.release(["second"])
     third, usable = engine.add("third", turn + [8] * 50, engine.blocks["second"][:7], 896)
     assert usable == 896  # the pages the second turn wrote (5 and 6) serve the third
+
+
+def test_staging_comes_before_keeping_in_a_step():
+    ledger = _ledger(max_requests=4, staging_tokens=512)  # 4 staging units of 168 tokens
+    engine = _Engine(ledger, chunk=600)
+    kept = [engine.add(f"kept-{i}", [i + 1] * 300)[0] for i in range(2)]  # two units each to keep
+    staged, _ = engine.add("staged", [9] * 900)  # its first chunk of 600 needs all 4
+    engine.step(*kept, staged)
+    assert ledger.held["staged"].prompt_end == 900 and len(ledger.held["staged"].staging) == 4
+    assert not any(ledger.held[f"kept-{i}"].keep for i in range(2))

@@ -184,7 +184,7 @@ class UnitLedger:
         new = [item for item in scheduled if item[0] not in self.held]
         for request_id, request, count in new:
             self._admit(request_id, request, request.num_computed_tokens - count)
-        for request_id, request, count in scheduled:
+        for request_id, request, count in sorted(scheduled, key=self._order):
             end = request.num_computed_tokens
             held = self.held[request_id]
             self._step(request_id, held, request, end - count, end)
@@ -196,6 +196,15 @@ class UnitLedger:
         step = StepUnits(self._flushes, self._lent, self._copies, assignments)
         self._flushes, self._lent, self._copies = [], [], []
         return step
+
+    def _order(self, item) -> int:
+        """Requests past their exact prompt first (their staging ends: kept prompts become evictable), then prompt
+        chunks before the last (staging keeps prompts exact), then last chunks (keeping a prompt is worth less)."""
+        request_id, request, count = item
+        held, end = self.held[request_id], request.num_computed_tokens
+        if end - count >= held.prompt_end:
+            return 0
+        return 1 if end < held.prompt_len else 2
 
     def _admit(self, request_id: str, request, past: int) -> None:
         """A request's first step (again after a preemption): its window unit; with ``past`` tokens computed, the
