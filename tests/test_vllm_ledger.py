@@ -13,24 +13,58 @@ from transformers import LlamaConfig
 from kivi_xpu.paged.budget import PageShape
 from kivi_xpu.vllm.ledger import UnitLedger
 from kivi_xpu.vllm.plan import plan
+from kivi_xpu.vllm.units import BlockUnits
 
 T, S = 128, 4  # the plan's block tokens and KiviCache's default sinks
 
 
+class _Pool:
+    """vLLM's ``BlockPool`` as the ledger's units use it: blocks with reference counts, block 0 the null block, and
+    a free queue whose head vLLM lends pages from; a block leaving the prefix cache is told to the ledger, as the
+    plugin's hook on ``_maybe_evict_cached_block`` does."""
+
+    def __init__(self, num_blocks: int):
+        self.blocks = [SimpleNamespace(block_id=i, ref_cnt=0, is_null=i == 0) for i in range(num_blocks)]
+        self.blocks[0].ref_cnt = 1
+        self.free_block_queue = self  # (the queue's methods are the pool's here)
+        self.queue = dict.fromkeys(range(1, num_blocks))  # ordered: lent from the head
+        self.ledger = None
+
+    def remove(self, block) -> None:
+        del self.queue[block.block_id]
+
+    def append_n(self, blocks) -> None:
+        self.queue.update(dict.fromkeys(block.block_id for block in blocks))
+
+    def _maybe_evict_cached_block(self, block) -> None:
+        self.ledger.forget_block(block.block_id)
+
+    def lend(self) -> int:
+        block = self.blocks[next(iter(self.queue))]
+        self.remove(block)
+        self._maybe_evict_cached_block(block)
+        block.ref_cnt = 1
+        return block.block_id
+
+
 def _ledger(max_requests: int = 4, staging_tokens: int = 1024, prefix_caching: bool = True,
-            max_model_len: int = 1024) -> UnitLedger:  # fmt: skip
+            max_model_len: int = 1024, budget: int = 64 * 2**20) -> UnitLedger:  # fmt: skip
     config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
     options = {"max_requests": max_requests, "staging_tokens": staging_tokens, "layer_overrides": None}
-    return UnitLedger(plan(options, config, PageShape(2, 32, 2), torch.float32, 64 * 2**20, 256, 256, max_model_len),
-                      prefix_caching)  # fmt: skip
+    planned = plan(options, config, PageShape(2, 32, 2), torch.float32, budget, 256, 256, max_model_len)
+    pool = _Pool(planned.num_blocks)
+    pool.ledger = UnitLedger(planned, prefix_caching, BlockUnits(pool, planned.unit_blocks))
+    return pool.ledger
 
 
 class _Engine:
-    """vLLM's side: requests, their blocks (fresh ids, or a hit's), and steps of at most ``chunk`` tokens each."""
+    """vLLM's side: requests, their blocks (lent from the pool's free queue, or a hit's), and steps of at most
+    ``chunk`` tokens each; before a request's blocks are lent, its units are reserved, as the plugin's hook on
+    ``allocate_slots`` does."""
 
     def __init__(self, ledger: UnitLedger, chunk: int = 256):
-        self.ledger, self.chunk, self.blocks, self.next_block = ledger, chunk, {}, 1000
+        self.ledger, self.chunk, self.blocks, self.pool = ledger, chunk, {}, ledger.units.pool
 
     def add(self, request_id: str, tokens: list[int], hit_blocks: list[int] = (), hit: int = 0):
         request = SimpleNamespace(request_id=request_id, prompt_token_ids=list(tokens), num_prompt_tokens=len(tokens),
@@ -46,13 +80,13 @@ class _Engine:
         for request in requests:
             done = request.num_computed_tokens
             count = min(self.chunk, request.num_prompt_tokens - done) if done < request.num_prompt_tokens else 1
+            assert self.ledger.reserve(request, done + count), f"no units free for {request.request_id}"
             if done >= request.num_prompt_tokens:
                 request.all_token_ids.append(7)
             request.num_computed_tokens += count
             blocks = self.blocks[request.request_id]
             while len(blocks) * T < request.num_computed_tokens:
-                blocks.append(self.next_block)
-                self.next_block += 1
+                blocks.append(self.pool.lend())
             scheduled.append((request.request_id, request, count))
         return self.ledger.schedule(scheduled, self.blocks.__getitem__)
 
@@ -82,8 +116,7 @@ def test_units_come_back_and_a_stored_prompt_is_kept():
     engine.step(request)
     assert len(ledger.entries) == 1 and next(iter(ledger.entries.values())).units == list(last.staging)
     ledger.release(["doc"])
-    kept = sum(len(entry.units) for entry in ledger.entries.values())
-    assert ledger.free_units + kept == everything and not ledger.held
+    assert ledger.free_units == everything and not ledger.held  # a kept prompt's blocks are free to vLLM
 
 
 def test_a_hit_is_cut_to_complete_pages_written_after_the_same_tokens():
@@ -127,29 +160,45 @@ def test_a_hit_reads_the_cached_prefix_then_copies_it_to_stage_after_it():
     assert entry.pins == 0  # both prompts are stored (the short one's in the first step)
 
 
-def test_the_only_reader_of_a_prefix_takes_its_units_over_to_stage_after_it():
-    ledger = _ledger(max_requests=2)
-    engine = _Engine(ledger)
-    document = _stored_document(ledger, engine)
-    entry = next(iter(ledger.entries.values()))
-    long, usable = engine.add("long", DOCUMENT[:600] + [9] * 300, engine.blocks["doc"][:4], 512)
-    step = engine.step(long)
-    assert step.copies == [] and step.requests["long"].staging[: len(entry.units)] == tuple(entry.units)
-    assert not ledger.entries  # its units are the request's own now
-    ledger.release([document.request_id, "long"])
+def test_units_are_vllms_blocks_taken_from_the_top_and_given_back_to_the_tail():
+    ledger = _ledger()
+    engine, pool = _Engine(ledger), ledger.units.pool
+    free_blocks, everything = len(pool.queue), ledger.free_units
+    request, _ = engine.add("a", [5] * 300)
+    step = engine.step(request)  # its window, and two units of staging for its first chunk
+    k, top = ledger.plan.unit_blocks, ledger.units.count - 1
+    assert sorted(step.lent) == [top - 2, top - 1, top] and ledger.free_units == everything - 3
+    assert len(pool.queue) == free_blocks - 3 * k - 2  # its two pages' blocks too, from the bottom
+    ledger.release(["a"])
+    assert ledger.free_units == everything
+    assert set(list(pool.queue)[-3 * k :]) == {b for u in step.lent for b in range(u * k, u * k + k)}
 
 
-def test_kept_prompts_give_way_to_staging():
-    ledger = _ledger(max_requests=2)
-    engine = _Engine(ledger)
+def test_a_kept_prefix_is_free_blocks_that_units_take_last_and_vllm_may_lend():
+    ledger = _ledger(budget=2 * 2**20)  # 170 blocks: 12 units of 14
+    engine, pool = _Engine(ledger), ledger.units.pool
     document = _stored_document(ledger, engine)
+    window = ledger.held["doc"].slot
     ledger.release([document.request_id])
-    assert ledger.entries
-    # Two long prompts at once: their staging evicts the kept prompt, never a window.
-    first, _ = engine.add("x", [5] * 900)
-    second, _ = engine.add("y", [6] * 900)
-    engine.step(first, second)
-    assert not ledger.entries and len(ledger.held) == 2
+    (entry,) = ledger.entries.values()
+    assert len(entry.units) == 5 and ledger.free_units == ledger.units.count - 1
+    tail = set(list(pool.queue)[-6 * 14 :])  # the kept prompt's units, then its window's: lent last
+    assert tail == {b for u in [*entry.units, window] for b in range(u * 14, u * 14 + 14)}
+    reader, usable = engine.add("reader", DOCUMENT[:600] + [9] * 20, engine.blocks["doc"][:4], 512)
+    assert usable == 512 and not set(pool.queue) & {entry.units[0] * 14}  # pinned: out of vLLM's free queue
+    ledger.release(["reader"])
+    assert entry.units[0] * 14 in pool.queue
+    two = [engine.add(f"r{i}", [i + 1] * 900)[0] for i in range(2)]  # 3 units each: window and staging
+    engine.step(*two)
+    assert ledger.entries  # 6 units came from the 6 that no prefix holds
+    engine.step(engine.add("r2", [3] * 900)[0])  # 3 more: from the kept prefix, which is forgotten
+    assert not ledger.entries and not ledger.kept
+    ledger.release([f"r{i}" for i in range(3)])
+    _stored_document(ledger, _Engine(ledger))
+    (entry,) = ledger.entries.values()
+    while entry.units[0] * 14 not in {pool.lend() for _ in range(14)}:  # vLLM lends its free blocks, the kept last
+        pass
+    assert not ledger.entries
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -221,7 +270,7 @@ def test_a_reset_prefix_cache_forgets_every_kept_prompt_and_page():
     engine = _Engine(ledger)
     document = _stored_document(ledger, engine)
     ledger.release([document.request_id])
-    everything = ledger.plan.num_units
+    everything = ledger.units.count - 1  # (unit 0 holds the null block)
     assert ledger.entries and ledger.page_spill
     ledger.forget()
     assert not ledger.entries and not ledger.page_spill and ledger.free_units == everything
@@ -237,8 +286,8 @@ def test_a_chat_turn_that_extends_a_kept_prompt_is_kept_in_its_place():
     turn = DOCUMENT + [9] * 200
     second, usable = engine.add("second", turn, engine.blocks["doc"][:5], 640)
     assert usable == 640
-    step = engine.step(second)  # a chunk before its last: its only reader takes the kept prompt's units over
-    assert step.copies == [] and not ledger.entries
+    step = engine.step(second)  # a chunk before its last: it stages after a copy of the kept prompt's rows
+    assert [tokens for *_, tokens in step.copies] == [640]
     assert engine.step(second).requests["second"].keep
     engine.step(second)
     (entry,) = ledger.entries.values()
@@ -248,8 +297,8 @@ def test_a_chat_turn_that_extends_a_kept_prompt_is_kept_in_its_place():
     assert usable == 896  # the pages the second turn wrote (5 and 6) serve the third
 
 
-def test_staging_comes_before_keeping_in_a_step():
-    ledger = _ledger(max_requests=4, staging_tokens=512)  # 4 staging units of 168 tokens
+def test_staging_is_reserved_before_prompts_are_kept():
+    ledger = _ledger(staging_tokens=512, budget=130 * 12288)  # 4 staging units of 168 tokens; 8 units in all
     engine = _Engine(ledger, chunk=600)
     kept = [engine.add(f"kept-{i}", [i + 1] * 300)[0] for i in range(2)]  # two units each to keep
     staged, _ = engine.add("staged", [9] * 900)  # its first chunk of 600 needs all 4

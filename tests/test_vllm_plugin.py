@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = offline.VLLM_PYTHON
 NEAR_TIE = 0.15  # logit margin under which a different greedy token is a near-tie (fp32 rounding can flip it)
 MiB = 2**20
-# The tiny model's pages at this budget, with 4 windows and 1024 tokens of staging: 16 blocks of 128 tokens, fewer
-# than 4 requests of 300 + 500 tokens need.
-KV_FOR_PREEMPTION = 2_100_000
+# The tiny model's blocks at this budget: 70, of which 4 windows take 56 (14 each); 4 requests of 100 + 420 tokens
+# want 20 of the other 13 for their pages.
+KV_FOR_PREEMPTION = 70 * 2 * 6144
 
 
 class _Config:
@@ -61,22 +61,26 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match='"max_requests" must be a positive integer'):
         plan({"max_requests": 0}, config, shape, torch.float32, 64 * MiB, 128, 2048, 1024)
     with pytest.raises(ValueError, match="too small for KIVI pages"):
-        plan({}, config, shape, torch.float32, 1 * MiB, 128, 2048, 4096)
+        plan({}, config, shape, torch.float32, MiB // 2, 128, 2048, 4096)
+    with pytest.raises(ValueError, match='"staging_tokens" \\(4000\\) does not fit'):
+        plan({"staging_tokens": 4000}, config, shape, torch.float32, MiB, 128, 2048, 4096)
+    assert plan({}, config, shape, torch.float32, MiB, 128, 2048, 4096).staging_units == 1  # as much as fits
     with pytest.raises(ValueError, match="bits"):
         plan({"bits": 3}, config, shape, torch.float32, 64 * MiB, 128, 2048, 1024)
 
 
 def test_plan_counts_every_byte():
-    """The units and the pages vLLM is told fit in the budget; the pages of a block are the layers' largest."""
+    """vLLM is told the whole budget: its blocks hold the pages and, a whole number of blocks each, the exact units;
+    a request holds its pages and its window's unit, so at 4k tokens the budget holds 6x vLLM's fp32 tokens."""
     shape = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
     config = LlamaConfig(**shape)
     budget = 768 * MiB
     result = plan({}, config, PageShape(3, 64, 30), torch.float32, budget, 128, 2048, 4096)
-    assert result.unit_pool_bytes + result.page_budget <= budget
-    assert result.num_blocks * result.page_bytes * 30 <= result.page_budget
+    assert result.num_blocks * result.page_bytes * 30 <= budget
+    assert result.unit_blocks * result.page_bytes * 30 >= result.unit_bytes
+    assert result.staging_units * result.rows >= 4095  # every prompt of max_model_len stays exact
     fp32_tokens = budget // (30 * 2 * 3 * 64 * 4)
-    # packed tokens: 10x vLLM's fp32 tokens in less than two thirds of the bytes
-    assert result.num_blocks * result.block_tokens > 6 * fp32_tokens
+    assert result.requests_held(4052) * 4052 >= 6 * fp32_tokens
     assert set(PLUGIN_KEYS) == {"max_requests", "staging_tokens"}
 
 
@@ -175,8 +179,8 @@ def test_faults_leave_the_pool_as_it_was(tmp_path):
     engine = {"kv_cache_memory_bytes": KV_FOR_PREEMPTION, "max_model_len": 1024, "max_num_batched_tokens": 128,
               "max_num_seqs": 4}  # fmt: skip
     spec = {"model": str(tmp_path / "model"), "dtype": "float32", "engine": engine,
-            "kivi": {"staging_tokens": 1024, "max_requests": 4}, "long_prompt": 600, "crowd": 4,
-            "crowd_prompt": 300, "crowd_new": 260}  # fmt: skip
+            "kivi": {"staging_tokens": 256, "max_requests": 4}, "long_prompt": 600, "crowd": 4,
+            "crowd_prompt": 100, "crowd_new": 420}  # fmt: skip
     report = _run_engine(tmp_path, spec, "run_faults.py")
     baseline = report["baseline"]  # the warm-up request's units came back as vLLM freed its blocks
     assert baseline["requests"] == [] and baseline["free_units"] > 0 and baseline["pins"] == 0

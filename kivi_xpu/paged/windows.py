@@ -36,17 +36,35 @@ class ExactUnits:
 
     def __init__(self, budget, cache_tensor: torch.Tensor, pool, layers: list[int], heads: int, head_dim: int,
                  dtype):  # fmt: skip
-        self.rows, self.pool, self.step = budget.rows, pool, budget.block.window_step
         count = cache_tensor.numel() // budget.unit_bytes
-        units = cache_tensor[: count * budget.unit_bytes].view(dtype).view(count, len(layers), 2, heads, self.rows,
+        units = cache_tensor[: count * budget.unit_bytes].view(dtype).view(count, len(layers), 2, heads, budget.rows,
                                                                            head_dim)  # fmt: skip
-        self._units = units  # [units, layers, 2, H, W, D]
-        self.keys = {layer: units[:, i, 0] for i, layer in enumerate(layers)}  # [units, H, W, D] views
-        self.values = {layer: units[:, i, 1] for i, layer in enumerate(layers)}
-        self.value_base = {layer: [0] * count for layer in layers}  # base of each slot's value rows
+        self._start(budget.rows, budget.block.window_step, pool)
+        for i, layer in enumerate(layers):
+            self.add_layer(layer, units[:, i])
         self.units_per_sector = budget.units_per_sector
         if pool is not None:
             pool.set_blocks_per_sector(UNITS, self.units_per_sector)
+
+    @classmethod
+    def in_blocks(cls, rows: int, step: int) -> ExactUnits:
+        """Units that live in another engine's blocks (vLLM's, :mod:`kivi_xpu.vllm.requests`), lent by a lender
+        elsewhere; each layer's units are added as its blocks appear (:meth:`add_layer`)."""
+        units = cls.__new__(cls)
+        units._start(rows, step, None)
+        return units
+
+    def _start(self, rows: int, step: int, pool) -> None:
+        self.rows, self.step, self.pool = rows, step, pool
+        self._both: dict[int, torch.Tensor] = {}  # layer -> [units, 2, H, W, D] (a strided view)
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [units, H, W, D] views
+        self.values: dict[int, torch.Tensor] = {}
+        self.value_base: dict[int, list[int]] = {}  # layer -> base of each slot's value rows
+
+    def add_layer(self, layer: int, both: torch.Tensor) -> None:
+        """Layer ``layer``'s units: ``both [units, 2, H, W, D]``, keys then values (a view of where they live)."""
+        self._both[layer], self.keys[layer], self.values[layer] = both, both[:, 0], both[:, 1]
+        self.value_base[layer] = [0] * both.shape[0]
 
     # ------------------------------------------------------------------ lending
 
@@ -70,7 +88,8 @@ class ExactUnits:
 
     def copy_rows(self, source: int, target: int, rows: int) -> None:
         """Copies the first ``rows`` exact tokens of unit ``source`` (every layer, keys and values) into ``target``."""
-        self._units[target, :, :, :, :rows] = self._units[source, :, :, :, :rows]
+        for both in self._both.values():
+            both[target, :, :, :rows] = both[source, :, :, :rows]
 
     # ------------------------------------------------------------------ window
 

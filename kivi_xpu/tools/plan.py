@@ -138,7 +138,7 @@ def vllm_rows(config, shape: PageShape, dtype, kv_memory: int, prompt: int, new_
             raise ToolError(f"vLLM + KIVI: {error}") from None
         rows.append(Row("vllm", "KIVI 2-bit", 0, 0, 0, -1))
     else:
-        held = min(kivi.max_requests, kivi.num_blocks // _ceil_div(length, kivi.block_tokens)) * fits
+        held = kivi.requests_held(length) * fits
         pool_tokens = kivi.num_blocks * kivi.block_tokens
         rows.append(Row("vllm", "KIVI 2-bit", held, held * length, pool_tokens,
                         min(max_model_len, pool_tokens) - new_tokens,

@@ -134,7 +134,7 @@ class KiviAttentionImpl(AttentionImpl):
             rotations = tuple(codec.rotation(kv_cache.device) for codec in codecs)
             writer = PageWriter(settings, plan.block_tokens, self.requests.units, *codecs, rotations)
             self._layer = (index, pages, writer)
-            self.requests.layers[index] = (pages, writer)
+            self.requests.add_layer(index, blocks, pages, writer)
         return self._layer
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,

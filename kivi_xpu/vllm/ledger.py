@@ -1,18 +1,20 @@
 """Who holds which exact unit, decided once per step in vLLM's scheduler and sent to every worker with the step.
 
-vLLM lends the blocks (2-bit pages); this ledger lends the exact units (:mod:`kivi_xpu.paged.windows`) beside them,
-in the scheduler's process, so that every rank of a step stores alike and a prefix-cache hit can be checked where
-vLLM decides it. Per step (:meth:`UnitLedger.schedule`) each scheduled request gets an :class:`Assignment`: its
-window unit, the units of its exact prompt while it is staged, and its shared pages; the worker
-(:mod:`.requests`) only reads them.
+vLLM lends the blocks as 2-bit pages; this ledger lends the exact units (:mod:`kivi_xpu.paged.windows`), carved
+from the same blocks (:mod:`.units`), in the scheduler's process, so that every rank of a step stores alike and a
+prefix-cache hit can be checked where vLLM decides it. When vLLM allocates a request's blocks for a step, the units
+that step needs are taken first (:meth:`UnitLedger.reserve`: a new request's window, a prompt chunk's staging), so
+that vLLM admits, waits or preempts counting them. Per step (:meth:`UnitLedger.schedule`) each scheduled request
+gets an :class:`Assignment`: its window unit, the units of its exact prompt while it is staged, and its shared
+pages; the worker (:mod:`.requests`) only reads them.
 
 **Cached prefixes.** A request's page ``p`` holds packed tokens ``[S + Tp, S + Tp + T)``: it depends on ``S`` tokens
 of the next block, which vLLM's block hash does not cover, and it is written only when those tokens leave the
 window. And a prompt that extends a cached one attends the exact states of the cached part (its own ``generate``
 prefills in one go). So a hit that vLLM finds is used only as far as
 
-* a kept :class:`PrefixEntry` (a finished prompt's exact states, kept in free units, evicted least recently used
-  first when windows or staging need the units) starts with the same tokens, and
+* a kept :class:`PrefixEntry` (a finished prompt's exact states, kept in units of free blocks, evicted least
+  recently used first when vLLM or a request's units find too few free blocks) starts with the same tokens, and
 * each hit block's page is complete and was written after the same ``S`` tokens (:meth:`page_written`).
 
 :meth:`cap_hit` cuts vLLM's hit to that, in whole blocks, and pins the entry until the request's prompt is stored.
@@ -94,15 +96,17 @@ class Held:
 
 
 class UnitLedger:
-    """The exact units of every rank (each rank's pool holds the same unit ids), lent per step; see the module
+    """The exact units of every rank (each rank's blocks hold the same unit ids), lent per step; see the module
     docstring. ``plan``: the :class:`~kivi_xpu.vllm.plan.KiviPlan`; ``prefix_caching``: vLLM's setting (without it
-    there are no hits, and no prompt is kept)."""
+    there are no hits, and no prompt is kept); ``units``: the :class:`~kivi_xpu.vllm.units.BlockUnits` of vLLM's
+    block pool."""
 
-    def __init__(self, plan, prefix_caching: bool):
-        self.plan, self.prefix_caching = plan, prefix_caching
+    def __init__(self, plan, prefix_caching: bool, units):
+        self.plan, self.prefix_caching, self.units = plan, prefix_caching, units
         self.rows, self.tokens = plan.rows, plan.block_tokens
         self.settings = plan.settings[0]  # S and R are alike in every layer, so are the counts
-        self.free = list(range(plan.num_units - 1, -1, -1))  # pop() lends the lowest first
+        self.reserved: dict[str, list[int]] = {}  # units taken as vLLM allocated a request's blocks this step
+        self.kept: dict[int, PrefixEntry] = {}  # unit -> the cached prefix it holds
         self.held: dict[str, Held] = {}
         self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recently used first
         self.pins: dict[str, PrefixEntry] = {}  # hits granted to requests not yet scheduled
@@ -116,31 +120,70 @@ class UnitLedger:
 
     @property
     def free_units(self) -> int:
-        return len(self.free)
+        return self.units.count_free()
 
-    def _spare(self, window: bool) -> int:
-        """Units that a request's ``window`` (or staging and kept prompts) may take: the free ones less a window for
-        every other request vLLM may still admit."""
-        return len(self.free) - (self.plan.max_requests - len(self.held) - window)
+    def reserve(self, request, end: int) -> bool:
+        """Before vLLM allocates blocks for ``request`` up to ``end`` tokens: takes the units that its step will need
+        (a window if it is new, staging if the chunk is not its prompt's last), so that vLLM's check of its free
+        blocks counts them. ``False`` (nothing taken) when too few blocks are free."""
+        request_id = request.request_id
+        reserved = self.reserved.setdefault(request_id, [])
+        missing = self._needs(request_id, request, end) - len(reserved)
+        if missing <= 0:
+            return True
+        units = self.units.take(missing, self.kept)
+        if units is None:
+            return False
+        reserved += units
+        return True
 
-    def _take(self, count: int, window: bool = False) -> list[int] | None:
-        """``count`` spare units, evicting unpinned cached prefixes (least recently used first) if need be; ``None``
-        (nothing taken) if even that leaves too few."""
-        while self._spare(window) < count:
-            victim = next((key for key, entry in self.entries.items() if not entry.pins), None)
-            if victim is None:
-                return None
-            self.free.extend(self.entries.pop(victim).units)
-        units = [self.free.pop() for _ in range(count)]
-        self._lent += units
+    def unreserve(self, request_id: str) -> None:
+        """vLLM could not allocate the request's blocks after all: its reserved units go back."""
+        self._give_back(self.reserved.pop(request_id, []))
+
+    def _needs(self, request_id: str, request, end: int) -> int:
+        """The units a step up to ``end`` needs, held ones included: its window, and its exact prompt's staging when
+        the step ends before the prompt (at most :attr:`~kivi_xpu.vllm.plan.KiviPlan.staging_units`; a cached
+        prefix it reads is copied into its own)."""
+        held = self.held.get(request_id)
+        needs = 0 if held is not None else 1
+        prompt_len = request.num_prompt_tokens
+        exact = held is None or held.prompt_end == prompt_len
+        staged = -(-end // self.rows)
+        if exact and end < prompt_len and staged <= self.plan.staging_units:
+            needs += staged - (len(held.staging) if held is not None else 0)
+        return needs
+
+    def _take(self, count: int, request_id: str | None = None) -> list[int] | None:
+        """``count`` units: the request's reserved ones, or free blocks' (a cached prefix's only when no others are
+        free: it is evicted); ``None`` (nothing taken) if too few are free."""
+        reserved = self.reserved.get(request_id, [])
+        units = [reserved.pop() for _ in range(count)] if len(reserved) >= count else self.units.take(count, self.kept)
+        if units is not None:
+            self._lent += units
         return units
 
     def _give_back(self, units: list[int]) -> None:
-        self.free.extend(units)
+        if units:
+            self.units.give_back(units)
+
+    def _pin(self, entry: PrefixEntry) -> None:
+        """A request reads ``entry``: its blocks leave vLLM's free queue until no request does."""
+        if not entry.pins:
+            self.units.hold(entry.units)
+        entry.pins += 1
 
     def _unpin(self, entry: PrefixEntry | None) -> None:
         if entry is not None:
             entry.pins -= 1
+            if not entry.pins:
+                self._give_back(entry.units)
+
+    def _drop(self, entry: PrefixEntry) -> None:
+        """Forgets an unpinned cached prefix (its blocks are free already)."""
+        del self.entries[id(entry)]
+        for unit in entry.units:
+            del self.kept[unit]
 
     # -------------------------------------------------------------- lifecycle
 
@@ -149,6 +192,7 @@ class UnitLedger:
         becomes a cached prefix)."""
         for request_id in request_ids:
             self._unpin(self.pins.pop(request_id, None))
+            self.unreserve(request_id)
             held = self.held.pop(request_id, None)
             if held is None:
                 continue
@@ -168,11 +212,13 @@ class UnitLedger:
 
     def _keep(self, held: Held) -> None:
         tokens = held.prompt_tokens
-        for key, entry in list(self.entries.items()):  # a cached prompt this one extends serves nobody more
+        for entry in list(self.entries.values()):  # a cached prompt this one extends serves nobody more
             if not entry.pins and tokens[: len(entry.tokens)] == entry.tokens:
-                self.free.extend(self.entries.pop(key).units)
+                self._drop(entry)
         entry = PrefixEntry(tokens, held.staging)
         self.entries[id(entry)] = entry
+        self.kept.update(dict.fromkeys(entry.units, entry))
+        self._give_back(entry.units)  # free blocks to vLLM, lent last; lending one forgets the entry
 
     # ------------------------------------------------------------------ steps
 
@@ -184,7 +230,7 @@ class UnitLedger:
         new = [item for item in scheduled if item[0] not in self.held]
         for request_id, request, count in new:
             self._admit(request_id, request, request.num_computed_tokens - count)
-        for request_id, request, count in sorted(scheduled, key=self._order):
+        for request_id, request, count in scheduled:
             end = request.num_computed_tokens
             held = self.held[request_id]
             self._step(request_id, held, request, end - count, end)
@@ -193,18 +239,11 @@ class UnitLedger:
             staging = held.entry.units if held.entry is not None else held.staging
             assignments[request_id] = Assignment(held.slot, held.prompt_end, tuple(staging), held.shared_pages,
                                                  held.keep)  # fmt: skip
+        for request_id in list(self.reserved):  # (taken for a step that vLLM then did not schedule)
+            self.unreserve(request_id)
         step = StepUnits(self._flushes, self._lent, self._copies, assignments)
         self._flushes, self._lent, self._copies = [], [], []
         return step
-
-    def _order(self, item) -> int:
-        """Requests past their exact prompt first (their staging ends: kept prompts become evictable), then prompt
-        chunks before the last (staging keeps prompts exact), then last chunks (keeping a prompt is worth less)."""
-        request_id, request, count = item
-        held, end = self.held[request_id], request.num_computed_tokens
-        if end - count >= held.prompt_end:
-            return 0
-        return 1 if end < held.prompt_len else 2
 
     def _admit(self, request_id: str, request, past: int) -> None:
         """A request's first step (again after a preemption): its window unit; with ``past`` tokens computed, the
@@ -215,12 +254,9 @@ class UnitLedger:
         if not past:
             self._unpin(entry)
             entry = None
-        units = self._take(1, window=True)
+        units = self._take(1, request_id)
         if units is None:
-            raise RuntimeError(
-                f"KIVI exact units: none free for request {request_id} although vLLM runs at most "
-                f"{self.plan.max_requests} requests (max_num_seqs)"
-            )
+            raise RuntimeError(f"KIVI exact units: none reserved or free for request {request_id}'s window")
         prompt_len = request.num_prompt_tokens
         shared = past // self.tokens
         held = Held(units[0], prompt_len, prompt_len, list(request.prompt_token_ids or ()), entry=entry,
@@ -249,19 +285,16 @@ class UnitLedger:
                 and held.prompt_len - read >= self.tokens + self.settings.sink_tokens)  # fmt: skip
 
     def _stage(self, request_id: str, held: Held, past: int, end: int, keep: bool = False) -> bool:
-        """Units for the exact prompt up to ``end``, its own: a cached prefix it read is copied, or, when no units
-        are spare for that and no other request reads it, taken over for staging (it serves no hit meanwhile). When
-        none are spare, a prompt to keep is not kept, and a chunk before the last ends the exact prompt: it is stored
-        with the chunks before it as ``KiviCache``'s prefill of ``end`` tokens stores them, and the later chunks
-        attend it as stored (2-bit, not exact)."""
-        entry = held.entry
-        if entry is not None and entry.pins == 1 and not keep and self._spare(False) < -(-end // self.rows):
-            self.entries.pop(id(entry))
-            held.staging, held.entry = entry.units, None
-        need = -(-end // self.rows) - len(held.staging)
+        """Units for the exact prompt up to ``end``, its own (a cached prefix it read is copied first). When a chunk
+        before the last would stage more than ``staging_units`` (or, which :meth:`reserve` prevents, finds no free
+        blocks), it ends the exact prompt: it is stored with the chunks before it as ``KiviCache``'s prefill of
+        ``end`` tokens stores them, and the later chunks attend it as stored (2-bit, not exact). A prompt to keep
+        whose units are not free is not kept."""
+        staged = -(-end // self.rows)
+        need = staged - len(held.staging)
         if need <= 0:
             return True
-        units = self._take(need)
+        units = self._take(need, request_id) if keep or staged <= self.plan.staging_units else None
         if units is not None:
             if held.entry is not None:  # its own copy of the cached prefix's rows before staging after them
                 self._copies.append((tuple(held.entry.units), tuple(units), past))
@@ -274,8 +307,8 @@ class UnitLedger:
             if not self._staging_warned:
                 self._staging_warned = True
                 logger.warning(
-                    "KIVI pages: request %s's prompt arrives in chunks and the staging units are taken: its tokens "
-                    'after %d attend the earlier ones as stored (2-bit), not exact. Raise "staging_tokens" in '
+                    "KIVI pages: request %s's prompt arrives in chunks and is longer than the staging allows: its "
+                    'tokens after %d attend the earlier ones as stored (2-bit), not exact. Raise "staging_tokens" in '
                     "--additional-config kivi to keep every chunked prompt exact (logged once)",
                     request_id,
                     end,
@@ -323,15 +356,18 @@ class UnitLedger:
     def forget(self) -> None:
         """vLLM reset its prefix cache (with no request running, as it requires): no hit may use what was kept or
         recorded before, which a weight update, the reason for a reset, has made stale."""
-        for entry in self.entries.values():  # no request holds units, so none reads them
-            self.free.extend(entry.units)
-        self.entries.clear()
+        for entry in list(self.entries.values()):  # no request runs, so none reads them
+            self._drop(entry)
         self.pins.clear()
         self.page_spill.clear()
 
     def forget_block(self, block: int) -> None:
-        """vLLM evicted ``block`` from its prefix cache (to lend it anew)."""
+        """vLLM lends ``block`` anew (or this ledger carves it into a unit): what it held, a complete page or part of
+        a cached prefix's unit, is forgotten."""
         self.page_spill.pop(block, None)
+        entry = self.kept.get(block // self.plan.unit_blocks)
+        if entry is not None:
+            self._drop(entry)
 
     def cap_hit(self, request, block_ids: list[int], hit_tokens: int) -> int:
         """The tokens of vLLM's hit (``hit_tokens``, blocks ``block_ids``) that ``request`` may use (see the module
@@ -353,7 +389,7 @@ class UnitLedger:
             pages += 1
         if not pages:
             return 0
-        best.pins += 1
+        self._pin(best)
         self.pins[request.request_id] = best
         self.entries.move_to_end(id(best))
         return pages * t

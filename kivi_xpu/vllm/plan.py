@@ -4,17 +4,19 @@ budget splits between vLLM's blocks (2-bit pages) and this plugin's exact units.
 The ``"kivi"`` keys are ``KiviCache``'s settings (:data:`SETTINGS_KEYS`; ``{}``: its defaults, with the calibration
 shipped for the model) and two of the plugin's own:
 
-* ``max_requests``: requests in flight, each holding one exact unit (its sinks and window); vLLM's ``max_num_seqs``
-  becomes this. Default: as many units as a third of the budget left after staging holds (at most
-  ``max_num_seqs``);
-* ``staging_tokens``: exact prompt tokens kept while a prompt is prefilled in several chunks, so that every chunk
-  attends the exact states of the earlier ones, as ``KiviCache``'s one-shot prefill does (a prompt's units are
-  taken chunk by chunk, its last chunk needs none). Default: vLLM's ``max_num_batched_tokens`` (a prompt of up to
-  two default chunks at a time). A chunk that finds no room ends the exact prompt: the later chunks attend it as
-  stored (the log says so once).
+* ``max_requests``: requests in flight (vLLM's ``max_num_seqs`` becomes this; default: vLLM's);
+* ``staging_tokens``: the exact prompt tokens a request keeps at most while its prompt is prefilled in several
+  chunks, so that every chunk attends the exact states of the earlier ones, as ``KiviCache``'s one-shot prefill
+  does (its units are taken chunk by chunk, the last chunk needs none). Default: ``max_model_len`` (every prompt
+  exact), or as much as fits beside one request of ``max_model_len``. A longer prompt's exact part ends at the chunk
+  that would exceed it: the later chunks attend it as stored (the log says so once).
 
-The budget (``--kv-cache-memory-bytes``, or ``VLLM_CPU_KVCACHE_SPACE``) covers both: vLLM is told the bytes left
-for pages, so its "KV cache size" counts packed tokens, and :meth:`KiviPlan.summary` logs the whole split.
+The budget (``--kv-cache-memory-bytes``, or ``VLLM_CPU_KVCACHE_SPACE``) is vLLM's whole pool of blocks. A block is
+one 2-bit page of every layer, or, ``unit_blocks`` aligned blocks at a time, an exact unit
+(:mod:`kivi_xpu.paged.windows`): a request's sinks and window, or its prompt staged between chunks. The scheduler's
+ledger (:mod:`.ledger`) takes a request's units from vLLM's free blocks when vLLM admits or extends it, so windows
+and staging are counted where vLLM counts pages; :meth:`KiviPlan.summary` logs the split, as vLLM's "KV cache size"
+counts every block as a page.
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def resolve_layer_settings(options: dict, hf_config, num_layers: int, head_dim: 
 
 @dataclasses.dataclass(frozen=True)
 class KiviPlan:
-    """The start-up plan of one rank: its layers' settings, the page of one vLLM block, and the exact units."""
+    """The start-up plan of one rank: its layers' settings, the page of one vLLM block, and the exact units that
+    vLLM's blocks hold besides pages (a unit: ``unit_blocks`` consecutive blocks of every layer, aligned)."""
 
     settings: tuple  # KiviSettings per full-attention layer, for the model dtype
     calibration: str | None
@@ -119,23 +122,20 @@ class KiviPlan:
     dtype: torch.dtype
     block: BlockLayout  # the layers' pages of T tokens, each its own bytes (vLLM gives every layer `page_bytes`)
     rows: int  # W, exact tokens of a unit
-    unit_bytes: int
-    max_requests: int  # window units
-    staging_units: int
-    kv_budget: int  # everything, as the user gave it
-    page_budget: int  # what vLLM is told
-
-    @property
-    def num_units(self) -> int:
-        return self.max_requests + self.staging_units
-
-    @property
-    def unit_pool_bytes(self) -> int:
-        return self.num_units * self.unit_bytes
+    unit_bytes: int  # of every layer
+    unit_blocks: int  # vLLM blocks a unit takes (in every layer)
+    max_requests: int  # requests in flight (vLLM's max_num_seqs)
+    staging_units: int  # at most, per request
+    kv_budget: int  # everything, as the user gave it, and what vLLM is told
 
     @property
     def num_blocks(self) -> int:
-        return self.page_budget // (self.page_bytes * self.shape.num_layers)
+        return self.kv_budget // (self.page_bytes * self.shape.num_layers)
+
+    @property
+    def num_units(self) -> int:
+        """Unit ids ``0 .. num_units - 1`` (unit 0 is never lent: it holds vLLM's null block)."""
+        return self.num_blocks // self.unit_blocks
 
     @property
     def block_tokens(self) -> int:
@@ -147,21 +147,29 @@ class KiviPlan:
         """One layer's page of a block: the largest of the layers' (vLLM's pages are alike)."""
         return max(page.page_bytes for page in self.block.pages)
 
-    @property
-    def units_per_sector(self) -> int:
-        """The whole unit pool is lent at start-up, as one sector (what :class:`~kivi_xpu.paged.windows.ExactUnits`
-        asks of a budget, with ``rows``, ``unit_bytes`` and ``block``)."""
-        return self.num_units
+    def blocks_held(self, tokens: int, staged: int = 0) -> int:
+        """vLLM blocks a request of ``tokens`` holds: its pages, its window's unit and ``staged`` staging units."""
+        return -(-tokens // self.block_tokens) + (1 + staged) * self.unit_blocks
 
-    def summary(self) -> str:
+    def fits_alone(self, tokens: int, staged: int) -> bool:
+        """Whether a request of ``tokens`` with ``staged`` staging units fits in the empty pool (units come from
+        whole aligned groups of blocks above the null block)."""
+        return 1 + staged < self.num_units and self.blocks_held(tokens, staged) <= self.num_blocks - self.unit_blocks
+
+    def requests_held(self, tokens: int) -> int:
+        """How many requests of ``tokens`` tokens the blocks hold at once while they decode (pages and windows)."""
+        return max(0, min(self.max_requests, self.num_units - 1, (self.num_blocks - 1) // self.blocks_held(tokens)))
+
+    def summary(self, max_model_len: int) -> str:
         mib = 2**20
         return (
-            f"KIVI pages: {self.kv_budget / mib:.1f} MiB of KV = {self.num_blocks} blocks of {self.block_tokens} "
-            f"packed tokens ({self.num_blocks * self.block_tokens} tokens, {self.page_budget / mib:.1f} MiB) + "
-            f"{self.num_units} exact units of {self.rows} tokens ({self.unit_pool_bytes / mib:.1f} MiB: "
-            f"{self.max_requests} requests' sinks and windows, {self.staging_units * self.rows} tokens of "
-            f"prompts staged between chunks); at most {self.max_requests} requests in flight; calibration: "
-            f"{self.calibration or 'none'}"
+            f"KIVI pages: {self.kv_budget / mib:.1f} MiB of KV = {self.num_blocks} vLLM blocks of "
+            f"{self.page_bytes * self.shape.num_layers / mib:.3f} MiB, each a 2-bit page of {self.block_tokens} tokens "
+            f"(every layer) or, {self.unit_blocks} at a time, an exact unit of {self.rows} tokens (a request's sinks "
+            f"and window, or {self.staging_units * self.rows} tokens at most of its prompt staged between chunks): "
+            f"vLLM's 'KV cache size' counts every block as a page, the requests of {max_model_len} tokens held at "
+            f"once are {self.requests_held(max_model_len)}; at most {self.max_requests} requests in flight; "
+            f"calibration: {self.calibration or 'none'}"
         )
 
 
@@ -180,22 +188,28 @@ def plan(options: dict, hf_config, shape: PageShape, dtype, kv_budget: int, max_
     token_bytes = exact_token_bytes(shape, dtype)
     rows = window_rows(every[0], block, token_bytes)
     unit_bytes = rows * token_bytes
-    staging_tokens = _positive(options, "staging_tokens") or max_num_batched_tokens
-    staging_units = -(-min(staging_tokens, max_model_len) // rows)
-    left = kv_budget - staging_units * unit_bytes
-    max_requests = _positive(options, "max_requests")
-    if max_requests is None:
-        max_requests = max(1, min(max_num_seqs, left // 3 // unit_bytes))
-    page_budget = left - max_requests * unit_bytes
-    one_request = -(-max_model_len // block_tokens) * page_bytes * shape.num_layers
-    if page_budget < one_request:
+    unit_blocks = -(-(unit_bytes // shape.num_layers) // page_bytes)
+    max_requests = _positive(options, "max_requests") or max_num_seqs
+    staging_tokens = _positive(options, "staging_tokens")
+    longest_staged = -(-(max_model_len - 1) // rows)  # a prompt's last chunk is not staged
+    staging_units = min(longest_staged, -(-staging_tokens // rows)) if staging_tokens else longest_staged
+    result = KiviPlan(every, calibration, options.get("backend"), shape, dtype, block, rows, unit_bytes, unit_blocks,
+                      max_requests, staging_units, kv_budget)  # fmt: skip
+    if not result.fits_alone(max_model_len, 0):
         raise ValueError(
-            f"--kv-cache-memory-bytes ({kv_budget / 2**20:.1f} MiB) is too small for KIVI pages: {max_requests} "
-            f"exact units ({unit_bytes / 2**20:.2f} MiB each) and {staging_units} for staged prompts leave "
-            f"{max(page_budget, 0) / 2**20:.1f} MiB of pages, less than one request of max_model_len "
-            f"({max_model_len} tokens: {one_request / 2**20:.1f} MiB); raise the budget, or lower "
-            f'"max_requests", "staging_tokens" or --max-model-len'
+            f"--kv-cache-memory-bytes ({kv_budget / 2**20:.1f} MiB) is too small for KIVI pages: {result.num_blocks} "
+            f"blocks do not hold one request of max_model_len ({max_model_len} tokens: "
+            f"{result.blocks_held(max_model_len)} blocks with its window's unit of {unit_blocks}); raise the budget "
+            f"or lower --max-model-len"
         )
-    backend = options.get("backend")
-    return KiviPlan(every, calibration, backend, shape, dtype, block, rows, unit_bytes, max_requests, staging_units,
-                    kv_budget, page_budget)  # fmt: skip
+    if not result.fits_alone(max_model_len, staging_units):
+        if staging_tokens:
+            raise ValueError(
+                f'--additional-config "kivi": "staging_tokens" ({staging_tokens}) does not fit beside one request '
+                f"of max_model_len ({max_model_len} tokens) in --kv-cache-memory-bytes ({kv_budget / 2**20:.1f} "
+                f"MiB); lower it, raise the budget or lower --max-model-len"
+            )
+        while staging_units and not result.fits_alone(max_model_len, staging_units):
+            staging_units -= 1
+            result = dataclasses.replace(result, staging_units=staging_units)
+    return result

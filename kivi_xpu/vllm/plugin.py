@@ -4,15 +4,16 @@
 In the process that reads the arguments:
 
 * ``CpuPlatform.check_and_update_config``: after vLLM's own, checks the version, the model and the settings, plans
-  the budget (:func:`configure`) and changes the config accordingly (block size, requests in flight, the bytes vLLM
-  is told);
+  the budget (:func:`configure`) and changes the config accordingly (block size, requests in flight);
 
 in the scheduler's (the engine core), the :class:`~kivi_xpu.vllm.ledger.UnitLedger` of the exact units:
 
 * ``Scheduler.__init__`` makes it; ``Scheduler.schedule`` lends the step's units and sends them with its output;
   ``Scheduler._free_request_blocks`` gives a request's units back as vLLM frees its blocks;
+* ``KVCacheManager.allocate_slots`` takes a request's exact units (window, staging) from vLLM's free blocks before
+  vLLM checks them for its pages;
 * ``KVCacheManager.get_computed_blocks`` cuts vLLM's prefix-cache hit to what the ledger can back;
-  ``BlockPool._maybe_evict_cached_block`` tells it which cached blocks vLLM lends anew, ``reset_prefix_cache`` that
+  ``BlockPool._maybe_evict_cached_block`` tells it which free blocks vLLM lends anew, ``reset_prefix_cache`` that
   nothing kept may serve again;
 
 in each worker:
@@ -84,9 +85,11 @@ def _hook_scheduler() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from .ledger import UnitLedger
+    from .units import BlockUnits
 
     init, schedule, free_blocks = Scheduler.__init__, Scheduler.schedule, Scheduler._free_request_blocks
     computed_blocks, evict = KVCacheManager.get_computed_blocks, BlockPool._maybe_evict_cached_block
+    allocate = KVCacheManager.allocate_slots
     reset = BlockPool.reset_prefix_cache
 
     @functools.wraps(init)
@@ -95,7 +98,8 @@ def _hook_scheduler() -> None:
         if kivi_options(self.vllm_config) is not None:
             from . import state
 
-            ledger = UnitLedger(state.plan_of(self.vllm_config), self.cache_config.enable_prefix_caching)
+            plan, pool = state.plan_of(self.vllm_config), self.kv_cache_manager.block_pool
+            ledger = UnitLedger(plan, self.cache_config.enable_prefix_caching, BlockUnits(pool, plan.unit_blocks))
             self.kivi_ledger = self.kv_cache_manager.kivi_ledger = self.kv_cache_manager.block_pool.kivi_ledger = ledger
 
     @functools.wraps(schedule)
@@ -115,6 +119,18 @@ def _hook_scheduler() -> None:
         if ledger is not None:  # before vLLM may lend the blocks again: the request's pages are completed first
             ledger.release([request.request_id])
         return free_blocks(self, request)
+
+    @functools.wraps(allocate)
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, *args, **kwargs):
+        ledger = getattr(self, "kivi_ledger", None)
+        if ledger is None:
+            return allocate(self, request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
+        if not ledger.reserve(request, request.num_computed_tokens + num_new_computed_tokens + num_new_tokens):
+            return None
+        blocks = allocate(self, request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
+        if blocks is None:
+            ledger.unreserve(request.request_id)
+        return blocks
 
     @functools.wraps(computed_blocks)
     def get_computed_blocks(self, request):
@@ -144,7 +160,7 @@ def _hook_scheduler() -> None:
 
     Scheduler.__init__, Scheduler.schedule = __init__, schedule_step
     Scheduler._free_request_blocks = _free_request_blocks
-    KVCacheManager.get_computed_blocks = get_computed_blocks
+    KVCacheManager.get_computed_blocks, KVCacheManager.allocate_slots = get_computed_blocks, allocate_slots
     BlockPool._maybe_evict_cached_block, BlockPool.reset_prefix_cache = _maybe_evict_cached_block, reset_prefix_cache
 
 
@@ -189,7 +205,6 @@ def configure(vllm_config) -> KiviPlan:
         state.PLANNED, {"kv_budget": result.kv_budget, "max_requests": result.max_requests}
     )
     cache.block_size = result.block_tokens
-    cache.kv_cache_memory_bytes = result.page_budget
     scheduler.max_num_seqs = result.max_requests
-    logger.info(result.summary())
+    logger.info(result.summary(vllm_config.model_config.max_model_len))
     return result

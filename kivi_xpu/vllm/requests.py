@@ -23,13 +23,24 @@ class WorkerRequests:
 
     def __init__(self, plan: KiviPlan, device: torch.device | None = None):
         self.plan, self.device = plan, torch.device("cpu") if device is None else device
-        tensor = torch.zeros(plan.unit_pool_bytes, dtype=torch.uint8, device=self.device)
-        self.units = ExactUnits(plan, tensor, None, list(range(plan.shape.num_layers)), plan.shape.heads,
-                                plan.shape.head_dim, plan.dtype)  # fmt: skip
+        self.units = ExactUnits.in_blocks(plan.rows, plan.block.window_step)
         self.settings = plan.settings[0]  # the sinks and R, alike in every layer
         self.runner = None  # vLLM's model runner of this worker (set by the plugin's hook)
         self.step = StepUnits([], [], [], {})
         self.layers: dict[int, tuple] = {}  # layer index -> (LayerPages, PageWriter), as the layers make them
+
+    def add_layer(self, index: int, blocks: torch.Tensor, pages, writer) -> None:
+        """Layer ``index``'s blocks (vLLM's KV tensor of the layer as bytes, ``[num_blocks, page_bytes]``): its pages
+        and writer, and its units, each ``unit_blocks`` aligned blocks (:mod:`.units`)."""
+        plan, (heads, head_dim, num_layers) = self.plan, self.plan.shape
+        k, layer_bytes = plan.unit_blocks, plan.unit_bytes // num_layers
+        if blocks.shape[1] != plan.page_bytes or not blocks.is_contiguous():
+            raise RuntimeError(f"KIVI pages: vLLM's blocks are {tuple(blocks.shape)}, {plan.page_bytes} bytes each "
+                               "and contiguous were planned")  # fmt: skip
+        count = blocks.shape[0] // k
+        both = blocks[: count * k].view(count, k * blocks.shape[1])[:, :layer_bytes].view(plan.dtype)
+        self.units.add_layer(index, both.view(count, 2, heads, plan.rows, head_dim))
+        self.layers[index] = (pages, writer)
 
     def begin_step(self, step: StepUnits | None) -> None:
         """Before a forward: the step's units (``None``: a step without requests, such as a dummy run). The pages of

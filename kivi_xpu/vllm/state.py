@@ -21,7 +21,7 @@ def plan_of(vllm_config) -> KiviPlan:
         return cached
     options = kivi_options(vllm_config)
     planned = options.pop(PLANNED, None)
-    if planned is not None:  # a process after the first: the budget vLLM is told is the pages' alone by now
+    if planned is not None:  # a process after the first: it plans as the first did
         options["max_requests"], kv_budget = planned["max_requests"], planned["kv_budget"]
     else:
         kv_budget = vllm_config.cache_config.kv_cache_memory_bytes

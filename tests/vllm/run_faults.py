@@ -40,10 +40,9 @@ def main() -> None:
 
     def held() -> dict:
         ledger = scheduler.kivi_ledger
-        # vLLM suffixes request ids; kept prompts' units are free for the asking
-        kept = sum(len(entry.units) for entry in ledger.entries.values())
+        # vLLM suffixes request ids; kept prompts' units are free blocks to vLLM
         pins = len(ledger.pins) + sum(entry.pins for entry in ledger.entries.values())
-        return {"free_blocks": blocks.get_num_free_blocks(), "free_units": ledger.free_units + kept,
+        return {"free_blocks": blocks.get_num_free_blocks(), "free_units": ledger.free_units,
                 "requests": sorted(r.rsplit("-", 1)[0] for r in ledger.held), "pins": pins}  # fmt: skip
 
     def finish(outputs: list) -> list:
