@@ -211,8 +211,8 @@ def serving(path: Path) -> None:
         caption=(
             "Computed by kivi-xpu plan, the engines' own admission arithmetic (tests/test_plan.py checks it against "
             "the pools); each request holding its whole length.\nvLLM at its CPU defaults (at most 128 requests); "
-            "vLLM + KIVI at the plugin's defaults (a third of the budget for exact windows, at most 32 requests "
-            "here).\nMeasured speeds: docs/measurements/serving.md. Source: "
+            "vLLM + KIVI at the plugin's defaults (each request's exact window carved from vLLM's blocks, at most 128 "
+            "requests).\nMeasured speeds: docs/measurements/serving.md. Source: "
             f"benchmarks/results/{source} (kivi-xpu plan --dtype float32 --json)."
         ),
     )
