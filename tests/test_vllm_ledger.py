@@ -305,3 +305,39 @@ def test_staging_is_reserved_before_prompts_are_kept():
     engine.step(*kept, staged)
     assert ledger.held["staged"].prompt_end == 900 and len(ledger.held["staged"].staging) == 4
     assert not any(ledger.held[f"kept-{i}"].keep for i in range(2))
+
+
+def test_the_free_blocks_of_a_hit_are_never_carved_into_units():
+    ledger = _ledger()
+    k, top = ledger.plan.unit_blocks, ledger.units.count - 1
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=100, prompt_token_ids=[1] * 100)
+    assert ledger.reserve(request, 100, hit_blocks=[top * k + 3])  # vLLM's cached block, free until it touches it
+    assert ledger.reserved["r"] == [top - 1]
+    ledger.unreserve("r")
+
+
+def test_a_reset_takes_back_the_pins_of_waiting_requests():
+    ledger = _ledger()
+    engine, pool = _Engine(ledger), ledger.units.pool
+    document = _stored_document(ledger, engine)
+    ledger.release([document.request_id])
+    (entry,) = ledger.entries.values()
+    engine.add("waiting", DOCUMENT[:600] + [9] * 100, engine.blocks["doc"][:4], 512)
+    assert entry.pins == 1 and entry.units[0] * 14 not in pool.queue
+    ledger.drop_pins()  # vLLM's reset needs every block but the null one free
+    assert entry.pins == 0 and all(u * 14 + b in pool.queue for u in entry.units for b in range(14))
+
+
+def test_a_request_that_its_pinned_prefix_crowds_out_goes_without_the_hit():
+    ledger = _ledger(budget=2 * 2**20)  # 11 units: the kept 700-token prompt takes 5
+    engine = _Engine(ledger)
+    document = _stored_document(ledger, engine)
+    ledger.release([document.request_id])
+    engine.step(engine.add("other", [3] * 100)[0])  # a window: 5 units left beside the pinned prefix
+    reader, usable = engine.add("reader", DOCUMENT[:600] + [9] * 300, engine.blocks["doc"][:4], 512)
+    assert usable == 512
+    assert not ledger.reserve(reader, 512 + 256)  # its window and 5 units to stage 768 tokens after a copy
+    (entry,) = ledger.entries.values()
+    assert entry.pins == 0 and ledger.cap_hit(reader, engine.blocks["doc"][:4], 512) == 0
+    reader.num_computed_tokens = 0
+    assert ledger.reserve(reader, 256)  # without the hit it fits (the kept prompt's units are free blocks)

@@ -13,8 +13,9 @@ of the next block, which vLLM's block hash does not cover, and it is written onl
 window. And a prompt that extends a cached one attends the exact states of the cached part (its own ``generate``
 prefills in one go). So a hit that vLLM finds is used only as far as
 
-* a kept :class:`PrefixEntry` (a finished prompt's exact states, kept in units of free blocks, evicted least
-  recently used first when vLLM or a request's units find too few free blocks) starts with the same tokens, and
+* a kept :class:`PrefixEntry` (a finished prompt's exact states, kept in units whose blocks stay in vLLM's free
+  queue, at its tail, and forgotten when vLLM lends one of them or a unit is carved from them) starts with the same
+  tokens, and
 * each hit block's page is complete and was written after the same ``S`` tokens (:meth:`page_written`).
 
 :meth:`cap_hit` cuts vLLM's hit to that, in whole blocks, and pins the entry until the request's prompt is stored.
@@ -65,6 +66,11 @@ class StepUnits(NamedTuple):
     copies: list[tuple[tuple[int, ...], tuple[int, ...], int]]
     requests: dict[str, Assignment]
 
+    @classmethod
+    def none(cls) -> StepUnits:
+        """A step without requests (a dummy run's, or before the first step)."""
+        return cls([], [], [], {})
+
 
 @dataclass(eq=False)
 class PrefixEntry:
@@ -107,6 +113,7 @@ class UnitLedger:
         self.settings = plan.settings[0]  # S and R are alike in every layer, so are the counts
         self.reserved: dict[str, list[int]] = {}  # units taken as vLLM allocated a request's blocks this step
         self.kept: dict[int, PrefixEntry] = {}  # unit -> the cached prefix it holds
+        self.no_hit: set[str] = set()  # waiting requests whose hit was given up for want of units
         self.held: dict[str, Held] = {}
         self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recently used first
         self.pins: dict[str, PrefixEntry] = {}  # hits granted to requests not yet scheduled
@@ -122,17 +129,23 @@ class UnitLedger:
     def free_units(self) -> int:
         return self.units.count_free()
 
-    def reserve(self, request, end: int) -> bool:
+    def reserve(self, request, end: int, hit_blocks=()) -> bool:
         """Before vLLM allocates blocks for ``request`` up to ``end`` tokens: takes the units that its step will need
         (a window if it is new, staging if the chunk is not its prompt's last), so that vLLM's check of its free
-        blocks counts them. ``False`` (nothing taken) when too few blocks are free."""
+        blocks counts them; never from ``hit_blocks``, the free cached blocks its prefix-cache hit is about to
+        reuse. ``False`` (nothing taken) when too few blocks are free; then a request not yet admitted gives up the
+        cached prefix it pinned, and its next lookup finds no hit (that prefix's units could be what it waits for)."""
         request_id = request.request_id
         reserved = self.reserved.setdefault(request_id, [])
         missing = self._needs(request_id, request, end) - len(reserved)
         if missing <= 0:
             return True
-        units = self.units.take(missing, self.kept)
+        k = self.plan.unit_blocks
+        units = self.units.take(missing, self.kept, avoid={block // k for block in hit_blocks})
         if units is None:
+            if request_id in self.pins:
+                self._unpin(self.pins.pop(request_id))
+                self.no_hit.add(request_id)
             return False
         reserved += units
         return True
@@ -192,6 +205,7 @@ class UnitLedger:
         becomes a cached prefix)."""
         for request_id in request_ids:
             self._unpin(self.pins.pop(request_id, None))
+            self.no_hit.discard(request_id)
             self.unreserve(request_id)
             held = self.held.pop(request_id, None)
             if held is None:
@@ -249,6 +263,7 @@ class UnitLedger:
         """A request's first step (again after a preemption): its window unit; with ``past`` tokens computed, the
         cached prefix that :meth:`cap_hit` pinned for it."""
         entry = self.pins.pop(request_id, None)
+        self.no_hit.discard(request_id)
         if past and (entry is None or len(entry.tokens) < past):
             raise RuntimeError(f"KIVI pages: request {request_id} starts after {past} cached tokens, no exact prefix")
         if not past:
@@ -353,6 +368,13 @@ class UnitLedger:
         after = self.tokens * (page + 1)
         return self.page_spill.get(block) == tuple(tokens[after : after + self.settings.sink_tokens])
 
+    def drop_pins(self) -> None:
+        """Before vLLM resets its prefix cache: waiting requests give up the cached prefixes they pinned (their blocks
+        return to the free queue, which the reset requires; the next lookup pins again)."""
+        for entry in self.pins.values():
+            self._unpin(entry)
+        self.pins.clear()
+
     def forget(self) -> None:
         """vLLM reset its prefix cache (with no request running, as it requires): no hit may use what was kept or
         recorded before, which a weight update, the reason for a reset, has made stale."""
@@ -375,7 +397,7 @@ class UnitLedger:
         complete pages. Pins that prefix for the request."""
         self._unpin(self.pins.pop(request.request_id, None))
         prompt = request.prompt_token_ids
-        if not self.prefix_caching or not hit_tokens or prompt is None:
+        if not self.prefix_caching or not hit_tokens or prompt is None or request.request_id in self.no_hit:
             return 0
         t = self.tokens
         limit = min(hit_tokens, request.num_prompt_tokens - 1) // t * t

@@ -121,13 +121,17 @@ def _hook_scheduler() -> None:
         return free_blocks(self, request)
 
     @functools.wraps(allocate)
-    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, *args, **kwargs):
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, *args,
+                       **kwargs):  # fmt: skip
         ledger = getattr(self, "kivi_ledger", None)
+        computed = (num_new_computed_tokens, new_computed_blocks)
         if ledger is None:
-            return allocate(self, request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
-        if not ledger.reserve(request, request.num_computed_tokens + num_new_computed_tokens + num_new_tokens):
+            return allocate(self, request, num_new_tokens, *computed, *args, **kwargs)
+        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        hit = new_computed_blocks.get_block_ids()[0] if new_computed_blocks is not None else ()
+        if not ledger.reserve(request, end, hit):  # (its hit's free blocks are not carved into units)
             return None
-        blocks = allocate(self, request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
+        blocks = allocate(self, request, num_new_tokens, *computed, *args, **kwargs)
         if blocks is None:
             ledger.unreserve(request.request_id)
         return blocks
@@ -152,8 +156,10 @@ def _hook_scheduler() -> None:
 
     @functools.wraps(reset)
     def reset_prefix_cache(self, *args, **kwargs):
-        done = reset(self, *args, **kwargs)
         ledger = getattr(self, "kivi_ledger", None)
+        if ledger is not None:
+            ledger.drop_pins()
+        done = reset(self, *args, **kwargs)
         if done and ledger is not None:
             ledger.forget()
         return done

@@ -26,7 +26,7 @@ class WorkerRequests:
         self.units = ExactUnits.in_blocks(plan.rows, plan.block.window_step)
         self.settings = plan.settings[0]  # the sinks and R, alike in every layer
         self.runner = None  # vLLM's model runner of this worker (set by the plugin's hook)
-        self.step = StepUnits([], [], [], {})
+        self.step = StepUnits.none()
         self.layers: dict[int, tuple] = {}  # layer index -> (LayerPages, PageWriter), as the layers make them
 
     def add_layer(self, index: int, blocks: torch.Tensor, pages, writer) -> None:
@@ -46,7 +46,7 @@ class WorkerRequests:
         """Before a forward: the step's units (``None``: a step without requests, such as a dummy run). The pages of
         requests that ended are completed from their windows, the units lent anew start empty, and a cached prefix's
         rows are copied where a request stages after them."""
-        self.step = step if step is not None else StepUnits([], [], [], {})
+        self.step = step if step is not None else StepUnits.none()
         for flush in self.step.flushes:
             blocks = torch.tensor(flush.blocks, dtype=torch.int64)
             for layer, (pages, writer) in self.layers.items():

@@ -30,13 +30,13 @@ class BlockUnits:
         """Units whose blocks are all free (cached blocks that no request holds count as free)."""
         return sum(self._is_free(unit) for unit in range(1, self.count))
 
-    def take(self, count: int, last: dict | set = ()) -> list[int] | None:
+    def take(self, count: int, last=(), avoid=frozenset()) -> list[int] | None:
         """``count`` units whose blocks leave vLLM's free queue (what they held forgotten: the pool's eviction hook
         tells the ledger), or ``None`` (nothing taken) when fewer are free; units in ``last`` only when no others
-        are (a cached prefix's)."""
-        units = self._free_units(count, last)
+        are (a cached prefix's), units in ``avoid`` never."""
+        units = self._free_units(count, set(last) | avoid)
         if len(units) < count:
-            units += self._free_units(count - len(units), (), among=last)
+            units += self._free_units(count - len(units), avoid, among=set(last))
         if len(units) < count:
             return None
         for unit in units:
@@ -59,6 +59,8 @@ class BlockUnits:
         """Takes free units' blocks out of vLLM's free queue."""
         for unit in units:
             for block in self._blocks(unit):
+                if block.ref_cnt != 0 or block.is_null:
+                    raise RuntimeError(f"KIVI exact units: block {block.block_id} of unit {unit} is not free")
                 self.pool.free_block_queue.remove(block)
                 block.ref_cnt = 1
 
