@@ -136,9 +136,8 @@ class UnitLedger:
         reuse. ``False`` (nothing taken) when too few blocks are free; then a request not yet admitted gives up the
         cached prefix it pinned, and its next lookup finds no hit (that prefix's units could be what it waits for)."""
         request_id = request.request_id
-        reserved = self.reserved.setdefault(request_id, [])
-        missing = self._needs(request_id, request, end) - len(reserved)
-        if missing <= 0:
+        missing = self._needs(request_id, request, end) - len(self.reserved.get(request_id, ()))
+        if missing <= 0:  # (every running request's decode step: no entry made)
             return True
         k = self.plan.unit_blocks
         units = self.units.take(missing, self.kept, avoid={block // k for block in hit_blocks})
@@ -147,7 +146,7 @@ class UnitLedger:
                 self._unpin(self.pins.pop(request_id))
                 self.no_hit.add(request_id)
             return False
-        reserved += units
+        self.reserved.setdefault(request_id, []).extend(units)
         return True
 
     def unreserve(self, request_id: str) -> None:
