@@ -61,6 +61,12 @@ CASES = [
     # Llama-3.2-3B's heads (head_dim 128, GQA 3): 4 value groups a token, whole and ragged value blocks, 2 and 4 bits
     Case(head_dim=128, value_dim=128, key_count=320, value_count=333, key_tail=45),
     Case(head_dim=128, value_dim=128, value_bits=4, key_count=128, value_count=150, key_tail=30, meta=torch.bfloat16),
+    # value groups a token as the integer factors read them: 8 and 1 in place (2 and 4 bits), 3 and 6 by group
+    Case(value_dim=256, key_count=192, value_count=203, key_tail=28, meta=torch.float32),
+    Case(value_dim=128, value_group=16, value_bits=4, key_count=96, value_count=117, key_tail=30),
+    Case(value_group=64, value_bits=4, key_count=64, value_count=77, key_tail=13, meta=torch.bfloat16),
+    Case(value_dim=96, key_count=160, value_count=171, key_tail=12, ratio=1),
+    Case(value_dim=96, value_group=16, value_bits=4, key_count=64, value_count=66, key_tail=2, meta=torch.bfloat16),
     # rotated history (the default cache): the packed sums apart from the exact ones, un-rotated after the merge
     Case(rotated="kv", sinks=4, mask="bool", length=3),
     Case(rotated="k", key_count=288, value_count=300, key_tail=40, ratio=8, kv_heads=1),

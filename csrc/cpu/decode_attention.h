@@ -104,13 +104,13 @@ enum Phase : int {
   kPhaseReadInputs,     // each task's packed keys and exact rows read into the caches first (decode_tasks.cpp)
   kPhaseExactScores,    // scores of the exact sinks and tail
   kPhasePackedScores,   // scores of the packed keys
-  kPhaseKeyMeta,        //   of which: their scales and zeros loaded (integer path)
-  kPhaseKeyFactors,     //   of which: the int8 query factors (integer path)
+  kPhaseKeyMeta,        //   of which: their scales and zeros copied channel-major (integer path, pages only)
+  kPhaseKeyFactors,     //   of which: the int8 query factors, reading contiguous metadata in place (integer path)
   kPhaseSoftmax,        // mask, softcap and exp of a chunk's scores
   kPhaseExactValues,    // the exact sinks' and tail's values
   kPhasePackedValues,   // the packed values
-  kPhaseValueMeta,      //   of which: their scales and zeros loaded (integer path)
-  kPhaseValueFactors,   //   of which: the uint8 probability factors (integer path)
+  kPhaseValueMeta,      //   of which: their scales and zeros copied by group (integer path, 3, 5-7 or 9+ groups)
+  kPhaseValueFactors,   //   of which: the uint8 probability factors, reading 1, 2, 4 or 8 groups in place
   kPhaseMerge,          // the in-order merge of the chunks
   kPhaseCount
 };

@@ -115,12 +115,12 @@ struct KeyBlockFactors {
   int finite;
 };
 
-// Fills `f` for NR rows q[r] (D floats each) from the block's scales and zeros, channel-major fp32:
-// scale[d * kBlockGroups + i] is channel d of group i (zeros in the lanes of absent groups): qs = q * s, m = max |qs|,
-// factors round(qs * (127 / m)) to nearest even, a = m / 127 (all zero where m == 0).
-template <int NR>
-inline void key_block_factors(const float* const* q, const float* scale, const float* zero, int64_t D,
-                              KeyBlockFactors* f) {
+// Fills `f` for NR rows q[r] (D floats each) from the block's scales and zeros, channel-major: meta8(0, d) and
+// meta8(1, d) give channel d's scales and zeros of the block's groups in fp32 (lane i: group i; zeros in the lanes of
+// absent groups): qs = q * s, m = max |qs|, factors round(qs * (127 / m)) to nearest even, a = m / 127 (all zero where
+// m == 0). The loader reads contiguous storage in place (a channel's groups are side by side), converting as it loads.
+template <int NR, typename Meta8>
+inline void key_block_factors(const float* const* q, Meta8 meta8, int64_t D, KeyBlockFactors* f) {
   static_assert(kBlockGroups == 8, "a block's groups are the 8 lanes of one __m256");
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 m[NR][2], bias[NR][2];  // two chains per row: the max and the FMA wait on their previous channel
@@ -129,8 +129,7 @@ inline void key_block_factors(const float* const* q, const float* scale, const f
   for (int64_t d = 0; d < D; d += 2) {  // D % 4 == 0
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) {
-      const __m256 s = _mm256_load_ps(scale + (d + c) * kBlockGroups);
-      const __m256 z = _mm256_load_ps(zero + (d + c) * kBlockGroups);
+      const __m256 s = meta8(0, d + c), z = meta8(1, d + c);
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
         const __m256 qd = _mm256_set1_ps(q[r][d + c]), x = _mm256_mul_ps(qd, s);
@@ -266,14 +265,20 @@ inline __m256 lane_maxes8(const __m256 m[8]) {
   return _mm256_max_ps(_mm256_permute2f128_ps(m0123, m4567, 0x20), _mm256_permute2f128_ps(m0123, m4567, 0x31));
 }
 
-// Block factors of NR rows and `groups` value groups, TB tokens: for row r and group g, w[0, TB) = p_r * s_g ->
-// wi[r][g][0, TB) = round(w * 255 / max w) as bytes in token order, b[r][g] = max w / 255, and zsum[r][g] += p_r * z_g
-// (lane-wise). False when a weight is not finite. Eight (row, group) pairs at a time share one reduction of their
+// A row's factors of a value block, [quad][group][token]: the byte offset of group g's factors of tokens
+// [4q, 4q + 4) (one int32, what the products broadcast). In this order a block's factors are one run, written by
+// value_factors_in_order without a transpose of the metadata.
+constexpr int64_t kValueFactorBytes = 32 * kMaxValueGroups;
+inline int64_t factor_quad(int64_t q, int64_t g, int64_t groups) { return (q * groups + g) * 4; }
+
+// Block factors of NR rows and `groups` value groups, TB tokens, the metadata by group (block_meta): for row r and
+// group g, w[0, TB) = p_r * s_g -> wi[r] (factor_quad) = round(w * 255 / max w), b[r][g] = max w / 255, and
+// zsum[r][g] += p_r * z_g (lane-wise). False when a weight is not finite. Eight (row, group) pairs at a time share one reduction of their
 // maxes and two vector divisions (one max reduction and two scalar divisions per pair took a quarter of the factors'
 // time).
 template <int64_t TB, int NR>
 inline bool value_block_factors(const float* const* p, const float (*scale)[TB], const float (*zero)[TB],
-                                int64_t groups, uint8_t (*wi)[kMaxValueGroups][TB], float (*b)[kMaxValueGroups],
+                                int64_t groups, uint8_t (*wi)[kValueFactorBytes], float (*b)[kMaxValueGroups],
                                 __m256 (*zsum)[kMaxValueGroups]) {
   static_assert(TB == 16 || TB == 32, "two or four vectors of 8 factors");
   constexpr int V = TB / 8;
@@ -313,10 +318,89 @@ inline bool value_block_factors(const float* const* p, const float (*scale)[TB],
       // packs interleave 128-bit lanes: the 4-byte units come out as q0lo q1lo q2lo q3lo q0hi q1hi q2hi q3hi
       const __m256i bytes = _mm256_packus_epi16(words01, words23);
       const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      if (TB == 32)
-        _mm256_storeu_si256((__m256i*)wi[r][g], ordered);
+      alignas(32) uint8_t in_order[32];
+      _mm256_store_si256((__m256i*)in_order, ordered);
+      for (int64_t q = 0; q < TB / 4; ++q) __builtin_memcpy(wi[r] + factor_quad(q, g, groups), in_order + 4 * q, 4);
+    }
+  }
+  return _mm256_testz_si256(bad, bad);
+}
+
+// Lane l = p[l / GROUPS]: a row's probabilities spread over the lanes of GROUPS groups (8 / GROUPS tokens).
+template <int GROUPS>
+inline __m256 spread_probs(const float* p) {
+  if constexpr (GROUPS == 1) return _mm256_loadu_ps(p);
+  if constexpr (GROUPS == 8) return _mm256_broadcast_ss(p);
+  if constexpr (GROUPS == 2) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  }
+  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));  // GROUPS == 4
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// Lane l = the max of the lanes of x that hold l's group (those l % GROUPS apart).
+template <int GROUPS>
+inline __m256 group_maxes(__m256 x) {
+  if constexpr (GROUPS <= 4) x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
+  if constexpr (GROUPS <= 2) x = _mm256_max_ps(x, _mm256_permute_ps(x, 0x4E));
+  if constexpr (GROUPS == 1) x = _mm256_max_ps(x, _mm256_permute_ps(x, 0xB1));
+  return x;
+}
+
+// value_block_factors for GROUPS (1, 2, 4 or 8) groups with the metadata in its storage order, [token][group]:
+// meta8(array, v) gives elements [8v, 8v + 8) of the block's scales (array 0) or zeros (1) in fp32, so lane l of every
+// vector is group l % GROUPS, and each row's probabilities are spread to match (spread_probs). The maxima, the
+// rounding and the zero sums then work lane by lane: no transpose of the metadata, and one reduction per row.
+// zsum[r] collects p * z with lane l in group l % GROUPS.
+template <int64_t TB, int NR, int GROUPS, typename Meta8>
+inline bool value_factors_in_order(const float* const* p, Meta8 meta8, uint8_t (*wi)[kValueFactorBytes],
+                                   float (*b)[kMaxValueGroups], __m256* zsum) {
+  constexpr int V = int(TB) * GROUPS / 8, PER = 8 / GROUPS;  // vectors of a row's block; tokens per vector
+  static_assert(V == 2 || V % 4 == 0, "whole batches of 4 vectors (or the 16 factors of one group)");
+  alignas(32) float w[NR][V][8];
+  __m256 m[NR];
+  for (int r = 0; r < NR; ++r) m[r] = _mm256_setzero_ps();
+  for (int v = 0; v < V; ++v) {
+    const __m256 s = meta8(0, v), z = meta8(1, v);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m256 pv = spread_probs<GROUPS>(p[r] + v * PER), x = _mm256_mul_ps(pv, s);
+      _mm256_store_ps(w[r][v], x);
+      m[r] = _mm256_max_ps(x, m[r]);  // a NaN weight is dropped here and caught below
+      zsum[r] = _mm256_fmadd_ps(pv, z, zsum[r]);
+    }
+  }
+  const __m256i nan_code = _mm256_set1_epi16(-32768);
+  __m256i bad = _mm256_setzero_si256();
+  // packs interleave 128-bit lanes: 4 vectors' int32 units come out as v0lo v1lo v2lo v3lo v0hi v1hi v2hi v3hi
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  // then, per 128-bit lane, [token][group] bytes -> [group][token] (4 tokens of a group are one int32)
+  const __m256i by_group = GROUPS == 2 ? _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
+                                                          0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
+                                       : _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,  //
+                                                          0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int r = 0; r < NR; ++r) {
+    const __m256 peak = group_maxes<GROUPS>(m[r]);
+    // 255 / max, 0 where max == 0 (all factors 0); an Inf max gives 0 too, and Inf * 0 is NaN below
+    const __m256 positive = _mm256_cmp_ps(peak, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(255.0f), peak), positive);
+    alignas(32) float step[8];
+    _mm256_store_ps(step, _mm256_div_ps(peak, _mm256_set1_ps(255.0f)));
+    for (int g = 0; g < GROUPS; ++g) b[r][g] = step[g];
+    for (int v0 = 0; v0 < V; v0 += 4) {
+      __m256i q[4];
+      for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(w[r][v0 + k % V]), inv));
+      const __m256i words01 = _mm256_packs_epi32(q[0], q[1]), words23 = _mm256_packs_epi32(q[2], q[3]);
+      // vcvtps2dq gives INT32_MIN for NaN, saturated to -32768 here; a finite factor is 0..255
+      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpeq_epi16(words01, nan_code),
+                                                 _mm256_cmpeq_epi16(words23, nan_code)));
+      __m256i bytes = _mm256_packus_epi16(words01, words23);
+      if constexpr (GROUPS != 8) bytes = _mm256_permutevar8x32_epi32(bytes, in_order);  // 8 groups: a token a vector
+      if constexpr (GROUPS != 1) bytes = _mm256_shuffle_epi8(bytes, by_group);
+      if constexpr (V == 2)
+        _mm_storeu_si128((__m128i*)wi[r], _mm256_castsi256_si128(bytes));
       else
-        _mm_storeu_si128((__m128i*)wi[r][g], _mm256_castsi256_si128(ordered));
+        _mm256_storeu_si256((__m256i*)(wi[r] + 8 * v0), bytes);  // elements [8 v0, 8 v0 + 32): the same bytes
     }
   }
   return _mm256_testz_si256(bad, bad);
@@ -407,54 +491,84 @@ inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n,
     for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[g] + t, _mm256_i32gather_ps(buffer + t * groups + g, index, 4));
 }
 
+// value_factors_in_order for the block of n tokens whose metadata starts at element `meta`: read in place (the dtype a
+// constant of the loop) when the block is whole, else from zero-padded copies in `buffer`.
+template <int64_t TB, int NR, int GROUPS>
+inline bool in_order_factors(const Packed& V, int64_t meta, int64_t n, const float* const* p,
+                             float (*buffer)[TB * kMaxValueGroups], uint8_t (*wi)[kValueFactorBytes],
+                             float (*b)[kMaxValueGroups], __m256* zsum) {
+  const void* base[2] = {V.scales, V.zeros};
+  if (n == TB) {
+    return with_dtype(V.meta, [&](auto set) {
+      const auto meta8 = [&](int array, int v) {
+        return load_dtype<Vec256>(base[array], decltype(set)::kDtype, meta + 8 * v);
+      };
+      return value_factors_in_order<TB, NR, GROUPS>(p, meta8, wi, b, zsum);
+    });
+  }
+  for (int array = 0; array < 2; ++array) {
+    load_row(base[array], V.meta, meta, n * GROUPS, buffer[array]);
+    for (int64_t i = n * GROUPS; i < TB * GROUPS; ++i) buffer[array][i] = 0.0f;
+  }
+  const auto copied = [&](int array, int v) { return _mm256_loadu_ps(buffer[array] + 8 * v); };
+  return value_factors_in_order<TB, NR, GROUPS>(p, copied, wi, b, zsum);
+}
+
 // acc[r][0, Dv) += the packed values of NR rows over packed tokens [t0, t1): sum_t p_rt * (s_tg * c_td + z_tg), the
 // codes' part in blocks of kValueBlock tokens from t0 (see the top of this file), the zeros' part in fp32; prob[r] is
 // indexed by packed token. locate(tb, &codes, &meta) gives the storage of the block from token tb: its first token's
 // codes and the element offset of its metadata, the block's tokens `code_row` bytes / `meta_row` elements apart. False,
-// with `acc` untouched, when a weight p * s is not finite (the caller then takes the fp32 path). Needs
-// integer_values(BITS, V.group).
-template <int BITS, int NR, typename Locate>
-inline bool int8_value_rows(const Packed& V, Locate locate, int64_t t0, int64_t t1, int64_t Dv,
-                            const float* const* prob, float* const* acc) {
+// with `acc` untouched, when a weight p * s is not finite (the caller then takes the fp32 path). GROUPS is the number
+// of value groups when it is 1, 2, 4 or 8 (the factors read the metadata in storage order: value_factors_in_order),
+// else 0 (by group: block_meta, value_block_factors). Needs integer_values(BITS, V.group).
+template <int BITS, int NR, int GROUPS, typename Locate>
+inline bool int8_value_rows_of(const Packed& V, Locate locate, int64_t t0, int64_t t1, int64_t Dv,
+                               const float* const* prob, float* const* acc) {
   constexpr int P = 8 / BITS;
   // Planes per pass: up to 12 int16 sums in registers (with 3 rows a few spill, which measured faster than a second
   // pass over the tiles); 4 rows of 2-bit codes take two passes of 2 planes.
   constexpr int KH = NR * P <= 12 ? P : P / 2;
   constexpr int64_t TB = kValueBlock<BITS>;
-  const int64_t groups = V.meta_row, G = V.group, tiles = Dv / (8 * P);
+  const int64_t groups = GROUPS > 0 ? GROUPS : V.meta_row, G = V.group, tiles = Dv / (8 * P);
   // Sums in tile-plane-lane order: channel P * (8 x + j) + k at sums[r][(x * P + k) * 8 + j].
   float sums[NR][kMaxDim];
   for (int r = 0; r < NR; ++r)
     for (int64_t i = 0; i < Dv; ++i) sums[r][i] = 0.0f;
-  float buffer[TB * kMaxValueGroups], scale[kMaxValueGroups][TB], zero[kMaxValueGroups][TB], padded[NR][TB];
-  alignas(32) uint8_t wi[NR][kMaxValueGroups][TB];  // [row][group][token]: 4 tokens' factors are one int32
+  float buffer[2][TB * kMaxValueGroups], padded[NR][TB];
+  alignas(32) uint8_t wi[NR][kValueFactorBytes];  // factor_quad order
   float b[NR][kMaxValueGroups];
-  __m256 zsum[NR][kMaxValueGroups];
+  // p * z: by group, lanes over tokens (GROUPS == 0), or one vector of group-cyclic lanes (value_factors_in_order)
+  __m256 zsum[NR][GROUPS > 0 ? 1 : kMaxValueGroups];
   for (int r = 0; r < NR; ++r)
-    for (int64_t g = 0; g < groups; ++g) zsum[r][g] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < (GROUPS > 0 ? 1 : groups); ++g) zsum[r][g] = _mm256_setzero_ps();
   uint8_t ragged[4 * kMaxDim / 2];  // the last tokens of a block that is not a whole number of 4 tokens, zero-padded
   for (int64_t tb = t0; tb < t1; tb += TB) {
     const int64_t n = min64(TB, t1 - tb), quads = (n + 3) / 4;
     const uint8_t* block;
     int64_t meta;
     locate(tb, &block, &meta);
-    {
-      PhaseTimer timer(kPhaseValueMeta);
-      block_meta<TB>(V.scales, V.meta, meta, n, groups, buffer, scale);
-      block_meta<TB>(V.zeros, V.meta, meta, n, groups, buffer, zero);
-    }
-    const bool finite = [&] {
-      PhaseTimer timer(kPhaseValueFactors);
-      const float* p[NR];
-      for (int r = 0; r < NR; ++r) {
-        p[r] = prob[r] + tb;
-        if (n < TB) {
-          for (int64_t t = 0; t < TB; ++t) padded[r][t] = t < n ? p[r][t] : 0.0f;
-          p[r] = padded[r];
-        }
+    const float* p[NR];
+    for (int r = 0; r < NR; ++r) {
+      p[r] = prob[r] + tb;
+      if (n < TB) {
+        for (int64_t t = 0; t < TB; ++t) padded[r][t] = t < n ? p[r][t] : 0.0f;
+        p[r] = padded[r];
       }
-      return value_block_factors<TB, NR>(p, scale, zero, groups, wi, b, zsum);
-    }();
+    }
+    bool finite;
+    if constexpr (GROUPS > 0) {
+      PhaseTimer timer(kPhaseValueFactors);  // (the metadata is read inside)
+      finite = in_order_factors<TB, NR, GROUPS>(V, meta, n, p, buffer, wi, b, &zsum[0][0]);
+    } else {
+      float scale[kMaxValueGroups][TB], zero[kMaxValueGroups][TB];
+      {
+        PhaseTimer timer(kPhaseValueMeta);
+        block_meta<TB>(V.scales, V.meta, meta, n, groups, buffer[0], scale);
+        block_meta<TB>(V.zeros, V.meta, meta, n, groups, buffer[0], zero);
+      }
+      PhaseTimer timer(kPhaseValueFactors);
+      finite = value_block_factors<TB, NR>(p, scale, zero, groups, wi, b, zsum);
+    }
     if (!finite) return false;
     const int64_t whole = n / 4;  // quads read in place; a ragged last one from a zero-padded copy
     if (whole < quads) {
@@ -475,7 +589,7 @@ inline bool int8_value_rows(const Packed& V, Locate locate, int64_t t0, int64_t 
                                       : tile4x8(ragged + 8 * x, V.code_row);
           __m256i w[NR];
 #pragma GCC unroll 16
-          for (int r = 0; r < NR; ++r) w[r] = broadcast4(wi[r][g] + 4 * q);
+          for (int r = 0; r < NR; ++r) w[r] = broadcast4(wi[r] + factor_quad(q, g, groups));
 #pragma GCC unroll 16
           for (int k = 0; k < KH; ++k) {
             const __m256i pl = plane<BITS, 7>(t, k0 + k);  // the codes are the signed operand
@@ -501,10 +615,29 @@ inline bool int8_value_rows(const Packed& V, Locate locate, int64_t t0, int64_t 
     for (int64_t x = 0; x < tiles; ++x)
       for (int k = 0; k < P; ++k)
         for (int j = 0; j < 8; ++j) acc[r][P * (8 * x + j) + k] += sums[r][(x * P + k) * 8 + j];
+    alignas(32) float lanes[8];  // (GROUPS > 0) lane l of zsum[r][0] belongs to group l % GROUPS
+    if (GROUPS > 0) _mm256_store_ps(lanes, zsum[r][0]);
     for (int64_t g = 0; g < groups; ++g) {  // the zeros: sum_t p_t z_tg once per group, added to its channels
-      const float zs = Vec256::reduce_add(zsum[r][g]);
+      float zs = 0.0f;
+      if (GROUPS > 0)
+        for (int64_t l = g; l < 8; l += groups) zs += lanes[l];
+      else
+        zs = Vec256::reduce_add(zsum[r][g]);
       for (int64_t d = g * G; d < (g + 1) * G; ++d) acc[r][d] += zs;
     }
   }
   return true;
+}
+
+// int8_value_rows_of for the value groups of V.
+template <int BITS, int NR, typename Locate>
+inline bool int8_value_rows(const Packed& V, Locate locate, int64_t t0, int64_t t1, int64_t Dv,
+                            const float* const* prob, float* const* acc) {
+  switch (V.meta_row) {  // groups per token
+    case 1: return int8_value_rows_of<BITS, NR, 1>(V, locate, t0, t1, Dv, prob, acc);
+    case 2: return int8_value_rows_of<BITS, NR, 2>(V, locate, t0, t1, Dv, prob, acc);
+    case 4: return int8_value_rows_of<BITS, NR, 4>(V, locate, t0, t1, Dv, prob, acc);
+    case 8: return int8_value_rows_of<BITS, NR, 8>(V, locate, t0, t1, Dv, prob, acc);
+    default: return int8_value_rows_of<BITS, NR, 0>(V, locate, t0, t1, Dv, prob, acc);
+  }
 }

@@ -66,6 +66,21 @@ inline void with_row_count(int nr, F f) {
   }
 }
 
+// The metadata dtype as a constant of a loop: with_dtype(dtype, f) calls f(DtypeSet<dtype>{}), and f reads it as
+// decltype(set)::kDtype (a switch outside the loop instead of one per load).
+template <Dtype DT>
+struct DtypeSet {
+  static constexpr Dtype kDtype = DT;
+};
+template <typename F>
+inline auto with_dtype(Dtype dtype, F f) {
+  switch (dtype) {
+    case kF32: return f(DtypeSet<kF32>{});
+    case kF16: return f(DtypeSet<kF16>{});
+    default: return f(DtypeSet<kBF16>{});
+  }
+}
+
 // The query rows in sets of up to 4 (what the kernels take as NR): for each set f(RowSet<NR>{}, x, y) with x[i] / y[i]
 // row r0 + i of `xs` / `ys` (rows `x_row` / `y_row` elements apart), e.g. the probabilities and sums of a value pass.
 template <typename X, typename Y, typename F>

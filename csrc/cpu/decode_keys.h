@@ -191,6 +191,19 @@ inline void load_key_meta_by_channel(const Packed& K, const void* base, int64_t 
     for (int64_t i = 0; i < W; ++i) out[d0 * W + i] = rows[i][d0];
 }
 
+// key_block_factors of a whole block of contiguous storage, read in place from element `offset` (channel d's groups
+// at offset + d * meta_row), the dtype a constant of the loop.
+template <int NR>
+inline void key_factors_in_place(const float* const* q, const Packed& K, int64_t offset, int64_t D,
+                                 KeyBlockFactors* f) {
+  with_dtype(K.meta, [&](auto set) {
+    const auto meta8 = [&](int array, int64_t d) {
+      return load_dtype<Vec256>(array == 0 ? K.scales : K.zeros, decltype(set)::kDtype, offset + d * K.meta_row);
+    };
+    key_block_factors<NR>(q, meta8, D, f);
+  });
+}
+
 // Packed key groups [g0, g1) of (batch, kv head) bh on integer arithmetic (needs integer_keys), kBlockGroups groups
 // at a time: the block's metadata channel-major, each set of up to 4 query rows' factors for the whole block, then
 // each group's dot products. A group where one of the set's q * s is not finite takes the fp32 path (key_group), as
@@ -204,7 +217,10 @@ void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, co
   KeyBlockFactors f;
   for (int64_t gb = g0; gb < g1; gb += kBlockGroups) {
     const int64_t block = min64(kBlockGroups, g1 - gb);
-    {
+    // A whole block of contiguous storage is read in place by the factors (a channel's 8 groups are one vector,
+    // converted as it is loaded); pages and the last block of a range are copied channel-major first.
+    const bool in_place = K.pages == nullptr && block == kBlockGroups;
+    if (!in_place) {
       PhaseTimer timer(kPhaseKeyMeta);
       load_key_meta_by_channel(K, K.scales, bh, gb, block, D, scale);
       load_key_meta_by_channel(K, K.zeros, bh, gb, block, D, zero);
@@ -217,7 +233,15 @@ void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, co
         constexpr int NR = decltype(rows)::kRows;
         {
           PhaseTimer timer(kPhaseKeyFactors);
-          key_block_factors<NR>(qr, scale, zero, D, &f);
+          if (in_place) {
+            const int64_t offset = bh * K.meta_head + gb;
+            key_factors_in_place<NR>(qr, K, offset, D, &f);
+          } else {
+            const auto copied = [&](int array, int64_t d) {
+              return _mm256_load_ps((array == 0 ? scale : zero) + d * kBlockGroups);
+            };
+            key_block_factors<NR>(qr, copied, D, &f);
+          }
         }
         for (int64_t i = 0; i < block; ++i) {
           const int64_t g = gb + i;
@@ -231,7 +255,11 @@ void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, co
           }
           float qs[NR][kMaxDim], bias[NR];  // a non-finite q * s: the fp32 products, as the dense product would meet it
           for (int j = 0; j < NR; ++j) {
-            for (int64_t d = 0; d < D; ++d) qs[j][d] = qr[j][d] * scale[d * kBlockGroups + i];
+            for (int64_t d = 0; d < D; ++d) {
+              const float s = in_place ? load_scalar(K.scales, K.meta, bh * K.meta_head + d * K.meta_row + gb + i)
+                                       : scale[d * kBlockGroups + i];
+              qs[j][d] = qr[j][d] * s;
+            }
             bias[j] = f.bias[j][i];
           }
           key_group<BITS, NR>(qs, bias, codes, K.code_row, D, G, out);
