@@ -2,12 +2,14 @@
 how far the arithmetic of csrc/cpu/decode_int8.h is from the machine's limit, apart from memory. Compiles
 benchmarks/int8_loop_cycles.cpp (the kernel headers as they are in this tree; no torch) once per ISA this CPU has
 and runs it on one core: a key group (metadata, int8 query factors, products) and a value block of 32 tokens for
-SmolLM2-135M's shapes (3 query rows per kv head, head_dim 64, 2-bit codes, float16 scales and zeros).
+SmolLM2-135M's shapes (3 query rows per kv head, head_dim 64, 2-bit codes, float16 scales and zeros), or with
+--head-dim 128 Llama-3.2-3B's.
 
-    python benchmarks/bench_int8_loops.py [--isa avx512_vnni avx512 avx2] [--cxx g++]
+    python benchmarks/bench_int8_loops.py [--isa avx512_vnni avx512 avx2] [--cxx g++] [--head-dim 128]
 
 The throughput line (independent ymm vpdpbusd, or vpmaddubsw without VNNI) sets the floor: a key group or a value
-block takes 192 of them. The timings move with the VM's speed (run the variants you compare in one go).
+block takes 192 of them (384 at head_dim 128). The timings move with the VM's speed (run the variants you compare in
+one go).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--isa", nargs="+", choices=list(ISAS), default=list(ISAS), help="ISAs to build (default: all)")
     parser.add_argument("--cxx", default=os.environ.get("CXX", "g++"), help="C++ compiler (default: $CXX or g++)")
+    parser.add_argument("--head-dim", type=int, default=64, choices=[32, 64, 128, 256], help="head_dim (default 64)")
     args = parser.parse_args()
     print(*lscpu_lines(), sep="\n")
     available = native.available_isas()  # what the native kernels' own dispatch finds on this CPU
@@ -44,7 +47,9 @@ def main() -> None:
             flags_of_build = ["-O3", "-std=c++17", f"-D{ISAS[isa]}", f"-I{HEADERS}"]
             subprocess.run([args.cxx, *flags_of_build, str(SOURCE), "-o", str(binary)], check=True, capture_output=True)
             # one core, so that the TSC-to-core-cycle ratio measured first holds for the loops that follow
-            result = subprocess.run(["taskset", "-c", "0", str(binary)], check=True, capture_output=True, text=True)
+            result = subprocess.run(
+                ["taskset", "-c", "0", str(binary), str(args.head_dim)], check=True, capture_output=True, text=True
+            )
             print(f"\n{isa}:\n{result.stdout}", end="")
 
 

@@ -1,7 +1,8 @@
 // Core cycles of the integer loops of the fused decode attention (csrc/cpu/decode_int8.h), warm (the codes in L1/L2),
 // against the floor their multiply instructions set: how far the arithmetic itself is from the machine's limit.
 // Built and run by bench_int8_loops.py, once per ISA the CPU has (-DLOOPS_AVX512_VNNI, -DLOOPS_AVX512 or neither:
-// AVX2). SmolLM2-135M's shapes and the default cache: 3 query rows per kv head, head_dim 64, 2-bit codes, key groups
+// AVX2). The default cache at SmolLM2-135M's shapes (head_dim 64, or the first argument: 128 for Llama-3.2-3B's): 3 query
+// rows per kv head, 2-bit codes, key groups
 // and value blocks of 32 tokens, float16 scales and zeros. Numbers are core cycles: TSC ticks times the core's cycles
 // per tick, measured with a dependent add chain.
 #include <immintrin.h>
@@ -46,7 +47,7 @@ namespace kivi::cpu::decode {
 namespace {
 
 constexpr int kRows = 3;
-volatile int64_t runtime_64 = 64, runtime_32 = 32;  // sizes the compiler cannot fold, as in the kernel
+volatile int64_t head_dim = 64, runtime_32 = 32;  // sizes the compiler cannot fold, as in the kernel
 double cycles_per_tick = 1.0;
 
 float random_unit() { return float(rand() % 20001 - 10000) * 1e-4f; }
@@ -56,7 +57,7 @@ uint16_t half(float x) { return _cvtss_sh(x, 0); }
 // Cycles per key group of kRows query rows over `groups` groups of random codes, in the kernel's three steps
 // (int8_packed_scores): the block's scales and zeros loaded channel-major, the int8 query factors, the products.
 void key_groups(int64_t groups, int reps, bool paged_meta) {
-  const int64_t D = runtime_64, G = runtime_32;
+  const int64_t D = head_dim, G = runtime_32;
   Packed K{};
   K.group = G, K.bits = 2, K.meta = kF16, K.count = groups * G;
   K.code_row = groups * G / 4 + 64, K.meta_row = groups + 16;  // rows padded as the cache pads them
@@ -116,7 +117,7 @@ void key_groups(int64_t groups, int reps, bool paged_meta) {
 // products together: timing its steps apart would take the kernel's phase timers, which cost as much as a step).
 void value_blocks(int64_t tokens, int reps) {
   constexpr int64_t TB = kValueBlock<2>;
-  const int64_t Dv = runtime_64, G = runtime_32, groups = Dv / G, code_row = Dv / 4;
+  const int64_t Dv = head_dim, G = runtime_32, groups = Dv / G, code_row = Dv / 4;
   uint8_t* codes = static_cast<uint8_t*>(aligned_alloc(64, tokens * code_row));
   uint16_t* scales = static_cast<uint16_t*>(aligned_alloc(64, tokens * groups * 2));
   uint16_t* zeros = static_cast<uint16_t*>(aligned_alloc(64, tokens * groups * 2));
@@ -166,8 +167,9 @@ void value_blocks(int64_t tokens, int reps) {
                            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
                              "xmm11")
 
-int main() {
+int main(int argc, char** argv) {
   using namespace kivi::cpu::decode;
+  if (argc > 1) head_dim = std::atol(argv[1]);  // a multiple of 32, at most kMaxDim
   constexpr long kAdds = 200000000, kRounds = 20000000;
   uint64_t x = 1, t0 = __rdtsc();
   for (long i = 0; i < kAdds / 4; ++i) __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
