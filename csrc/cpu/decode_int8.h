@@ -123,12 +123,19 @@ template <int NR, typename Meta8>
 inline void key_block_factors(const float* const* q, Meta8 meta8, int64_t D, KeyBlockFactors* f) {
   static_assert(kBlockGroups == 8, "a block's groups are the 8 lanes of one __m256");
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 m[NR][2], bias[NR][2];  // two chains per row: the max and the FMA wait on their previous channel
+  // Chains per row: with AVX-512's 32 registers two (the max and the FMA wait on their previous channel); AVX2's 16
+  // hold one, beside the scales and zeros converted in the loop (two spilled).
+#if defined(KIVI_SIMD_AVX512)
+  constexpr int C = 2;
+#else
+  constexpr int C = 1;
+#endif
+  __m256 m[NR][2], bias[NR][2];
   alignas(32) float qs[NR][kMaxDim][kBlockGroups];  // q * s, kept for the rounding below (a load, not two and a mul)
   for (int r = 0; r < NR; ++r) m[r][0] = m[r][1] = bias[r][0] = bias[r][1] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 2) {  // D % 4 == 0
+  for (int64_t d = 0; d < D; d += C) {  // D % 4 == 0
 #pragma GCC unroll 2
-    for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < C; ++c) {
       const __m256 s = meta8(0, d + c), z = meta8(1, d + c);
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
