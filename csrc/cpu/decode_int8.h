@@ -280,9 +280,9 @@ inline int64_t factor_quad(int64_t q, int64_t g, int64_t groups) { return (q * g
 
 // Block factors of NR rows and `groups` value groups, TB tokens, the metadata by group (block_meta): for row r and
 // group g, w[0, TB) = p_r * s_g -> wi[r] (factor_quad) = round(w * 255 / max w), b[r][g] = max w / 255, and
-// zsum[r][g] += p_r * z_g (lane-wise). False when a weight is not finite. Eight (row, group) pairs at a time share one reduction of their
-// maxes and two vector divisions (one max reduction and two scalar divisions per pair took a quarter of the factors'
-// time).
+// zsum[r][g] += p_r * z_g (lane-wise). False when a weight is not finite. Eight (row, group) pairs at a time share one
+// reduction of their maxes and two vector divisions (one max reduction and two scalar divisions per pair took a
+// quarter of the factors' time).
 template <int64_t TB, int NR>
 inline bool value_block_factors(const float* const* p, const float (*scale)[TB], const float (*zero)[TB],
                                 int64_t groups, uint8_t (*wi)[kValueFactorBytes], float (*b)[kMaxValueGroups],
