@@ -1,10 +1,9 @@
 // Core cycles of the integer loops of the fused decode attention (csrc/cpu/decode_int8.h), warm (the codes in L1/L2),
 // against the floor their multiply instructions set: how far the arithmetic itself is from the machine's limit.
 // Built and run by bench_int8_loops.py, once per ISA the CPU has (-DLOOPS_AVX512_VNNI, -DLOOPS_AVX512 or neither:
-// AVX2). The default cache at SmolLM2-135M's shapes (head_dim 64, or the first argument: 128 for Llama-3.2-3B's): 3 query
-// rows per kv head, 2-bit codes, key groups
-// and value blocks of 32 tokens, float16 scales and zeros. Numbers are core cycles: TSC ticks times the core's cycles
-// per tick, measured with a dependent add chain.
+// AVX2). The default cache at SmolLM2-135M's shapes (head_dim 64, or the first argument: 128 for Llama-3.2-3B's):
+// 3 query rows per kv head, 2-bit codes, key groups and value blocks of 32 tokens, float16 scales and zeros. Numbers
+// are core cycles: TSC ticks times the core's cycles per tick, measured with a dependent add chain.
 #include <immintrin.h>
 #include <x86intrin.h>
 
@@ -87,7 +86,10 @@ void key_groups(int64_t groups, int reps, bool paged_meta) {
       }
       const uint64_t t1 = __rdtsc();
       if (paged_meta) {
-        key_block_factors<kRows>(rows, [&](int a, int64_t d) { return _mm256_load_ps((a == 0 ? scale : zero) + d * kBlockGroups); }, D, &f);
+        const auto copied = [&](int a, int64_t d) {
+          return _mm256_load_ps((a == 0 ? scale : zero) + d * kBlockGroups);
+        };
+        key_block_factors<kRows>(rows, copied, D, &f);
       } else {  // contiguous storage: read in place
         key_factors_in_place<kRows>(rows, K, gb, D, &f);
       }
@@ -105,7 +107,8 @@ void key_groups(int64_t groups, int reps, bool paged_meta) {
   // One multiply instruction (vpdpbusd, or vpmaddubsw without VNNI) per query row, channel quad and code plane.
   std::printf("key group, %ld groups%s: metadata %.0f, factors %.0f, products %.0f cycles (%ld multiply instructions)"
               "  [checksum %g]\n",
-              long(groups), paged_meta ? " (metadata copied, as for pages)" : "", ticks[0] * per_group, ticks[1] * per_group, ticks[2] * per_group, long(kRows * D / 4 * 4),
+              long(groups), paged_meta ? " (metadata copied, as for pages)" : "", ticks[0] * per_group,
+              ticks[1] * per_group, ticks[2] * per_group, long(kRows * D / 4 * 4),
               double(scores[17]));
   free(codes);
   free(scales);
