@@ -53,9 +53,10 @@ float random_unit() { return float(rand() % 20001 - 10000) * 1e-4f; }
 
 uint16_t half(float x) { return _cvtss_sh(x, 0); }
 
-// Cycles per key group of kRows query rows over `groups` groups of random codes, in the kernel's three steps
-// (int8_packed_scores): the block's scales and zeros loaded channel-major, the int8 query factors, the products.
-void key_groups(int64_t groups, int reps, bool paged_meta) {
+// Cycles per key group of kRows query rows over `groups` groups of random codes, in the kernel's two steps
+// (int8_packed_scores, contiguous storage): the int8 query factors (reading the scales and zeros in place), the
+// products.
+void key_groups(int64_t groups, int reps) {
   const int64_t D = head_dim, G = runtime_32;
   Packed K{};
   K.group = G, K.bits = 2, K.meta = kF16, K.count = groups * G;
@@ -74,25 +75,12 @@ void key_groups(int64_t groups, int reps, bool paged_meta) {
     for (int64_t d = 0; d < D; ++d) q[r][d] = random_unit();
     rows[r] = q[r];
   }
-  alignas(32) float scale[kMaxDim * kBlockGroups], zero[kMaxDim * kBlockGroups];
   KeyBlockFactors f;
-  uint64_t ticks[3] = {};
+  uint64_t ticks[2] = {};
   for (int rep = 0; rep <= reps; ++rep) {  // rep 0 warms up
     for (int64_t gb = 0; gb < groups; gb += kBlockGroups) {
-      const uint64_t t0 = __rdtsc();
-      if (paged_meta) {  // what the kernel does for pages: the metadata copied channel-major, then the factors
-        load_key_meta_by_channel(K, K.scales, 0, gb, kBlockGroups, D, scale);
-        load_key_meta_by_channel(K, K.zeros, 0, gb, kBlockGroups, D, zero);
-      }
       const uint64_t t1 = __rdtsc();
-      if (paged_meta) {
-        const auto copied = [&](int a, int64_t d) {
-          return _mm256_load_ps((a == 0 ? scale : zero) + d * kBlockGroups);
-        };
-        key_block_factors<kRows>(rows, copied, D, &f);
-      } else {  // contiguous storage: read in place
-        key_factors_in_place<kRows>(rows, K, gb, D, &f);
-      }
+      key_factors_in_place<kRows>(rows, K, gb, D, &f);
       const uint64_t t2 = __rdtsc();
       for (int64_t i = 0; i < kBlockGroups; ++i) {
         float* out[kRows];
@@ -100,15 +88,14 @@ void key_groups(int64_t groups, int reps, bool paged_meta) {
         int8_key_group<2, kRows>(f, i, codes + (gb + i) * G / 4, K.code_row, D, G, out);
       }
       const uint64_t t3 = __rdtsc();
-      if (rep > 0) ticks[0] += t1 - t0, ticks[1] += t2 - t1, ticks[2] += t3 - t2;
+      if (rep > 0) ticks[0] += t2 - t1, ticks[1] += t3 - t2;
     }
   }
   const double per_group = cycles_per_tick / double(groups * reps);
   // One multiply instruction (vpdpbusd, or vpmaddubsw without VNNI) per query row, channel quad and code plane.
-  std::printf("key group, %ld groups%s: metadata %.0f, factors %.0f, products %.0f cycles (%ld multiply instructions)"
+  std::printf("key group, %ld groups: factors %.0f, products %.0f cycles (%ld multiply instructions)"
               "  [checksum %g]\n",
-              long(groups), paged_meta ? " (metadata copied, as for pages)" : "", ticks[0] * per_group,
-              ticks[1] * per_group, ticks[2] * per_group, long(kRows * D / 4 * 4),
+              long(groups), ticks[0] * per_group, ticks[1] * per_group, long(kRows * D / 4 * 4),
               double(scores[17]));
   free(codes);
   free(scales);
@@ -188,9 +175,8 @@ int main(int argc, char** argv) {
 #endif
   std::printf("%s ymm: %.2f cycles per instruction (independent)\n", name,
               double(__rdtsc() - t0) * cycles_per_tick / double(12 * kRounds));
-  key_groups(64, 3000, false);
-  key_groups(256, 800, false);
-  key_groups(256, 800, true);
+  key_groups(64, 3000);
+  key_groups(256, 800);
   value_blocks(256, 3000);
   value_blocks(4032, 200);
   return 0;

@@ -413,86 +413,13 @@ inline bool value_factors_in_order(const float* const* p, Meta8 meta8, uint8_t (
   return _mm256_testz_si256(bad, bad);
 }
 
-// out[g][0, TB) for four groups (head_dim 128 at G = 32), from row8(i) = elements [i, i + 8) of a block's
-// [token][group] metadata: 8 tokens x 4 groups a step, token i paired with i + 4 in the 128-bit halves, then a 4 x 4
-// transpose per half.
-template <int64_t TB, typename Row8>
-inline void meta_by_four_groups(Row8 row8, float (*out)[TB]) {
-  for (int64_t t = 0; t < TB; t += 8) {
-    const __m256 r0 = row8(4 * t), r1 = row8(4 * t + 8), r2 = row8(4 * t + 16), r3 = row8(4 * t + 24);
-    const __m256 y0 = _mm256_permute2f128_ps(r0, r2, 0x20), y1 = _mm256_permute2f128_ps(r0, r2, 0x31);
-    const __m256 y2 = _mm256_permute2f128_ps(r1, r3, 0x20), y3 = _mm256_permute2f128_ps(r1, r3, 0x31);
-    const __m256 t0 = _mm256_unpacklo_ps(y0, y1), t1 = _mm256_unpackhi_ps(y0, y1);
-    const __m256 t2 = _mm256_unpacklo_ps(y2, y3), t3 = _mm256_unpackhi_ps(y2, y3);
-    _mm256_storeu_ps(out[0] + t, _mm256_shuffle_ps(t0, t2, 0x44));
-    _mm256_storeu_ps(out[1] + t, _mm256_shuffle_ps(t0, t2, 0xEE));
-    _mm256_storeu_ps(out[2] + t, _mm256_shuffle_ps(t1, t3, 0x44));
-    _mm256_storeu_ps(out[3] + t, _mm256_shuffle_ps(t1, t3, 0xEE));
-  }
-}
-
-// out[g][0, TB) for one or two groups, from row8(i) = elements [i, i + 8) of a block's [token][group] metadata.
-template <int64_t TB, typename Row8>
-inline void meta_by_group(int64_t groups, Row8 row8, float (*out)[TB]) {
-  if (groups == 1) {
-    for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[0] + t, row8(t));
-    return;
-  }
-  for (int64_t t = 0; t < TB; t += 8) {  // head_dim 64 at G = 32: deinterleave 8 tokens' pairs (a gather is ~4x dearer)
-    const __m256 a = row8(2 * t), b = row8(2 * t + 8);
-    // shuffle_ps keeps tokens 0 1 4 5 | 2 3 6 7 per 128-bit lane; the 64-bit permute puts them in order
-    const __m256 even = _mm256_shuffle_ps(a, b, 0x88), odd = _mm256_shuffle_ps(a, b, 0xDD);
-    _mm256_storeu_ps(out[0] + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
-    _mm256_storeu_ps(out[1] + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
-  }
-}
-
-// meta_by_group straight from the storage of a whole block, DT converted to fp32 as it is loaded.
-template <int64_t TB, Dtype DT>
-inline void block_meta_in_place(const void* base, int64_t offset, int64_t groups, float (*out)[TB]) {
-  meta_by_group<TB>(groups, [&](int64_t i) { return load_dtype<Vec256>(base, DT, offset + i); }, out);
-}
-
-template <int64_t TB, Dtype DT>
-inline void four_groups_in_place(const void* base, int64_t offset, float (*out)[TB]) {
-  meta_by_four_groups<TB>([&](int64_t i) { return load_dtype<Vec256>(base, DT, offset + i); }, out);
-}
-// block_meta (below) of four groups. Not inlined: inlined, it made the one- and two-group blocks of the same loop
-// measurably slower (docs/measurements.md), and a call per block is small beside the block's products.
-template <int64_t TB>
-__attribute__((noinline)) void four_group_block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n,
-                                                     float* buffer, float (*out)[TB]) {
-  if (n == TB) {
-    switch (dtype) {
-      case kF32: return four_groups_in_place<TB, kF32>(base, offset, out);
-      case kF16: return four_groups_in_place<TB, kF16>(base, offset, out);
-      default: return four_groups_in_place<TB, kBF16>(base, offset, out);
-    }
-  }
-  load_row(base, dtype, offset, n * 4, buffer);  // [token][group]
-  for (int64_t i = n * 4; i < TB * 4; ++i) buffer[i] = 0.0f;
-  meta_by_four_groups<TB>([&](int64_t i) { return _mm256_loadu_ps(buffer + i); }, out);
-}
-
-// Metadata of a block's tokens by group: out[g][0, TB) = meta of tokens [t, t + n) in group g (fp32, zeros past n).
-// A whole block of one or two groups is read in place, converted as it is loaded; four groups are transposed in
-// registers (four_group_block_meta); the others go through `buffer`, zero-padded. (Reading in place avoids a
-// store-to-load round trip: load_row stores 16 floats at a time with AVX-512, which the 8-float loads then read back,
-// a measurable share of a warm value block.)
+// Metadata of a block's tokens by group: out[g][0, TB) = meta of tokens [t, t + n) in group g (fp32, zeros past n),
+// through `buffer`, zero-padded. Only for group counts value_factors_in_order does not take (3, 5-7, 9 or more).
 template <int64_t TB>
 inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n, int64_t groups, float* buffer,
                        float (*out)[TB]) {
-  if (groups == 4) return four_group_block_meta<TB>(base, dtype, offset, n, buffer, out);
-  if (n == TB && groups <= 2) {
-    switch (dtype) {  // the dtype a constant in the loop
-      case kF32: return block_meta_in_place<TB, kF32>(base, offset, groups, out);
-      case kF16: return block_meta_in_place<TB, kF16>(base, offset, groups, out);
-      default: return block_meta_in_place<TB, kBF16>(base, offset, groups, out);
-    }
-  }
   load_row(base, dtype, offset, n * groups, buffer);  // [token][group]
   for (int64_t i = n * groups; i < TB * groups; ++i) buffer[i] = 0.0f;
-  if (groups <= 2) return meta_by_group<TB>(groups, [&](int64_t i) { return _mm256_loadu_ps(buffer + i); }, out);
   const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)groups));
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[g] + t, _mm256_i32gather_ps(buffer + t * groups + g, index, 4));

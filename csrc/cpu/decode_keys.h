@@ -139,35 +139,22 @@ inline void load_key_meta_rows(const void* base, int64_t offset, int64_t row, in
 }
 inline void load_key_meta(const void* base, Dtype dtype, int64_t offset, int64_t row, int64_t D, int64_t count,
                           float* out) {
-  switch (dtype) {
-    case kF32: load_key_meta_rows<kF32>(base, offset, row, D, count, out); break;
-    case kF16: load_key_meta_rows<kF16>(base, offset, row, D, count, out); break;
-    default: load_key_meta_rows<kBF16>(base, offset, row, D, count, out); break;
-  }
+  with_dtype(dtype, [&](auto set) {
+    load_key_meta_rows<decltype(set)::kDtype>(base, offset, row, D, count, out);
+  });
 }
 
 #if defined(KIVI_DA_INTEGER)
 // Key metadata of groups [gb, gb + block) (block <= kBlockGroups) channel-major in fp32, what key_block_factors
-// reads: out[d * kBlockGroups + i] = channel d of group gb + i, zeros for i >= block. Contiguous storage keeps a
-// channel's groups side by side (one vector load per channel); a page holds its groups' D channels one group after
-// another (each group's row loaded, then transposed in 8 x 8 blocks).
-template <Dtype DT>
-inline void load_key_meta_channels(const void* base, int64_t offset, int64_t row, int64_t D, float* out) {
-  for (int64_t d = 0; d < D; ++d)
-    _mm256_store_ps(out + d * kBlockGroups, load_dtype<Vec256>(base, DT, offset + d * row));
-}
+// reads: out[d * kBlockGroups + i] = channel d of group gb + i, zeros for i >= block. For the blocks the factors do
+// not read in place (key_factors_in_place): a ragged last block of contiguous storage (a channel's groups side by
+// side), and pages (a page holds its groups' D channels one group after another: each group's row loaded, then
+// transposed in 8 x 8 blocks).
 inline void load_key_meta_by_channel(const Packed& K, const void* base, int64_t bh, int64_t gb, int64_t block,
                                      int64_t D, float* out) {
   constexpr int64_t W = kBlockGroups;
   if (K.pages == nullptr) {
     const int64_t offset = bh * K.meta_head + gb;
-    if (block == W) {  // the dtype switch outside the loop
-      switch (K.meta) {
-        case kF32: return load_key_meta_channels<kF32>(base, offset, K.meta_row, D, out);
-        case kF16: return load_key_meta_channels<kF16>(base, offset, K.meta_row, D, out);
-        default: return load_key_meta_channels<kBF16>(base, offset, K.meta_row, D, out);
-      }
-    }
     for (int64_t d = 0; d < D; ++d)  // the last block of a range: only its groups are read
       for (int64_t i = 0; i < W; ++i)
         out[d * W + i] = i < block ? load_scalar(base, K.meta, offset + d * K.meta_row + i) : 0.0f;
@@ -220,6 +207,7 @@ void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, co
     // A whole block of contiguous storage is read in place by the factors (a channel's 8 groups are one vector,
     // converted as it is loaded); pages and the last block of a range are copied channel-major first.
     const bool in_place = K.pages == nullptr && block == kBlockGroups;
+    const int64_t meta0 = bh * K.meta_head + gb;  // (contiguous) channel d's groups from meta0 + d * meta_row
     if (!in_place) {
       PhaseTimer timer(kPhaseKeyMeta);
       load_key_meta_by_channel(K, K.scales, bh, gb, block, D, scale);
@@ -234,8 +222,7 @@ void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, co
         {
           PhaseTimer timer(kPhaseKeyFactors);
           if (in_place) {
-            const int64_t offset = bh * K.meta_head + gb;
-            key_factors_in_place<NR>(qr, K, offset, D, &f);
+            key_factors_in_place<NR>(qr, K, meta0, D, &f);
           } else {
             const auto copied = [&](int array, int64_t d) {
               return _mm256_load_ps((array == 0 ? scale : zero) + d * kBlockGroups);
@@ -256,7 +243,7 @@ void int8_packed_scores(const Problem& P, int64_t bh, int64_t g0, int64_t g1, co
           float qs[NR][kMaxDim], bias[NR];  // a non-finite q * s: the fp32 products, as the dense product would meet it
           for (int j = 0; j < NR; ++j) {
             for (int64_t d = 0; d < D; ++d) {
-              const float s = in_place ? load_scalar(K.scales, K.meta, bh * K.meta_head + d * K.meta_row + gb + i)
+              const float s = in_place ? load_scalar(K.scales, K.meta, meta0 + d * K.meta_row + i)
                                        : scale[d * kBlockGroups + i];
               qs[j][d] = qr[j][d] * s;
             }
