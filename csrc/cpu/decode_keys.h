@@ -148,8 +148,8 @@ inline void load_key_meta(const void* base, Dtype dtype, int64_t offset, int64_t
 // Key metadata of groups [gb, gb + block) (block <= kBlockGroups) channel-major in fp32, what key_block_factors
 // reads: out[d * kBlockGroups + i] = channel d of group gb + i, zeros for i >= block. For the blocks the factors do
 // not read in place (key_factors_in_place): a ragged last block of contiguous storage (a channel's groups side by
-// side), and pages (a page holds its groups' D channels one group after another: each group's row loaded, then
-// transposed in 8 x 8 blocks).
+// side), and pages (a page holds its groups' D channels one group after another: 8 channels of each group converted
+// as they load and transposed 8 x 8 in registers, without a buffer of the whole rows).
 inline void load_key_meta_by_channel(const Packed& K, const void* base, int64_t bh, int64_t gb, int64_t block,
                                      int64_t D, float* out) {
   constexpr int64_t W = kBlockGroups;
@@ -160,22 +160,22 @@ inline void load_key_meta_by_channel(const Packed& K, const void* base, int64_t 
         out[d * W + i] = i < block ? load_scalar(base, K.meta, offset + d * K.meta_row + i) : 0.0f;
     return;
   }
-  alignas(32) float rows[W][kMaxDim];
-  for (int64_t i = 0; i < W; ++i) {
-    if (i < block)
-      load_row(base, K.meta, K.page_key_meta(gb + i, bh, D), D, rows[i]);
-    else
-      for (int64_t d = 0; d < D; ++d) rows[i][d] = 0.0f;
-  }
-  int64_t d0 = 0;
-  for (; d0 + 8 <= D; d0 += 8) {
-    __m256 r[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(rows[i] + d0);
-    transpose8x8(r);
-    for (int k = 0; k < 8; ++k) _mm256_store_ps(out + (d0 + k) * W, r[k]);
-  }
-  for (; d0 < D; ++d0)
-    for (int64_t i = 0; i < W; ++i) out[d0 * W + i] = rows[i][d0];
+  int64_t row[W];  // group gb + i's channel 0 (an absent group reads group gb's row, zeroed below)
+  for (int64_t i = 0; i < W; ++i) row[i] = K.page_key_meta(gb + (i < block ? i : 0), bh, D);
+  const __m256 present = _mm256_castsi256_ps(
+      _mm256_cmpgt_epi32(_mm256_set1_epi32((int)block), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  with_dtype(K.meta, [&](auto set) {
+    constexpr Dtype DT = decltype(set)::kDtype;
+    int64_t d0 = 0;
+    for (; d0 + 8 <= D; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = load_dtype<Vec256>(base, DT, row[i] + d0);
+      transpose8x8(r);
+      for (int k = 0; k < 8; ++k) _mm256_store_ps(out + (d0 + k) * W, _mm256_and_ps(r[k], present));
+    }
+    for (; d0 < D; ++d0)
+      for (int64_t i = 0; i < W; ++i) out[d0 * W + i] = i < block ? load_scalar(base, DT, row[i] + d0) : 0.0f;
+  });
 }
 
 // key_block_factors of a whole block of contiguous storage, read in place from element `offset` (channel d's groups
