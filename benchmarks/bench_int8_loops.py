@@ -1,9 +1,9 @@
 """Core cycles of the fused decode attention's integer loops, warm, against the count of their multiply instructions:
 how far the arithmetic of csrc/cpu/decode_int8.h is from the machine's limit, apart from memory. Compiles
-benchmarks/int8_loop_cycles.cpp (the kernel headers as they are in this tree; no torch) once per ISA this CPU has
-and runs it on one core: a key group (int8 query factors, which read the metadata in place, and products) and a
-value block of 32 tokens for SmolLM2-135M's shapes (3 query rows per kv head, head_dim 64, 2-bit codes, float16
-scales and zeros), or with --head-dim 128 Llama-3.2-3B's.
+benchmarks/int8_loop_cycles.cpp (the kernel headers of this tree and loop_harness.h; no torch) once per ISA
+this CPU has and runs it on one core: a key group (int8 query factors, which read the metadata in place, and
+products) and a value block of 32 tokens for SmolLM2-135M's shapes (3 query rows per kv head, head_dim 64,
+2-bit codes, float16 scales and zeros), or with --head-dim 128 Llama-3.2-3B's.
 
 With --lut it also runs benchmarks/lut_key_cycles.cpp (issue 70's lookup-table prototype for the keys, which needs
 GFNI) on the avx512_vnni and avx2 builds: the integer key loop, lookup tables with and without GFNI, exact tables,

@@ -14,16 +14,7 @@
 
 #include "decode_attention.h"
 
-namespace kivi::cpu::decode {  // what decode_tasks.cpp defines for the kernel header: phase timers (off here), scratch
-bool phase_timing = false;
-uint64_t phase_ticks[kPhaseCount] = {};
-thread_local uint64_t thread_phase_ticks[kPhaseCount] = {};
-float* task_scores(const Problem& p, int64_t p0) {  // (for the chunk entry, which this benchmark does not run)
-  thread_local std::vector<float> scratch;
-  scratch.resize(p.rows * p.score_row);
-  return scratch.data() - p0;  // (not aligned as decode_tasks.cpp aligns it)
-}
-}  // namespace kivi::cpu::decode
+#include "loop_harness.h"
 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC push_options
@@ -160,19 +151,10 @@ void value_blocks(int64_t tokens, int reps) {
 int main(int argc, char** argv) {
   using namespace kivi::cpu::decode;
   if (argc > 1) head_dim = std::atol(argv[1]);  // a multiple of 32, at most kMaxDim
-  constexpr long kAdds = 200000000, kRounds = 20000000;
-  // The best of 10 short chains: a chain that another process interrupts reads low (more ticks for its cycles), and
-  // would scale every figure of the run down.
-  uint64_t x = 1, t0 = 0;
-  cycles_per_tick = 0.0;
-  for (int round = 0; round < 10; ++round) {
-    t0 = __rdtsc();
-    for (long i = 0; i < kAdds / 40; ++i) __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
-    const double rate = double(kAdds / 10) / double(__rdtsc() - t0);
-    cycles_per_tick = rate > cycles_per_tick ? rate : cycles_per_tick;
-  }
+  constexpr long kRounds = 20000000;
+  cycles_per_tick = core_cycles_per_tick();
   std::printf("core cycles per TSC tick: %.3f\n", cycles_per_tick);
-  t0 = __rdtsc();
+  const uint64_t t0 = __rdtsc();
 #if defined(LOOPS_AVX512_VNNI)
   for (long i = 0; i < kRounds; ++i) TWELVE("vpdpbusd");
   const char* name = "vpdpbusd";

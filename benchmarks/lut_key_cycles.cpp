@@ -30,16 +30,7 @@
 
 #include "decode_attention.h"
 
-namespace kivi::cpu::decode {  // what decode_tasks.cpp defines for the kernel header: phase timers (off here), scratch
-bool phase_timing = false;
-uint64_t phase_ticks[kPhaseCount] = {};
-thread_local uint64_t thread_phase_ticks[kPhaseCount] = {};
-float* task_scores(const Problem& p, int64_t p0) {  // (for the chunk entry, which this benchmark does not run)
-  thread_local std::vector<float> scratch;
-  scratch.resize(p.rows * p.score_row);
-  return scratch.data() - p0;
-}
-}  // namespace kivi::cpu::decode
+#include "loop_harness.h"
 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // The kernel's code under the kernel's target (no gfni: the baseline compiles as it ships)
@@ -430,17 +421,7 @@ int main(int argc, char** argv) {
     std::printf("tile_indices: wrong bits\n");
     return 1;
   }
-  constexpr long kAdds = 200000000;
-  // The best of 10 short chains: a chain that another process interrupts reads low (more ticks for its cycles), and
-  // would scale every figure of the run down.
-  uint64_t x = 1, t0 = 0;
-  cycles_per_tick = 0.0;
-  for (int round = 0; round < 10; ++round) {
-    t0 = __rdtsc();
-    for (long i = 0; i < kAdds / 40; ++i) __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
-    const double rate = double(kAdds / 10) / double(__rdtsc() - t0);
-    cycles_per_tick = rate > cycles_per_tick ? rate : cycles_per_tick;
-  }
+  cycles_per_tick = core_cycles_per_tick();
 #if defined(LOOPS_AVX512_VNNI)
   const char* isa = "avx512_vnni";
 #else
