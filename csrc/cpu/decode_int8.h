@@ -418,8 +418,7 @@ inline bool value_factors_in_order(const float* const* p, Meta8 meta8, uint8_t (
 template <int64_t TB>
 inline void block_meta(const void* base, Dtype dtype, int64_t offset, int64_t n, int64_t groups, float* buffer,
                        float (*out)[TB]) {
-  load_row(base, dtype, offset, n * groups, buffer);  // [token][group]
-  for (int64_t i = n * groups; i < TB * groups; ++i) buffer[i] = 0.0f;
+  load_row_padded(base, dtype, offset, n * groups, TB * groups, buffer);  // [token][group]
   const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)groups));
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t t = 0; t < TB; t += 8) _mm256_storeu_ps(out[g] + t, _mm256_i32gather_ps(buffer + t * groups + g, index, 4));
@@ -440,10 +439,8 @@ inline bool in_order_factors(const Packed& V, int64_t meta, int64_t n, const flo
       return value_factors_in_order<TB, NR, GROUPS>(p, meta8, wi, b, zsum);
     });
   }
-  for (int array = 0; array < 2; ++array) {
-    load_row(base[array], V.meta, meta, n * GROUPS, buffer[array]);
-    for (int64_t i = n * GROUPS; i < TB * GROUPS; ++i) buffer[array][i] = 0.0f;
-  }
+  for (int array = 0; array < 2; ++array)
+    load_row_padded(base[array], V.meta, meta, n * GROUPS, TB * GROUPS, buffer[array]);
   const auto copied = [&](int array, int v) { return _mm256_loadu_ps(buffer[array] + 8 * v); };
   return value_factors_in_order<TB, NR, GROUPS>(p, copied, wi, b, zsum);
 }

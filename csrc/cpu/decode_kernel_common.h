@@ -28,6 +28,12 @@ inline void load_row(const void* base, Dtype dtype, int64_t offset, int64_t coun
   for (; i < count; ++i) out[i] = load_scalar(base, dtype, offset + i);
 }
 
+// out[0, count) = row converted to fp32, zeros in out[count, padded): a ragged block read as a whole one.
+inline void load_row_padded(const void* base, Dtype dtype, int64_t offset, int64_t count, int64_t padded, float* out) {
+  load_row(base, dtype, offset, count, out);
+  for (int64_t i = count; i < padded; ++i) out[i] = 0.0f;
+}
+
 inline float dot(const float* a, const float* b, int64_t count) {
   vf acc = FV::set1(0.0f), acc1 = FV::set1(0.0f);  // two chains: a head_dim of 64 is only 4-8 vectors
   int64_t i = 0;
